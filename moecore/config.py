@@ -1,0 +1,633 @@
+"""Typed, nested run configuration: one small dataclass per section, YAML recipes, dotted overrides.
+
+A run is described by `Config`, whose sections are `model`, `moe`, `parallel`, `optim`, `data`,
+`train`, `checkpoint` and `log`. A recipe is a YAML file holding any subset of these sections;
+overrides on the command line look like `section.field=value` (lists as `data.paths=[a,b]`).
+
+Every section has a `validate()` that raises `ConfigError` (a `ValueError`) with one line naming the
+field, the bad value and what is allowed; `Config.validate()` adds the checks that span sections
+(for example `moe.router_topk` <= `moe.num_experts`). Nothing here touches torch or the filesystem
+beyond reading YAML, so validation runs before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+RECIPE_DIR = Path(__file__).parent / "recipes"
+DEFAULT_RECIPE = "tiny-moe"
+
+
+class ConfigError(ValueError):
+    """Invalid user input. The message is one line meant to be shown as is (CLI exit code 2)."""
+
+
+def _fail(name: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"{name}={value!r} is invalid: {allowed}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        _fail(name, value, "allowed: " + " | ".join(str(c) for c in choices))
+
+
+def _check_range(name: str, value: float | int | None, lo: float | None = None, hi: float | None = None) -> None:
+    if value is None:
+        return
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        lo_s = "-inf" if lo is None else str(lo)
+        hi_s = "inf" if hi is None else str(hi)
+        _fail(name, value, f"must be in [{lo_s}, {hi_s}]")
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the transformer. Field names follow Hugging Face configs where one exists."""
+
+    family: str = "moecore"  # moecore | mixtral | qwen2_moe | qwen3_moe | deepseek_v2 | deepseek_v3 | qwen3_next
+    vocab_size: int = 0  # 0: take the tokenizer's vocabulary size
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_attention_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    ffn_hidden_size: int = 352  # dense SwiGLU MLP width (dense layers)
+    activation: str = "swiglu"  # swiglu | gelu (dense MLP and experts)
+    norm_eps: float = 1e-6
+    norm_zero_centered: bool = False  # RMSNorm weight stored as an offset from 1 (Qwen3-Next)
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # e.g. {type: yarn, factor: 40, original_max_position_embeddings: 4096, ...}
+    partial_rotary_factor: float = 1.0
+    qkv_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    attn_output_gate: bool = False  # sigmoid gate on the attention output from q_proj (Qwen3-Next)
+    sliding_window: int | None = None
+    attention_dropout: float = 0.0
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    attention_backend: str = "auto"  # auto | flash | cudnn | efficient | math
+    # Multi-latent attention (DeepSeek-V2/V3). attention_type=mla switches attention to MLA.
+    attention_type: str = "gqa"  # gqa | mla
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_interleave: bool = True  # MLA checkpoints store rope dims interleaved
+    # Hybrid linear attention (Qwen3-Next): one entry per layer, full_attention | linear_attention.
+    layer_types: list | None = None
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 32
+    linear_value_head_dim: int = 32
+    linear_conv_kernel_dim: int = 4
+    linear_chunk_size: int = 64
+    # Multi-token prediction (DeepSeek-V3).
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
+    # Recomputation: names of modules whose activations are recomputed in backward.
+    recompute_modules: list = field(default_factory=list)
+    recompute_granularity: str = "none"  # none | selective | full
+    fused_cross_entropy: bool = True  # chunked linear + cross-entropy, never materialising all logits
+
+    RECOMPUTE_CHOICES = ("core_attn", "mla_up_proj", "moe", "mlp", "moe_act", "norm", "shared_experts")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_attention_heads
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def validate(self) -> None:
+        _check_choice(
+            "model.family",
+            self.family,
+            ("moecore", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "qwen3_next"),
+        )
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size"):
+            _check_range(f"model.{name}", getattr(self, name), 1)
+        _check_range("model.vocab_size", self.vocab_size, 0)
+        _check_range("model.num_kv_heads", self.num_kv_heads, 1)
+        if self.num_attention_heads % self.kv_heads:
+            _fail("model.num_kv_heads", self.num_kv_heads, f"must divide model.num_attention_heads={self.num_attention_heads}")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            _fail("model.num_attention_heads", self.num_attention_heads, f"must divide model.hidden_size={self.hidden_size} (or set model.head_dim)")
+        _check_choice("model.activation", self.activation, ("swiglu", "gelu"))
+        _check_choice("model.attention_type", self.attention_type, ("gqa", "mla"))
+        _check_choice("model.attention_backend", self.attention_backend, ("auto", "flash", "cudnn", "efficient", "math"))
+        _check_range("model.partial_rotary_factor", self.partial_rotary_factor, 0.0, 1.0)
+        _check_range("model.norm_eps", self.norm_eps, 0.0)
+        _check_range("model.init_std", self.init_std, 0.0)
+        _check_range("model.mtp_num_layers", self.mtp_num_layers, 0)
+        _check_range("model.mtp_loss_scaling_factor", self.mtp_loss_scaling_factor, 0.0)
+        _check_range("model.attention_dropout", self.attention_dropout, 0.0, 1.0)
+        if self.sliding_window is not None:
+            _check_range("model.sliding_window", self.sliding_window, 1)
+        if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, dict) or "type" not in self.rope_scaling:
+                _fail("model.rope_scaling", self.rope_scaling, "a mapping with a 'type' key (yarn | linear | default)")
+            _check_choice("model.rope_scaling.type", self.rope_scaling["type"], ("yarn", "linear", "default"))
+        for m in self.recompute_modules:
+            _check_choice("model.recompute_modules", m, self.RECOMPUTE_CHOICES)
+        _check_choice("model.recompute_granularity", self.recompute_granularity, ("none", "selective", "full"))
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                _fail("model.layer_types", self.layer_types, f"needs one entry per layer (model.num_layers={self.num_layers})")
+            for t in self.layer_types:
+                _check_choice("model.layer_types", t, ("full_attention", "linear_attention"))
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-Experts options; names are Megatron-Core's `--moe-*` flags in snake_case."""
+
+    num_experts: int = 8  # 0: no MoE layers (dense model)
+    router_topk: int = 2
+    router_score_function: str = "softmax"  # softmax | sigmoid
+    router_pre_softmax: bool = False  # softmax over all experts before top-k (else softmax over the top-k)
+    norm_topk_prob: bool = True  # renormalise the top-k weights to sum to one
+    router_topk_scaling_factor: float | None = None  # multiply the routing weights (routed_scaling_factor)
+    router_num_groups: int | None = None  # group-limited routing: number of expert groups
+    router_group_topk: int | None = None  # groups a token may pick from
+    router_group_score: str = "max"  # max (DeepSeek-V2) | top2_sum (DeepSeek-V3)
+    router_enable_expert_bias: bool = False  # aux-loss-free balancing bias, used for selection only
+    router_bias_update_rate: float = 1e-3
+    router_dtype: str = "fp32"  # fp32 | fp64
+    input_jitter_eps: float | None = None
+    router_load_balancing_type: Any = "aux_loss"  # aux_loss | seq_aux_loss | global_aux_loss | none, or a list
+    aux_loss_coeff: Any = 1e-2  # one float, or a list with one coefficient per balancing type
+    z_loss_coeff: float | None = None
+    expert_capacity_factor: float | None = None  # None: dropless
+    token_drop_policy: str = "probs"  # probs | position
+    pad_expert_input_to_capacity: bool = False
+    ffn_hidden_size: int = 128  # per-expert FFN width
+    shared_expert_intermediate_size: int | None = None  # None/0: no shared expert
+    shared_expert_gate: bool = False  # sigmoid gate on the shared expert output (Qwen2-MoE)
+    layer_freq: Any = 1  # int N: every N-th layer is MoE; or a list of 0/1 per layer
+    first_k_dense_replace: int = 0  # the first k layers are dense (DeepSeek)
+    token_dispatcher_type: str = "alltoall"  # allgather | alltoall
+    grouped_gemm: bool = True  # torch's grouped GEMM where it runs; loop of GEMMs otherwise
+    permute_fusion: bool = True  # fused permute/unpermute kernels on GPU
+    router_fusion: bool = True
+    apply_probs_on_input: bool = False  # multiply routing probs inside the activation instead of at combine
+
+    BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+
+    @property
+    def balancing_types(self) -> list[str]:
+        t = self.router_load_balancing_type
+        return list(t) if isinstance(t, (list, tuple)) else [t]
+
+    @property
+    def aux_loss_coeffs(self) -> list[float]:
+        c = self.aux_loss_coeff
+        if isinstance(c, (list, tuple)):
+            return [float(x) for x in c]
+        return [float(c)] * len(self.balancing_types)
+
+    def is_moe_layer(self, layer_idx: int, num_layers: int) -> bool:
+        """Whether decoder layer `layer_idx` (0-based) holds an MoE block."""
+        if self.num_experts == 0 or layer_idx < self.first_k_dense_replace:
+            return False
+        if isinstance(self.layer_freq, (list, tuple)):
+            return bool(self.layer_freq[layer_idx])
+        return layer_idx % int(self.layer_freq) == 0
+
+    def validate(self, num_layers: int | None = None) -> None:
+        _check_range("moe.num_experts", self.num_experts, 0)
+        if self.num_experts == 0:
+            return
+        _check_range("moe.router_topk", self.router_topk, 1, self.num_experts)
+        _check_choice("moe.router_score_function", self.router_score_function, ("softmax", "sigmoid"))
+        _check_choice("moe.router_dtype", self.router_dtype, ("fp32", "fp64"))
+        _check_choice("moe.token_drop_policy", self.token_drop_policy, ("probs", "position"))
+        _check_choice("moe.token_dispatcher_type", self.token_dispatcher_type, ("allgather", "alltoall"))
+        _check_choice("moe.router_group_score", self.router_group_score, ("max", "top2_sum"))
+        _check_range("moe.ffn_hidden_size", self.ffn_hidden_size, 1)
+        _check_range("moe.router_bias_update_rate", self.router_bias_update_rate, 0.0)
+        _check_range("moe.first_k_dense_replace", self.first_k_dense_replace, 0)
+        if self.expert_capacity_factor is not None:
+            _check_range("moe.expert_capacity_factor", self.expert_capacity_factor, 0.0)
+            if self.expert_capacity_factor <= 0:
+                _fail("moe.expert_capacity_factor", self.expert_capacity_factor, "must be > 0 (or null for dropless)")
+        elif self.pad_expert_input_to_capacity:
+            _fail("moe.pad_expert_input_to_capacity", True, "needs moe.expert_capacity_factor to be set")
+        if self.input_jitter_eps is not None:
+            _check_range("moe.input_jitter_eps", self.input_jitter_eps, 0.0, 1.0)
+        if self.z_loss_coeff is not None:
+            _check_range("moe.z_loss_coeff", self.z_loss_coeff, 0.0)
+        for t in self.balancing_types:
+            _check_choice("moe.router_load_balancing_type", t, self.BALANCING_TYPES)
+        if len(self.aux_loss_coeffs) != len(self.balancing_types):
+            _fail("moe.aux_loss_coeff", self.aux_loss_coeff, f"needs one coefficient per balancing type ({len(self.balancing_types)})")
+        for c in self.aux_loss_coeffs:
+            _check_range("moe.aux_loss_coeff", c, 0.0)
+        if self.router_pre_softmax and self.router_score_function != "softmax":
+            _fail("moe.router_pre_softmax", True, "only applies with moe.router_score_function=softmax")
+        if (self.router_num_groups is None) != (self.router_group_topk is None):
+            _fail("moe.router_group_topk", self.router_group_topk, "set both moe.router_num_groups and moe.router_group_topk, or neither")
+        if self.router_num_groups is not None:
+            if self.router_num_groups < 1 or self.num_experts % self.router_num_groups:
+                _fail("moe.router_num_groups", self.router_num_groups, f"must divide moe.num_experts={self.num_experts}")
+            _check_range("moe.router_group_topk", self.router_group_topk, 1, self.router_num_groups)
+            per_group = self.num_experts // self.router_num_groups
+            if self.router_group_topk * per_group < self.router_topk:
+                _fail("moe.router_group_topk", self.router_group_topk, f"selected groups hold fewer than moe.router_topk={self.router_topk} experts")
+        if self.shared_expert_intermediate_size is not None:
+            _check_range("moe.shared_expert_intermediate_size", self.shared_expert_intermediate_size, 0)
+        if isinstance(self.layer_freq, (list, tuple)):
+            if num_layers is not None and len(self.layer_freq) != num_layers:
+                _fail("moe.layer_freq", self.layer_freq, f"a list needs one 0/1 entry per layer (model.num_layers={num_layers})")
+            for v in self.layer_freq:
+                _check_choice("moe.layer_freq", v, (0, 1))
+        else:
+            if not isinstance(self.layer_freq, int) or self.layer_freq < 1:
+                _fail("moe.layer_freq", self.layer_freq, "an int >= 1 or a list of 0/1 per layer")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees. Data parallel is derived: world_size / (tp * pp * cp)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sequence_parallel: bool = True  # with tp > 1, shard activations along the sequence outside TP regions
+    virtual_pp: int | None = None
+    pp_layout: list | None = None  # layers per stage, optional
+    distributed_optimizer: bool = False
+    fsdp: bool = False
+    grad_bucket_mb: float = 25.0
+    overlap_grad_reduce: bool = True
+    backend: str = "auto"  # auto | gloo | nccl
+
+    def validate(self) -> None:
+        for name in ("tp", "pp", "cp", "ep", "etp"):
+            _check_range(f"parallel.{name}", getattr(self, name), 1)
+        _check_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
+        _check_range("parallel.grad_bucket_mb", self.grad_bucket_mb, 0.0)
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    name: str = "adamw"  # adamw | muon
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0  # 0: no clipping
+    warmup_steps: int = 10
+    schedule: str = "cosine"  # cosine | wsd | constant | linear
+    wsd_decay_fraction: float = 0.2  # WSD: fraction of steps spent decaying at the end
+    muon_momentum: float = 0.95
+    muon_ns_steps: int = 5
+
+    def validate(self) -> None:
+        _check_choice("optim.name", self.name, ("adamw", "muon"))
+        _check_choice("optim.schedule", self.schedule, ("cosine", "wsd", "constant", "linear"))
+        _check_range("optim.lr", self.lr, 0.0)
+        _check_range("optim.min_lr", self.min_lr, 0.0)
+        _check_range("optim.weight_decay", self.weight_decay, 0.0)
+        _check_range("optim.beta1", self.beta1, 0.0, 1.0)
+        _check_range("optim.beta2", self.beta2, 0.0, 1.0)
+        _check_range("optim.eps", self.eps, 0.0)
+        _check_range("optim.clip_grad", self.clip_grad, 0.0)
+        _check_range("optim.warmup_steps", self.warmup_steps, 0)
+        _check_range("optim.wsd_decay_fraction", self.wsd_decay_fraction, 0.0, 1.0)
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from. Empty `paths`: the embedded default corpus."""
+
+    paths: list = field(default_factory=list)  # indexed dataset prefixes (.bin/.idx)
+    weights: list | None = None  # blend weights, one per path
+    split: str = "98,2,0"  # train,valid,test proportions
+    tokenizer: str | None = None  # folder with tokenizer.json; None: the embedded tokenizer
+    cache_dir: str | None = None  # index caches; None: next to the data
+    num_workers: int = 0
+
+    def validate(self) -> None:
+        if not isinstance(self.paths, list):
+            _fail("data.paths", self.paths, "a list of dataset prefixes, e.g. data.paths=[a,b]")
+        if self.weights is not None:
+            if not isinstance(self.weights, list) or len(self.weights) != len(self.paths):
+                _fail("data.weights", self.weights, f"one weight per entry of data.paths ({len(self.paths)})")
+            for w in self.weights:
+                if not isinstance(w, (int, float)) or w < 0:
+                    _fail("data.weights", self.weights, "non-negative numbers")
+            if sum(self.weights) <= 0:
+                _fail("data.weights", self.weights, "at least one weight must be > 0")
+        parts = str(self.split).split(",")
+        try:
+            nums = [float(p) for p in parts]
+        except ValueError:
+            nums = []
+        if len(nums) != 3 or any(n < 0 for n in nums) or sum(nums) <= 0:
+            _fail("data.split", self.split, "three non-negative numbers 'train,valid,test', e.g. 98,2,0")
+        _check_range("data.num_workers", self.num_workers, 0)
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    steps: int = 200
+    seed: int = 1234
+    global_batch_size: int = 16
+    micro_batch_size: int = 8
+    seq_length: int = 128
+    run_dir: str | None = None  # None: runs/<recipe>-<timestamp>
+    exit_interval: int | None = None  # stop after this step with a checkpoint; the schedule stays the full run's
+    eval_interval: int = 50
+    eval_iters: int = 4
+    profile_steps: list | None = None  # [a, b]: torch.profiler trace for steps a..b
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16
+    device: str = "auto"  # auto | cpu | cuda
+    deterministic: bool = False
+    compile: bool = False
+
+    def validate(self) -> None:
+        for name in ("steps", "global_batch_size", "micro_batch_size", "seq_length", "eval_iters"):
+            _check_range(f"train.{name}", getattr(self, name), 1)
+        _check_range("train.eval_interval", self.eval_interval, 0)
+        if self.global_batch_size % self.micro_batch_size:
+            _fail("train.global_batch_size", self.global_batch_size, f"must be a multiple of train.micro_batch_size={self.micro_batch_size}")
+        if self.exit_interval is not None:
+            _check_range("train.exit_interval", self.exit_interval, 1)
+        if self.profile_steps is not None:
+            if not isinstance(self.profile_steps, list) or len(self.profile_steps) != 2 or not all(isinstance(s, int) for s in self.profile_steps) or self.profile_steps[0] > self.profile_steps[1]:
+                _fail("train.profile_steps", self.profile_steps, "two step numbers [a,b] with a <= b")
+        _check_choice("train.precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
+        _check_choice("train.device", self.device, ("auto", "cpu", "cuda"))
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and loading."""
+
+    interval: int = 0  # 0: only at the end (and at train.exit_interval)
+    resume: bool = False  # continue the run in train.run_dir from its latest checkpoint
+    load: str | None = None  # start from this checkpoint (weights only unless resume)
+    keep_last: int | None = None
+    async_save: bool = False
+
+    def validate(self) -> None:
+        _check_range("checkpoint.interval", self.interval, 0)
+        if self.keep_last is not None:
+            _check_range("checkpoint.keep_last", self.keep_last, 1)
+        if self.load is not None and not Path(self.load).exists():
+            _fail("checkpoint.load", self.load, "no such checkpoint folder")
+
+
+@dataclass
+class LogConfig:
+    """Console, metrics.jsonl, TensorBoard and Weights & Biases."""
+
+    interval: int = 10
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    peak_tflops: float | None = None  # for MFU; None: measured or a table value on GPU
+    progress: bool = True
+
+    def validate(self) -> None:
+        _check_range("log.interval", self.interval, 1)
+        if self.peak_tflops is not None:
+            _check_range("log.peak_tflops", self.peak_tflops, 0.0)
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    recipe: str = "custom"
+
+    SECTIONS = ("model", "moe", "parallel", "optim", "data", "train", "checkpoint", "log")
+
+    def validate(self, world_size: int | None = None) -> Config:
+        """Check every section and the rules that span sections; returns self."""
+        self.model.validate()
+        self.moe.validate(self.model.num_layers)
+        self.parallel.validate()
+        self.optim.validate()
+        self.data.validate()
+        self.train.validate()
+        self.checkpoint.validate()
+        self.log.validate()
+        m, e, p = self.model, self.moe, self.parallel
+        if e.num_experts and e.num_experts % p.ep:
+            _fail("parallel.ep", p.ep, f"must divide moe.num_experts={e.num_experts}")
+        if m.num_attention_heads % p.tp:
+            _fail("parallel.tp", p.tp, f"must divide model.num_attention_heads={m.num_attention_heads}")
+        if self.optim.min_lr > self.optim.lr:
+            _fail("optim.min_lr", self.optim.min_lr, f"must be <= optim.lr={self.optim.lr}")
+        if m.vocab_size and m.vocab_size % p.tp:
+            _fail("model.vocab_size", m.vocab_size, f"must be a multiple of parallel.tp={p.tp}")
+        if self.train.exit_interval is not None and self.train.exit_interval > self.train.steps:
+            _fail("train.exit_interval", self.train.exit_interval, f"must be <= train.steps={self.train.steps}")
+        if world_size is not None:
+            validate_layout(self, world_size)
+        return self
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def validate_layout(cfg: Config, world_size: int) -> None:
+    """Checks that need the world size: the parallel degrees must tile the ranks (with folding)."""
+    p = cfg.parallel
+    dense = p.tp * p.pp * p.cp
+    if world_size % dense:
+        _fail("parallel.tp", p.tp, f"tp*pp*cp={dense} must divide the world size {world_size}")
+    expert = p.etp * p.ep * p.pp
+    if world_size % expert:
+        _fail("parallel.ep", p.ep, f"etp*ep*pp={expert} must divide the world size {world_size}")
+    dp = world_size // dense
+    mb_total = cfg.train.micro_batch_size * dp
+    if cfg.train.global_batch_size % mb_total:
+        _fail(
+            "train.global_batch_size",
+            cfg.train.global_batch_size,
+            f"must be a multiple of train.micro_batch_size * data-parallel size = {mb_total}",
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading recipes and applying overrides
+# --------------------------------------------------------------------------------------------------
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+
+
+def recipe_path(name_or_path: str) -> Path:
+    """A recipe name (shipped with the package) or a path to a YAML file."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.is_file():
+            raise ConfigError(f"recipe file {name_or_path!r} does not exist")
+        return p
+    shipped = RECIPE_DIR / f"{name_or_path}.yaml"
+    if not shipped.is_file():
+        raise ConfigError(f"recipe {name_or_path!r} is not a shipped recipe or a YAML file; shipped: {', '.join(list_recipes())}")
+    return shipped
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(name: str, value: Any, typ: Any) -> Any:
+    """Convert a YAML/CLI value to the field's declared type, or raise ConfigError."""
+    if typ is Any:
+        return value
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(typ)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(name, value, a)
+            except ConfigError as e:
+                errors.append(e)
+        allowed = " or ".join(getattr(a, "__name__", str(a)) for a in args)
+        _fail(name, value, f"expected {allowed}")
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        _fail(name, value, "expected true or false")
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(name, value, "expected an integer")
+        return value
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(name, value, "expected a number")
+        return float(value)
+    if typ is str:
+        if not isinstance(value, str):
+            _fail(name, value, "expected a string")
+        return value
+    if typ is list or origin is list:
+        if not isinstance(value, list):
+            _fail(name, value, "expected a list, e.g. [a,b]")
+        return value
+    if typ is dict or origin is dict:
+        if not isinstance(value, dict):
+            _fail(name, value, "expected a mapping, e.g. {type: yarn, factor: 4}")
+        return value
+    return value
+
+
+def _apply_section(section_obj: Any, section: str, values: dict) -> None:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{section}={values!r} is invalid: expected a mapping of fields")
+    types_ = _field_types(type(section_obj))
+    for key, val in values.items():
+        if key not in types_:
+            close = ", ".join(sorted(types_))
+            raise ConfigError(f"{section}.{key} is not a known field; fields of {section}: {close}")
+        setattr(section_obj, key, _coerce(f"{section}.{key}", val, types_[key]))
+
+
+def apply_dict(cfg: Config, data: dict, source: str = "recipe") -> Config:
+    """Merge a nested mapping (a parsed recipe) into cfg."""
+    if data is None:
+        return cfg
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source} must be a mapping of sections ({', '.join(Config.SECTIONS)})")
+    for section, values in data.items():
+        if section == "recipe":
+            cfg.recipe = str(values)
+            continue
+        if section not in Config.SECTIONS:
+            raise ConfigError(f"{section!r} in {source} is not a config section; sections: {', '.join(Config.SECTIONS)}")
+        _apply_section(getattr(cfg, section), section, values or {})
+    return cfg
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`section.field=value` -> (section, field, parsed value). Values are parsed as YAML scalars/lists."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is invalid: expected section.field=value")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"override {text!r} is invalid: expected section.field=value, e.g. train.steps=100")
+    section, name = parts
+    if section not in Config.SECTIONS:
+        raise ConfigError(f"{section!r} in override {text!r} is not a config section; sections: {', '.join(Config.SECTIONS)}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() != "" else None
+    except yaml.YAMLError:
+        value = raw  # fall back to the raw string; the field's type check decides
+    if isinstance(value, list):
+        # `[a,b]` parses as strings already; keep numbers as numbers.
+        value = [v for v in value]
+    return section, name, value
+
+
+def load_config(recipe: str | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """Build a Config from a recipe (name or path; None: the default tiny recipe) and overrides."""
+    name = recipe or DEFAULT_RECIPE
+    path = recipe_path(name)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigError(f"recipe file {str(path)!r} is not valid YAML{where}") from None
+    except OSError as e:
+        raise ConfigError(f"recipe file {str(path)!r} cannot be read: {e.strerror}") from None
+    cfg = Config(recipe=path.stem)
+    apply_dict(cfg, data or {}, source=str(path))
+    for ov in overrides:
+        section, fname, value = parse_override(ov)
+        _apply_section(getattr(cfg, section), section, {fname: value})
+    return cfg
+
+
+def config_from_dict(data: dict) -> Config:
+    """Rebuild a Config from `Config.to_dict()` output (e.g. a run folder's config.yaml)."""
+    cfg = Config()
+    apply_dict(cfg, data)
+    return cfg
