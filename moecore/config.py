@@ -72,6 +72,7 @@ class ModelConfig:
     rope_scaling: dict | None = None  # e.g. {type: yarn, factor: 40, original_max_position_embeddings: 4096, ...}
     partial_rotary_factor: float = 1.0
     qkv_bias: bool = False
+    attn_out_bias: bool = False  # bias on o_proj
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     attn_output_gate: bool = False  # sigmoid gate on the attention output from q_proj (Qwen3-Next)
     sliding_window: int | None = None
@@ -124,12 +125,22 @@ class ModelConfig:
         _check_range("model.vocab_size", self.vocab_size, 0)
         _check_range("model.num_kv_heads", self.num_kv_heads, 1)
         if self.num_attention_heads % self.kv_heads:
-            _fail("model.num_kv_heads", self.num_kv_heads, f"must divide model.num_attention_heads={self.num_attention_heads}")
+            _fail(
+                "model.num_kv_heads",
+                self.num_kv_heads,
+                f"must divide model.num_attention_heads={self.num_attention_heads}",
+            )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            _fail("model.num_attention_heads", self.num_attention_heads, f"must divide model.hidden_size={self.hidden_size} (or set model.head_dim)")
+            _fail(
+                "model.num_attention_heads",
+                self.num_attention_heads,
+                f"must divide model.hidden_size={self.hidden_size} (or set model.head_dim)",
+            )
         _check_choice("model.activation", self.activation, ("swiglu", "gelu"))
         _check_choice("model.attention_type", self.attention_type, ("gqa", "mla"))
-        _check_choice("model.attention_backend", self.attention_backend, ("auto", "flash", "cudnn", "efficient", "math"))
+        _check_choice(
+            "model.attention_backend", self.attention_backend, ("auto", "flash", "cudnn", "efficient", "math")
+        )
         _check_range("model.partial_rotary_factor", self.partial_rotary_factor, 0.0, 1.0)
         _check_range("model.norm_eps", self.norm_eps, 0.0)
         _check_range("model.init_std", self.init_std, 0.0)
@@ -147,7 +158,11 @@ class ModelConfig:
         _check_choice("model.recompute_granularity", self.recompute_granularity, ("none", "selective", "full"))
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
-                _fail("model.layer_types", self.layer_types, f"needs one entry per layer (model.num_layers={self.num_layers})")
+                _fail(
+                    "model.layer_types",
+                    self.layer_types,
+                    f"needs one entry per layer (model.num_layers={self.num_layers})",
+                )
             for t in self.layer_types:
                 _check_choice("model.layer_types", t, ("full_attention", "linear_attention"))
 
@@ -234,25 +249,43 @@ class MoEConfig:
         for t in self.balancing_types:
             _check_choice("moe.router_load_balancing_type", t, self.BALANCING_TYPES)
         if len(self.aux_loss_coeffs) != len(self.balancing_types):
-            _fail("moe.aux_loss_coeff", self.aux_loss_coeff, f"needs one coefficient per balancing type ({len(self.balancing_types)})")
+            _fail(
+                "moe.aux_loss_coeff",
+                self.aux_loss_coeff,
+                f"needs one coefficient per balancing type ({len(self.balancing_types)})",
+            )
         for c in self.aux_loss_coeffs:
             _check_range("moe.aux_loss_coeff", c, 0.0)
         if self.router_pre_softmax and self.router_score_function != "softmax":
             _fail("moe.router_pre_softmax", True, "only applies with moe.router_score_function=softmax")
         if (self.router_num_groups is None) != (self.router_group_topk is None):
-            _fail("moe.router_group_topk", self.router_group_topk, "set both moe.router_num_groups and moe.router_group_topk, or neither")
+            _fail(
+                "moe.router_group_topk",
+                self.router_group_topk,
+                "set both moe.router_num_groups and moe.router_group_topk, or neither",
+            )
         if self.router_num_groups is not None:
             if self.router_num_groups < 1 or self.num_experts % self.router_num_groups:
-                _fail("moe.router_num_groups", self.router_num_groups, f"must divide moe.num_experts={self.num_experts}")
+                _fail(
+                    "moe.router_num_groups", self.router_num_groups, f"must divide moe.num_experts={self.num_experts}"
+                )
             _check_range("moe.router_group_topk", self.router_group_topk, 1, self.router_num_groups)
             per_group = self.num_experts // self.router_num_groups
             if self.router_group_topk * per_group < self.router_topk:
-                _fail("moe.router_group_topk", self.router_group_topk, f"selected groups hold fewer than moe.router_topk={self.router_topk} experts")
+                _fail(
+                    "moe.router_group_topk",
+                    self.router_group_topk,
+                    f"selected groups hold fewer than moe.router_topk={self.router_topk} experts",
+                )
         if self.shared_expert_intermediate_size is not None:
             _check_range("moe.shared_expert_intermediate_size", self.shared_expert_intermediate_size, 0)
         if isinstance(self.layer_freq, (list, tuple)):
             if num_layers is not None and len(self.layer_freq) != num_layers:
-                _fail("moe.layer_freq", self.layer_freq, f"a list needs one 0/1 entry per layer (model.num_layers={num_layers})")
+                _fail(
+                    "moe.layer_freq",
+                    self.layer_freq,
+                    f"a list needs one 0/1 entry per layer (model.num_layers={num_layers})",
+                )
             for v in self.layer_freq:
                 _check_choice("moe.layer_freq", v, (0, 1))
         else:
@@ -373,11 +406,20 @@ class TrainConfig:
             _check_range(f"train.{name}", getattr(self, name), 1)
         _check_range("train.eval_interval", self.eval_interval, 0)
         if self.global_batch_size % self.micro_batch_size:
-            _fail("train.global_batch_size", self.global_batch_size, f"must be a multiple of train.micro_batch_size={self.micro_batch_size}")
+            _fail(
+                "train.global_batch_size",
+                self.global_batch_size,
+                f"must be a multiple of train.micro_batch_size={self.micro_batch_size}",
+            )
         if self.exit_interval is not None:
             _check_range("train.exit_interval", self.exit_interval, 1)
         if self.profile_steps is not None:
-            if not isinstance(self.profile_steps, list) or len(self.profile_steps) != 2 or not all(isinstance(s, int) for s in self.profile_steps) or self.profile_steps[0] > self.profile_steps[1]:
+            if (
+                not isinstance(self.profile_steps, list)
+                or len(self.profile_steps) != 2
+                or not all(isinstance(s, int) for s in self.profile_steps)
+                or self.profile_steps[0] > self.profile_steps[1]
+            ):
                 _fail("train.profile_steps", self.profile_steps, "two step numbers [a,b] with a <= b")
         _check_choice("train.precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         _check_choice("train.device", self.device, ("auto", "cpu", "cuda"))
@@ -503,7 +545,9 @@ def recipe_path(name_or_path: str) -> Path:
         return p
     shipped = RECIPE_DIR / f"{name_or_path}.yaml"
     if not shipped.is_file():
-        raise ConfigError(f"recipe {name_or_path!r} is not a shipped recipe or a YAML file; shipped: {', '.join(list_recipes())}")
+        raise ConfigError(
+            f"recipe {name_or_path!r} is not a shipped recipe or a YAML file; shipped: {', '.join(list_recipes())}"
+        )
     return shipped
 
 
@@ -580,7 +624,9 @@ def apply_dict(cfg: Config, data: dict, source: str = "recipe") -> Config:
             cfg.recipe = str(values)
             continue
         if section not in Config.SECTIONS:
-            raise ConfigError(f"{section!r} in {source} is not a config section; sections: {', '.join(Config.SECTIONS)}")
+            raise ConfigError(
+                f"{section!r} in {source} is not a config section; sections: {', '.join(Config.SECTIONS)}"
+            )
         _apply_section(getattr(cfg, section), section, values or {})
     return cfg
 
@@ -595,7 +641,9 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         raise ConfigError(f"override {text!r} is invalid: expected section.field=value, e.g. train.steps=100")
     section, name = parts
     if section not in Config.SECTIONS:
-        raise ConfigError(f"{section!r} in override {text!r} is not a config section; sections: {', '.join(Config.SECTIONS)}")
+        raise ConfigError(
+            f"{section!r} in override {text!r} is not a config section; sections: {', '.join(Config.SECTIONS)}"
+        )
     try:
         value = yaml.safe_load(raw) if raw.strip() != "" else None
     except yaml.YAMLError:

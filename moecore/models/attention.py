@@ -1,0 +1,121 @@
+"""Grouped-query self-attention (Mixtral, Qwen2/3-MoE, Qwen3-Next full-attention layers).
+
+Options that change the maths, each as the Hugging Face families define it:
+- `qkv_bias` / `attn_out_bias`: biases on q/k/v and on o_proj (Qwen2-MoE has the former only);
+- `qk_norm`: per-head RMSNorm on q and k before RoPE (Qwen3);
+- `attn_output_gate`: q_proj emits, per head, head_dim query channels followed by head_dim gate
+  channels; the attention output is multiplied by sigmoid(gate) before o_proj (Qwen3-Next);
+- `partial_rotary_factor`: RoPE on the first fraction of each head's channels;
+- `sliding_window`: token t attends to keys t-window+1 .. t.
+Attention itself runs through torch's scaled_dot_product_attention with the backend chosen by
+`model.attention_backend` (see `sdpa_backends`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from moecore.config import ModelConfig
+from moecore.models.norms import RMSNorm
+from moecore.models.rope import RotaryEmbedding, apply_rotary
+
+_BACKENDS = {
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "cudnn": [SDPBackend.CUDNN_ATTENTION],
+    "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+    "math": [SDPBackend.MATH],
+}
+
+
+def sdpa_backends(name: str, device: torch.device):
+    """Context manager restricting SDPA to the named backend ('auto': flash, cuDNN, efficient on GPU).
+
+    On GPU, 'auto' excludes the math kernel so that a supported shape never silently takes the slow
+    path; an unsupported shape then raises instead of running at a fraction of the speed.
+    """
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    if name == "auto":
+        return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+    return sdpa_kernel(_BACKENDS[name])
+
+
+def causal_mask(seq: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Boolean [S, S] mask (True = attend) for a sliding window; None means plain causal."""
+    if window is None or window >= seq:
+        return None
+    q = torch.arange(seq, device=device)[:, None]
+    k = torch.arange(seq, device=device)[None, :]
+    return (k <= q) & (k > q - window)
+
+
+def attention_core(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, backend: str, scale: float | None = None
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v with causal (optionally windowed) masking; q/k/v are [B, heads, S, D].
+
+    k and v may have fewer heads than q (grouped-query attention); they are expanded here.
+    """
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    mask = causal_mask(q.shape[2], window, q.device)
+    with sdpa_backends(backend, q.device):
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped key/value heads."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dims=None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_idx = layer_idx
+        self.head_dim = cfg.resolved_head_dim
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.kv_heads
+        h = cfg.hidden_size
+        q_out = self.num_heads * self.head_dim * (2 if cfg.attn_output_gate else 1)
+        self.q_proj = nn.Linear(h, q_out, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=cfg.attn_out_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.norm_zero_centered)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.norm_zero_centered)
+        rotary_dim = int(self.head_dim * cfg.partial_rotary_factor)
+        self.rotary = RotaryEmbedding(rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        self.recompute_core = "core_attn" in cfg.recompute_modules
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, -1)
+        gate = None
+        if self.cfg.attn_output_gate:
+            q, gate = q.split(self.head_dim, dim=-1)
+            gate = gate.reshape(b, s, -1)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        cos, sin = self.rotary(position_ids, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.recompute_core and self.training:
+            out = torch.utils.checkpoint.checkpoint(
+                attention_core, q, k, v, self.cfg.sliding_window, self.cfg.attention_backend, use_reentrant=False
+            )
+        else:
+            out = attention_core(q, k, v, self.cfg.sliding_window, self.cfg.attention_backend)
+        out = out.transpose(1, 2).reshape(b, s, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)

@@ -1,0 +1,208 @@
+"""The decoder-only MoE transformer, written for one device.
+
+    input_ids -> embed -> [DecoderLayer] x L -> norm -> lm_head -> logits / loss
+    DecoderLayer: x + attn(attn_norm(x)); then x + mlp(mlp_norm(x)), mlp = dense MLP or MoELayer
+
+Which attention a layer uses comes from the config: grouped-query attention (`attention.py`),
+multi-latent attention (`mla.py`, `model.attention_type=mla`) or gated DeltaNet linear attention
+(`linear_attention.py`, `model.layer_types[i] == linear_attention`). Which layers are MoE comes
+from `MoEConfig.is_moe_layer`. Parallel-aware pieces receive `dims` (a ParallelDims or None).
+
+The forward returns a `ModelOutput` carrying the LM loss, the MoE routing losses and statistics
+(returned, never stored in globals) and the MTP loss when multi-token prediction is on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from moecore.config import Config, ModelConfig
+from moecore.models.attention import Attention
+from moecore.models.mlp import MLP
+from moecore.models.norms import RMSNorm
+
+
+@dataclass
+class ModelOutput:
+    """What a forward pass returns. `loss` is what to backpropagate (None without labels)."""
+
+    logits: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+    lm_loss: torch.Tensor | None = None  # mean over tokens with loss_mask 1
+    lm_loss_sum: torch.Tensor | None = None  # sum over those tokens (for exact accumulation)
+    num_tokens: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None  # sum over MoE layers of their weighted routing losses
+    mtp_loss: torch.Tensor | None = None  # already scaled by model.mtp_loss_scaling_factor
+    mtp_losses: list = field(default_factory=list)  # per depth, unscaled, detached
+    moe_stats: list = field(default_factory=list)  # one dict per MoE layer (layer index under "layer")
+    hidden_states: torch.Tensor | None = None  # final hidden states before the norm
+
+
+def build_attention(cfg: ModelConfig, layer_idx: int, dims=None) -> nn.Module:
+    """The attention module of layer `layer_idx` as the config describes it."""
+    if cfg.layer_types is not None and cfg.layer_types[layer_idx] == "linear_attention":
+        from moecore.models.linear_attention import GatedDeltaNet
+
+        return GatedDeltaNet(cfg, layer_idx, dims)
+    if cfg.attention_type == "mla":
+        from moecore.models.mla import MLAttention
+
+        return MLAttention(cfg, layer_idx, dims)
+    return Attention(cfg, layer_idx, dims)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + feed-forward (dense or MoE) with residual connections."""
+
+    def __init__(self, cfg: Config, layer_idx: int, dims=None) -> None:
+        super().__init__()
+        m = cfg.model
+        self.layer_idx = layer_idx
+        self.attn_norm = RMSNorm(m.hidden_size, m.norm_eps, m.norm_zero_centered)
+        self.attn = build_attention(m, layer_idx, dims)
+        self.mlp_norm = RMSNorm(m.hidden_size, m.norm_eps, m.norm_zero_centered)
+        self.is_moe = cfg.moe.is_moe_layer(layer_idx, m.num_layers)
+        if self.is_moe:
+            from moecore.moe.layer import MoELayer
+
+            self.mlp = MoELayer(cfg.moe, m.hidden_size, m.activation, m.init_std, dims)
+        else:
+            self.mlp = MLP(m.hidden_size, m.ffn_hidden_size, m.activation, dims)
+        rec = set(m.recompute_modules)
+        self.recompute_norm = "norm" in rec
+        self.recompute_mlp = ("moe" in rec) if self.is_moe else ("mlp" in rec)
+
+    def _maybe_checkpoint(self, enabled: bool, fn, *args):
+        if enabled and self.training and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, loss_mask: torch.Tensor | None):
+        h = self._maybe_checkpoint(self.recompute_norm, self.attn_norm, x)
+        x = x + self.attn(h, position_ids)
+        h = self._maybe_checkpoint(self.recompute_norm, self.mlp_norm, x)
+        if self.is_moe:
+            out, aux = self._maybe_checkpoint(self.recompute_mlp, self.mlp, h, loss_mask)
+            return x + out, aux
+        return x + self._maybe_checkpoint(self.recompute_mlp, self.mlp, h), None
+
+
+class MoETransformer(nn.Module):
+    """A causal language model with MoE layers; `forward` returns a `ModelOutput`."""
+
+    def __init__(self, cfg: Config, dims=None) -> None:
+        super().__init__()
+        if cfg.model.vocab_size <= 0:
+            raise ValueError("model.vocab_size must be set (> 0) before building the model")
+        self.cfg = cfg
+        m = cfg.model
+        self.embed = nn.Embedding(m.vocab_size, m.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dims) for i in range(m.num_layers))
+        self.norm = RMSNorm(m.hidden_size, m.norm_eps, m.norm_zero_centered)
+        self.lm_head = None if m.tie_embeddings else nn.Linear(m.hidden_size, m.vocab_size, bias=False)
+        self.mtp = None
+        if m.mtp_num_layers > 0:
+            from moecore.models.mtp import MTPStack
+
+            self.mtp = MTPStack(cfg, dims)
+        self.full_recompute = m.recompute_granularity == "full"
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ initialisation
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) for every matrix; norms to identity; biases to zero."""
+        std = self.cfg.model.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+            elif module is not self and hasattr(module, "reset_parameters") and not isinstance(module, nn.ModuleList):
+                # Modules with parameters of their own (grouped experts, routers, DeltaNet) initialise them.
+                if any(True for _ in module.parameters(recurse=False)):
+                    module.reset_parameters()
+
+    # ------------------------------------------------------------------ forward
+    def output_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.output_weight())
+
+    def decoder(
+        self, input_ids: torch.Tensor, loss_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
+    ):
+        """Embedding and decoder layers; returns (hidden states before the final norm, MoE aux list)."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.embed(input_ids)
+        auxes = []
+        for layer in self.layers:
+            if self.full_recompute and self.training and torch.is_grad_enabled():
+                x, aux = checkpoint(layer, x, position_ids, loss_mask, use_reentrant=False)
+            else:
+                x, aux = layer(x, position_ids, loss_mask)
+            if aux is not None:
+                auxes.append((layer.layer_idx, aux))
+        return x, auxes, position_ids
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> ModelOutput:
+        x, auxes, position_ids = self.decoder(input_ids, loss_mask, position_ids)
+        out = ModelOutput(hidden_states=x)
+        h = self.norm(x)
+        out.moe_stats = [dict(aux.stats, layer=i) for i, aux in auxes]
+        if auxes:
+            out.aux_loss = sum(aux.loss for _, aux in auxes)
+        if labels is None:
+            out.logits = self.logits_from_hidden(h)
+            return out
+        mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask.float()
+        out.logits, loss_sum = self.lm_loss(h, labels, mask)
+        out.num_tokens = mask.sum()
+        out.lm_loss_sum = loss_sum
+        out.lm_loss = loss_sum / out.num_tokens.clamp(min=1)
+        total = out.lm_loss
+        if out.aux_loss is not None:
+            total = total + out.aux_loss
+        if self.mtp is not None:
+            out.mtp_loss, out.mtp_losses = self.mtp(x, input_ids, labels, mask, position_ids, self)
+            total = total + out.mtp_loss
+        out.loss = total
+        return out
+
+    def lm_loss(
+        self, h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(logits or None, sum over masked tokens of the cross-entropy); fp32 logits."""
+        logits = self.logits_from_hidden(h)
+        ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+        return logits, (ce * mask.flatten()).sum()
+
+    # ------------------------------------------------------------------ helpers
+    def moe_layers(self) -> list[nn.Module]:
+        return [layer.mlp for layer in self.layers if layer.is_moe]
+
+    def num_params(self) -> tuple[int, int]:
+        """(total parameters, parameters active per token)."""
+        total = sum(p.numel() for p in self.parameters())
+        moe = self.cfg.moe
+        inactive = 0
+        for mlp in self.moe_layers():
+            experts = getattr(mlp, "experts", None)
+            if experts is not None and moe.num_experts:
+                n = sum(p.numel() for p in experts.parameters())
+                inactive += n - n * moe.router_topk // moe.num_experts
+        return total, total - inactive
