@@ -623,6 +623,8 @@ def apply_dict(cfg: Config, data: dict, source: str = "recipe") -> Config:
         if section == "recipe":
             cfg.recipe = str(values)
             continue
+        if section == "description":  # a recipe's one-line summary, shown by `moecore recipes`
+            continue
         if section not in Config.SECTIONS:
             raise ConfigError(
                 f"{section!r} in {source} is not a config section; sections: {', '.join(Config.SECTIONS)}"

@@ -1,0 +1,260 @@
+"""The training loop: one code path from one CPU process to many GPUs.
+
+One optimizer step:
+  1. fetch this data-parallel rank's micro-batches of the global batch;
+  2. count the loss tokens of the whole global batch (all ranks), so that the LM loss is the mean
+     over every token of the global batch whatever the layout or accumulation;
+  3. forward + backward each micro-batch: LM loss sum / global tokens + routing losses /
+     micro-batches (Megatron's per-micro-batch aux loss) + MTP loss / micro-batches;
+  4. finish the data-parallel gradient reduction, clip by the global norm, step, set the LR;
+  5. update the aux-loss-free expert biases from the token counts of the step;
+  6. log, validate, checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moecore.checkpoint import latest_checkpoint, load_model_weights, load_training_state, save_training_state
+from moecore.config import Config, ConfigError
+from moecore.models.transformer import MoETransformer
+from moecore.optim.adamw import build_optimizer
+from moecore.optim.schedule import lr_at
+from moecore.train.runtime import Runtime, setup_runtime
+
+
+@dataclass
+class TrainResult:
+    """What `train` returns: per-step losses and where things were written."""
+
+    run_dir: Path
+    losses: list = field(default_factory=list)  # (step, loss)
+    val_losses: list = field(default_factory=list)  # (step, val_loss)
+    last_step: int = 0
+    first_loss: float | None = None
+    final_loss: float | None = None
+    seconds: float = 0.0
+
+
+def resolve_run_dir(cfg: Config) -> Path:
+    if cfg.train.run_dir:
+        return Path(cfg.train.run_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{cfg.recipe}-{stamp}"
+
+
+def check_resume(cfg: Config) -> Path | None:
+    """The checkpoint to resume from, or a ConfigError if checkpoint.resume cannot be honoured."""
+    if not cfg.checkpoint.resume:
+        return None
+    if not cfg.train.run_dir:
+        raise ConfigError("checkpoint.resume=True is invalid: set train.run_dir to the run folder to resume")
+    run_dir = Path(cfg.train.run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"train.run_dir={cfg.train.run_dir!r} is invalid: folder does not exist, nothing to resume")
+    return latest_checkpoint(run_dir)
+
+
+def autocast_context(rt: Runtime):
+    if rt.autocast_dtype is None:
+        return torch.autocast(device_type=rt.device.type, enabled=False)
+    return torch.autocast(device_type=rt.device.type, dtype=rt.autocast_dtype)
+
+
+def _to(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def moe_metrics(stats_per_mb: list[list[dict]], rt: Runtime) -> dict:
+    """Average the per-layer MoE statistics over micro-batches (tokens summed) into flat metric keys."""
+    out: dict = {}
+    if not stats_per_mb or not stats_per_mb[0]:
+        return out
+    n = len(stats_per_mb)
+    for layer_stats in zip(*stats_per_mb):
+        idx = layer_stats[0]["layer"]
+        prefix = f"moe/layer_{idx}/"
+        counts = sum(s["tokens_per_expert"].double() for s in layer_stats)
+        counts = rt.reduce_expert_counts(counts)
+        out[prefix + "tokens_per_expert"] = [int(c) for c in counts.tolist()]
+        mean = counts.mean().item()
+        out[prefix + "imbalance"] = counts.max().item() / mean if mean > 0 else 0.0
+        for key in layer_stats[0]:
+            if key in ("layer", "tokens_per_expert", "imbalance"):
+                continue
+            val = sum(float(s[key]) for s in layer_stats) / n
+            out[prefix + key] = rt.mean_over_dp(val)
+    for key in ("imbalance", "aux_loss", "z_loss", "seq_aux_loss", "global_aux_loss", "dropped_fraction"):
+        vals = [v for k, v in out.items() if k.endswith("/" + key)]
+        if vals:
+            out[f"moe/mean_{key}"] = sum(vals) / len(vals)
+    return out
+
+
+class Trainer:
+    """Holds the model, optimizer, data and runtime of one run; `run()` trains it."""
+
+    def __init__(self, cfg: Config, console=None) -> None:
+        from moecore.data import build_data
+
+        self.cfg = cfg
+        self.resume_from = check_resume(cfg)
+        self.rt = setup_runtime(cfg)
+        self.console = console
+        self.data = build_data(cfg, dp_rank=self.rt.dp_rank, dp_size=self.rt.dp_size)
+        if cfg.model.vocab_size <= 0:
+            cfg.model.vocab_size = self.data.vocab_size
+        cfg.validate(world_size=self.rt.world_size)
+        self.run_dir = resolve_run_dir(cfg)
+        torch.manual_seed(cfg.train.seed)
+        with torch.device(self.rt.device):
+            self.model = MoETransformer(cfg, self.rt.dims)
+        self.model = self.rt.wrap_model(self.model)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.rt.attach_optimizer(self.optimizer)
+        self.step = 0
+        t = cfg.train
+        self.micro_batches_per_rank = t.global_batch_size // (t.micro_batch_size * self.rt.dp_size)
+        if self.resume_from is not None:
+            extra = load_training_state(self.resume_from, self.model, self.optimizer)
+            self.step = extra["step"]
+            self.data.train.load_state_dict(extra["data"])
+        elif cfg.checkpoint.load and not cfg.checkpoint.resume:
+            load_model_weights(Path(cfg.checkpoint.load), self.model)
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> dict:
+        cfg, rt = self.cfg, self.rt
+        model = self.model
+        model.train()
+        batches = [_to(self.data.train.next_micro_batch(), rt.device) for _ in range(self.micro_batches_per_rank)]
+        local_tokens = sum(b["loss_mask"].sum() for b in batches)
+        global_tokens = rt.sum_over_dp(local_tokens.detach().double()).clamp(min=1)
+        n_mb_global = self.micro_batches_per_rank * rt.dp_size
+        lm_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
+        mtp_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
+        stats_per_mb = []
+        self.optimizer.zero_grad(set_to_none=True)
+        for i, b in enumerate(batches):
+            with rt.grad_sync_context(model, last=i == len(batches) - 1), autocast_context(rt):
+                out = model(b["input_ids"], labels=b["labels"], loss_mask=b["loss_mask"])
+                # Data-parallel gradient reduction averages over dp ranks, hence the factor dp_size:
+                # sum over ranks of (dp * grad_r / dp) == gradient of the global-batch objective.
+                objective = out.lm_loss_sum / global_tokens.to(out.lm_loss_sum.dtype) * rt.dp_size
+                if out.aux_loss is not None:
+                    objective = objective + out.aux_loss * (rt.dp_size / n_mb_global)
+                if out.mtp_loss is not None:
+                    objective = objective + out.mtp_loss * (rt.dp_size / n_mb_global)
+            rt.backward(objective)
+            lm_sum += out.lm_loss_sum.detach().double()
+            if out.mtp_loss is not None:
+                mtp_sum += out.mtp_loss.detach().double()
+            stats_per_mb.append(out.moe_stats)
+        rt.finish_grad_sync(model)
+        grad_norm = rt.clip_grad_norm(model, cfg.optim.clip_grad)
+        lr = lr_at(self.step + 1, cfg.train.steps, cfg.optim)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        rt.optimizer_step(self.optimizer)
+        for moe_layer in model.moe_layers():
+            moe_layer.update_expert_bias()
+        self.step += 1
+        loss = (rt.sum_over_dp(lm_sum) / global_tokens).item()
+        metrics = {"loss": loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": int(global_tokens.item())}
+        if self.model.mtp is not None:
+            metrics["mtp_loss"] = rt.sum_over_dp(mtp_sum).item() / n_mb_global
+        metrics.update(moe_metrics(stats_per_mb, rt))
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        rt = self.rt
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=rt.device)
+        tokens = torch.zeros((), dtype=torch.float64, device=rt.device)
+        for b in self.data.valid_batches(self.cfg.train.eval_iters):
+            b = _to(b, rt.device)
+            with autocast_context(rt):
+                out = self.model(b["input_ids"], labels=b["labels"], loss_mask=b["loss_mask"])
+            total += out.lm_loss_sum.double()
+            tokens += out.num_tokens.double()
+        self.model.train()
+        return (rt.sum_over_dp(total) / rt.sum_over_dp(tokens).clamp(min=1)).item()
+
+    def save(self) -> Path:
+        path = self.run_dir / "checkpoints" / f"step-{self.step}"
+        extra = {"step": self.step, "data": self.data.train.state_dict()}
+        return save_training_state(
+            path, self.model, self.optimizer, extra, self.cfg.to_yaml(), keep_last=self.cfg.checkpoint.keep_last
+        )
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> TrainResult:
+        from moecore.train.logger import RunLogger
+        from moecore.train.profiling import Profiler
+
+        cfg, rt = self.cfg, self.rt
+        if rt.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        rt.barrier()
+        logger = RunLogger(self.run_dir, cfg.log, rt.is_main, cfg.to_dict())
+        result = TrainResult(run_dir=self.run_dir)
+        stop = cfg.train.exit_interval or cfg.train.steps
+        tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_length
+        flops_per_token = rt.flops_per_token(self.model, cfg)
+        progress = rt.progress(self.console, total=stop, start=self.step, enabled=cfg.log.progress)
+        start_time = time.perf_counter()
+        window_t, window_steps = time.perf_counter(), 0
+        profiler = Profiler(cfg.train.profile_steps, self.run_dir / "profile") if cfg.train.profile_steps else None
+        with progress:
+            while self.step < stop:
+                if profiler is not None:
+                    profiler.step_begin(self.step + 1)
+                metrics = self.train_step()
+                if profiler is not None:
+                    profiler.step_end(self.step)
+                window_steps += 1
+                result.losses.append((self.step, metrics["loss"]))
+                if result.first_loss is None:
+                    result.first_loss = metrics["loss"]
+                if not math.isfinite(metrics["loss"]):
+                    raise FloatingPointError(f"loss became {metrics['loss']} at step {self.step}")
+                log_now = self.step % cfg.log.interval == 0 or self.step == stop or self.step == 1
+                if cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0 or self.step == stop):
+                    val = self.evaluate()
+                    metrics["val_loss"] = val
+                    result.val_losses.append((self.step, val))
+                    log_now = True
+                if log_now:
+                    rt.sync()
+                    elapsed = time.perf_counter() - window_t
+                    tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
+                    metrics["tokens_per_s"] = tps
+                    metrics["step_time_s"] = elapsed / max(window_steps, 1)
+                    metrics.update(rt.perf_metrics(tps, flops_per_token, cfg))
+                    logger.log(self.step, metrics)
+                    window_t, window_steps = time.perf_counter(), 0
+                progress.update(self.step, metrics)
+                interval = cfg.checkpoint.interval
+                if (interval and self.step % interval == 0) or self.step == stop:
+                    self.save()
+        logger.close()
+        result.last_step = self.step
+        result.final_loss = result.losses[-1][1] if result.losses else None
+        result.seconds = time.perf_counter() - start_time
+        return result
+
+
+def train(cfg: Config, console=None) -> TrainResult:
+    """Train as the config says; the Python entry point behind `moecore train`."""
+    trainer = Trainer(cfg, console)
+    try:
+        return trainer.run()
+    finally:
+        trainer.rt.shutdown()

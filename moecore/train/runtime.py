@@ -1,0 +1,191 @@
+"""The runtime around the training loop: device, precision, parallel state, reductions, progress.
+
+`Runtime` is what lets one loop serve one CPU process and many GPUs: every reduction over the
+data-parallel ranks, the gradient synchronisation and the global-norm clipping go through it, and
+each is a no-op (or a local computation) when the run has one process. The parallel work itself
+(process groups, bucketed gradient reduction, norms over sharded parameters) lives in
+`moecore.parallel`; this file only calls it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moecore.config import Config
+from moecore.parallel.dims import ParallelDims, destroy_distributed, init_distributed
+
+
+@dataclass
+class Runtime:
+    """Device, autocast dtype and parallel state of this process."""
+
+    dims: ParallelDims
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    grad_reducer: object | None = None  # moecore.parallel.data_parallel.GradReducer when world > 1
+    scaler: torch.amp.GradScaler | None = None  # dynamic loss scaling for fp16
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.dp_group.rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.dims.is_main
+
+    # ------------------------------------------------------------------ model and gradients
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.world_size > 1:
+            from moecore.parallel.data_parallel import GradReducer
+
+            self.grad_reducer = GradReducer(model, self.dims)
+        return model
+
+    def grad_sync_context(self, model: torch.nn.Module, last: bool):
+        """Defer gradient reduction on all micro-batches but the last of a step."""
+        if self.grad_reducer is None or last:
+            return contextlib.nullcontext()
+        return self.grad_reducer.no_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def finish_grad_sync(self, model: torch.nn.Module) -> None:
+        if self.grad_reducer is not None:
+            self.grad_reducer.finish()
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
+        """Global gradient norm (every parameter counted once across all groups), clipped to max_norm."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self._optimizer)
+        params = [p for p in model.parameters() if p.grad is not None]
+        if self.world_size > 1:
+            from moecore.parallel.data_parallel import clip_grad_norm_
+
+            return float(clip_grad_norm_(model, max_norm, self.dims))
+        if max_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is None:
+            optimizer.step()
+        else:
+            # Skips the step when the gradients overflowed, and adapts the scale.
+            self.scaler.step(optimizer)
+            self.scaler.update()
+
+    # ------------------------------------------------------------------ reductions
+    def sum_over_dp(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over the data-parallel (and context-parallel) ranks."""
+        g = self.dims.dp_cp_group
+        if g.pg is None:
+            return t
+        t = t.clone()
+        dist.all_reduce(t, group=g.pg)
+        return t
+
+    def mean_over_dp(self, value: float) -> float:
+        if self.dims.dp_cp_group.pg is None:
+            return value
+        t = torch.tensor(value, dtype=torch.float64, device=self.device)
+        return (self.sum_over_dp(t) / self.dims.dp_cp_group.size).item()
+
+    def reduce_expert_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Tokens per expert of this rank's micro-batches -> of the whole global batch."""
+        return self.sum_over_dp(counts.to(self.device))
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def shutdown(self) -> None:
+        destroy_distributed()
+
+    # ------------------------------------------------------------------ reporting
+    def flops_per_token(self, model: torch.nn.Module, cfg: Config) -> float:
+        """Training FLOPs per token: 6 x active matmul parameters + causal attention scores."""
+        _, active = model.num_params()
+        active -= model.embed.weight.numel()  # a lookup, not a matmul (the head still counts)
+        m = cfg.model
+        attn_dim = m.num_attention_heads * (
+            m.qk_nope_head_dim + m.qk_rope_head_dim if m.attention_type == "mla" else m.resolved_head_dim
+        )
+        full_layers = sum(1 for t in (m.layer_types or ["full_attention"] * m.num_layers) if t == "full_attention")
+        # QK^T and AV: 2 matmuls x 2 FLOP x seq x dim per token, x3 for fwd+bwd, halved by causality.
+        attn = 6 * full_layers * attn_dim * cfg.train.seq_length
+        # num_params counts this rank's parameters: scale sharded ones back up to the whole model.
+        return 6.0 * active * self.dims.tp + attn
+
+    def perf_metrics(self, tokens_per_s: float, flops_per_token: float, cfg: Config) -> dict:
+        out = {}
+        peak = cfg.log.peak_tflops
+        if self.device.type == "cuda":
+            out["mem_max_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            out["mem_max_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+            name = torch.cuda.get_device_name(self.device)
+            if peak is None and ("H200" in name or "H100" in name):
+                peak = 989.0  # dense bf16 datasheet figure for H100/H200 SXM
+        achieved = tokens_per_s * flops_per_token / max(self.world_size, 1) / 1e12
+        out["tflops_per_gpu"] = achieved
+        if peak:
+            out["mfu"] = achieved / peak
+        return out
+
+    def progress(self, console, total: int, start: int, enabled: bool):
+        from moecore.train.progress import TrainProgress
+
+        return TrainProgress(console, total=total, start=start, enabled=enabled and self.is_main)
+
+
+def _pick_device(cfg: Config, dims: ParallelDims) -> torch.device:
+    if cfg.train.device == "cpu":
+        return torch.device("cpu")
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        from moecore.config import ConfigError
+
+        raise ConfigError("train.device='cuda' is invalid: no CUDA device is available; allowed here: auto | cpu")
+    return dims.device
+
+
+def setup_runtime(cfg: Config) -> Runtime:
+    """Initialise torch.distributed when launched by torchrun, build ParallelDims, choose precision."""
+    dims = init_distributed(
+        cfg.parallel,
+        seed=cfg.train.seed,
+        device=cfg.train.device,
+        num_experts=cfg.moe.num_experts,
+        num_attention_heads=cfg.model.num_attention_heads,
+        vocab_size=cfg.model.vocab_size or None,
+    )
+    device = _pick_device(cfg, dims)
+    precision = cfg.train.precision
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    autocast = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    return Runtime(dims=dims, device=device, autocast_dtype=autocast, scaler=scaler)
