@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moecore.config import ModelConfig
+from moecore.models.attention import sdpa_backends
 from moecore.models.norms import RMSNorm
 from moecore.models.rope import RotaryEmbedding, apply_rotary
 
@@ -141,31 +142,14 @@ class MLAttention(nn.Module):
         b, s, _ = x.shape
         cos, sin = self.rotary(position_ids, x.dtype)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        grad = torch.is_grad_enabled()
+        grad = self.training and torch.is_grad_enabled()
         if self.recompute_up_proj and grad:
             q, k, v = checkpoint(self._up_project, x, latent, k_rope, cos, sin, use_reentrant=False)
         else:
             q, k, v = self._up_project(x, latent, k_rope, cos, sin)
-        with _sdpa_backend(self.backend, q.device):
+        with sdpa_backends(self.backend, q.device):
             if self.recompute_core_attn and grad:
                 out = checkpoint(self._core_attention, q, k, v, use_reentrant=False)
             else:
                 out = self._core_attention(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.v_dim))
-
-
-def _sdpa_backend(name: str, device: torch.device):
-    """Context manager pinning SDPA to one backend (`auto`: let PyTorch choose)."""
-    from contextlib import nullcontext
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if name == "auto" or device.type != "cuda":
-        return nullcontext()
-    table = {
-        "flash": SDPBackend.FLASH_ATTENTION,
-        "cudnn": SDPBackend.CUDNN_ATTENTION,
-        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-        "math": SDPBackend.MATH,
-    }
-    return sdpa_kernel(table[name])
