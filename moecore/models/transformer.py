@@ -178,8 +178,13 @@ class MoETransformer(nn.Module):
         if out.aux_loss is not None:
             total = total + out.aux_loss
         if self.mtp is not None:
-            out.mtp_loss, out.mtp_losses = self.mtp(x, input_ids, labels, mask, position_ids, self)
+            # MTP starts from the final-normed hidden states (DeepSeek-V3, Megatron-Core, transformers).
+            out.mtp_loss, out.mtp_losses, mtp_auxes = self.mtp(h, input_ids, labels, mask, position_ids, self)
             total = total + out.mtp_loss
+            for i, aux in mtp_auxes:  # routing losses of the MTP blocks' MoE layers count like the others
+                out.moe_stats.append(dict(aux.stats, layer=i))
+                out.aux_loss = aux.loss if out.aux_loss is None else out.aux_loss + aux.loss
+                total = total + aux.loss
         out.loss = total
         return out
 
@@ -193,7 +198,8 @@ class MoETransformer(nn.Module):
 
     # ------------------------------------------------------------------ helpers
     def moe_layers(self) -> list[nn.Module]:
-        return [layer.mlp for layer in self.layers if layer.is_moe]
+        blocks = list(self.layers) + ([mod.block for mod in self.mtp.layers] if self.mtp is not None else [])
+        return [layer.mlp for layer in blocks if layer.is_moe]
 
     def num_params(self) -> tuple[int, int]:
         """(total parameters, parameters active per token)."""
