@@ -29,11 +29,11 @@ def _console():
 
 def cmd_train(args: argparse.Namespace) -> int:
     from moecore.config import load_config
-    from moecore.train.loop import train
+    from moecore.train.loop import preflight, train
 
     console = _console()
     cfg = load_config(args.recipe, args.overrides)
-    cfg.validate()
+    preflight(cfg)
     console.print(f"[bold]moecore train[/bold] recipe={cfg.recipe}")
     if _is_main_process():
         console.print(cfg.to_yaml(), highlight=False, markup=False)

@@ -513,10 +513,12 @@ def validate_layout(cfg: Config, world_size: int) -> None:
     p = cfg.parallel
     dense = p.tp * p.pp * p.cp
     if world_size % dense:
-        _fail("parallel.tp", p.tp, f"tp*pp*cp={dense} must divide the world size {world_size}")
+        culprit = "pp" if p.pp > 1 else "cp" if p.cp > 1 else "tp"
+        _fail(f"parallel.{culprit}", getattr(p, culprit), f"tp*pp*cp={dense} must divide the world size {world_size}")
     expert = p.etp * p.ep * p.pp
     if world_size % expert:
-        _fail("parallel.ep", p.ep, f"etp*ep*pp={expert} must divide the world size {world_size}")
+        culprit = "ep" if p.ep > 1 else "etp" if p.etp > 1 else "pp"
+        _fail(f"parallel.{culprit}", getattr(p, culprit), f"etp*ep*pp={expert} must divide the world size {world_size}")
     dp = world_size // dense
     mb_total = cfg.train.micro_batch_size * dp
     if cfg.train.global_batch_size % mb_total:

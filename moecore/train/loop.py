@@ -14,6 +14,7 @@ One optimizer step:
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,13 @@ def check_resume(cfg: Config) -> Path | None:
     if not run_dir.is_dir():
         raise ConfigError(f"train.run_dir={cfg.train.run_dir!r} is invalid: folder does not exist, nothing to resume")
     return latest_checkpoint(run_dir)
+
+
+def preflight(cfg: Config) -> None:
+    """Every check that can refuse the run before any work: config, layout for the launch, resume folder."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.validate(world_size=world_size)
+    check_resume(cfg)
 
 
 def autocast_context(rt: Runtime):
