@@ -1,0 +1,167 @@
+"""Routed experts stored as grouped tensors, run as one grouped GEMM or as a loop of GEMMs.
+
+Legend: E experts, H hidden, F expert FFN width, N permuted rows (sorted by expert), T tokens, K top-k.
+
+Weights: `w13` [E, 2F, H] holds each expert's gate rows then up rows (SwiGLU; GeLU experts have no
+gate, so `w13` is [E, F, H]); `w2` [E, H, F] is the down projection. This is Hugging Face's
+`gate_up_proj` / `down_proj` layout, so conversion is a rename.
+
+Expert e applied to a row x: SwiGLU y = w2[e] @ (silu(g) * u) with [g; u] = w13[e] @ x;
+GeLU y = w2[e] @ gelu_tanh(w13[e] @ x). With per-row routing probabilities p (the
+`moe.apply_probs_on_input` option) the activation is multiplied by p before w2, which equals
+weighting the output because w2 is linear.
+
+Three implementations of the same maths:
+- `experts_grouped_mm`: `torch._grouped_mm` over all experts at once, no host synchronisation. It
+  runs on CPU (fp32 / bf16 / fp16 in torch >= 2.9) and on CUDA GPUs of compute capability >= 9.0
+  in bf16 with 16-byte aligned rows (H and F multiples of 8); `grouped_mm_supported` says where.
+- `experts_loop`: one matmul pair per expert over its contiguous rows (reads the counts on the host);
+  the exact fallback everywhere else (fp64, older GPUs, odd sizes).
+- `experts_reference`: the textbook loop over experts on the unpermuted tokens, for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS = ("swiglu", "gelu")
+
+
+def activation_fn(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """SwiGLU on [.., 2F] (gate half then up half) -> [.., F]; GeLU (tanh approximation) elementwise."""
+    if activation == "swiglu":
+        g, u = h.chunk(2, dim=-1)
+        return F.silu(g) * u
+    if activation == "gelu":
+        return F.gelu(h, approximate="tanh")
+    raise ValueError(f"activation={activation!r} is invalid: allowed: swiglu | gelu")
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (grouped_mm's backward needs it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return g.contiguous()
+
+
+def grouped_mm_supported(x: torch.Tensor, hidden_size: int, ffn_hidden_size: int) -> bool:
+    """Whether `torch._grouped_mm` runs for rows like `x` on this device and dtype."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if x.device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(x.device)
+        return major >= 9 and x.dtype == torch.bfloat16 and hidden_size % 8 == 0 and ffn_hidden_size % 8 == 0
+    return False
+
+
+def experts_grouped_mm(
+    x_NH: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    activation: str,
+    probs_N: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """All experts in two grouped GEMMs; rows of expert e are x[offs[e-1]:offs[e]]."""
+    offs = torch.cumsum(tokens_per_expert.to(x_NH.device), 0, dtype=torch.int32)
+    x = x_NH.contiguous()
+    h = _ContiguousGrad.apply(torch._grouped_mm(x, w13.to(x.dtype).transpose(-2, -1), offs=offs))
+    a = activation_fn(h, activation)
+    if probs_N is not None:
+        a = a * probs_N.to(a.dtype).unsqueeze(-1)
+    return _ContiguousGrad.apply(torch._grouped_mm(a, w2.to(x.dtype).transpose(-2, -1), offs=offs))
+
+
+def experts_loop(
+    x_NH: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    activation: str,
+    probs_N: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same result as `experts_grouped_mm`, one F.linear pair per expert with at least one row."""
+    counts = tokens_per_expert.tolist()
+    outs = []
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        seg = x_NH[start : start + n]
+        a = activation_fn(F.linear(seg, w13[e].to(seg.dtype)), activation)
+        if probs_N is not None:
+            a = a * probs_N[start : start + n].to(a.dtype).unsqueeze(-1)
+        outs.append(F.linear(a, w2[e].to(a.dtype)))
+        start += n
+    if not outs:
+        return x_NH.new_zeros(0, w2.shape[1])
+    return torch.cat(outs, dim=0)
+
+
+def experts_reference(
+    x_TH: torch.Tensor,
+    idx_TK: torch.Tensor,
+    weight_TK: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    activation: str,
+) -> torch.Tensor:
+    """sum_k weight[t, k] * expert_{idx[t, k]}(x[t]), looping over experts on the original token order."""
+    out = torch.zeros_like(x_TH, dtype=torch.promote_types(x_TH.dtype, weight_TK.dtype))
+    for e in range(w13.shape[0]):
+        tok, slot = torch.nonzero(idx_TK == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        y = F.linear(activation_fn(F.linear(x_TH[tok], w13[e]), activation), w2[e])
+        out = out.index_add(0, tok, y.to(out.dtype) * weight_TK[tok, slot].to(out.dtype).unsqueeze(-1))
+    return out.to(x_TH.dtype)
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts of one MoE layer: parameters `w13` [E, 2F, H] (or [E, F, H] for GeLU), `w2` [E, H, F].
+
+    forward(x [N, H] sorted by expert, tokens_per_expert [E], probs [N] | None) -> [N, H].
+    `grouped_gemm=False` forces the loop of GEMMs.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        activation: str = "swiglu",
+        init_std: float = 0.02,
+        grouped_gemm: bool = True,
+    ) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is invalid: allowed: swiglu | gelu")
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
+        self.activation = activation
+        self.grouped_gemm = grouped_gemm
+        rows = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        nn.init.normal_(self.w13, std=init_std)
+        nn.init.normal_(self.w2, std=init_std)
+
+    def uses_grouped_mm(self, x_NH: torch.Tensor) -> bool:
+        return self.grouped_gemm and grouped_mm_supported(x_NH, self.hidden_size, self.ffn_hidden_size)
+
+    def forward(
+        self, x_NH: torch.Tensor, tokens_per_expert: torch.Tensor, probs_N: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.uses_grouped_mm(x_NH):
+            return experts_grouped_mm(x_NH, tokens_per_expert, self.w13, self.w2, self.activation, probs_N)
+        return experts_loop(x_NH, tokens_per_expert, self.w13, self.w2, self.activation, probs_N)

@@ -1,0 +1,250 @@
+"""The MoE block: route -> permute -> dispatch -> experts -> combine -> unpermute, plus shared experts.
+
+`MoELayer(cfg, hidden_size, activation, init_std, dims)` is what the transformer puts in place of the
+dense MLP on MoE layers (`MoEConfig.is_moe_layer`). `forward(x [B, S, H], loss_mask [B, S] | None)`
+returns `(y [B, S, H], MoELayerAux)`: `aux.loss` is the weighted sum of this layer's routing losses
+for this micro-batch (add it to the objective), `aux.stats` holds detached tensors for logging:
+`aux_loss`, `seq_aux_loss`, `global_aux_loss`, `z_loss` (each unweighted, computed whether or not it
+is in the objective), `tokens_per_expert` [E] (assignments that reached an expert, padding
+excluded), `imbalance` (max / mean of tokens_per_expert) and `dropped_fraction` (share of the
+non-padding assignments dropped by the capacity limit). Loss formulas: `moecore/moe/losses.py`.
+
+Parameters: `router.weight` [E, H] (+ buffer `router.expert_bias` [E] fp32 with expert bias),
+`experts.w13` [E, 2F, H], `experts.w2` [E, H, F], `shared_experts.{gate,up,down}_proj.weight`,
+`shared_expert_gate.weight` [1, H].
+
+Once per optimizer step the training loop calls `update_expert_bias()` (or `update_expert_biases(model)`
+for every layer): it moves the aux-loss-free expert bias from the counts accumulated since the last
+call and resets the global-batch counts of `global_aux_loss`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moecore.config import MoEConfig
+from moecore.moe import losses
+from moecore.moe.dispatch import build_dispatcher
+from moecore.moe.experts import GroupedExperts
+from moecore.moe.permute import capacity_keep, expert_capacity
+from moecore.moe.router import TopKRouter, scores_for_balancing
+
+
+@dataclass
+class MoELayerAux:
+    """Routing losses and statistics of one MoE layer for one micro-batch."""
+
+    loss: torch.Tensor  # weighted sum of the enabled routing losses (scalar, differentiable)
+    stats: dict = field(default_factory=dict)  # detached tensors, see the module docstring
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (e.g. activation recomputation of a checkpointed layer)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
+class SharedExpertMLP(nn.Module):
+    """The always-on expert: down(silu(gate(x)) * up(x)), or down(gelu(up(x))) for GeLU."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu", init_std: float = 0.02):
+        super().__init__()
+        self.activation = activation
+        if activation == "swiglu":
+            self.gate_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.down_proj = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+        for p in self.parameters():
+            nn.init.normal_(p, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation == "swiglu":
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+
+
+class MoELayer(nn.Module):
+    """Top-k routed experts (+ optional shared experts) replacing the dense MLP of a decoder layer."""
+
+    def __init__(
+        self, cfg: MoEConfig, hidden_size: int, activation: str = "swiglu", init_std: float = 0.02, dims=None
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dims = dims
+        self.num_experts = cfg.num_experts
+        self.topk = cfg.router_topk
+        self.router = TopKRouter(cfg, hidden_size, init_std)
+        self.experts = GroupedExperts(
+            cfg.num_experts, hidden_size, cfg.ffn_hidden_size, activation, init_std, cfg.grouped_gemm
+        )
+        self.dispatcher = build_dispatcher(cfg.num_experts, cfg.apply_probs_on_input, dims)
+        self.shared_experts = None
+        self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_experts = SharedExpertMLP(
+                hidden_size, cfg.shared_expert_intermediate_size, activation, init_std
+            )
+            if cfg.shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+                nn.init.normal_(self.shared_expert_gate.weight, std=init_std)
+        self.coeffs = {t: c for t, c in zip(cfg.balancing_types, cfg.aux_loss_coeffs) if t != "none" and c > 0}
+        # Global-batch counts for global_aux_loss: summed over this step's micro-batches (not saved).
+        self.register_buffer("global_tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
+        self.register_buffer("global_steps", torch.zeros(()), persistent=False)
+        # Averaged counts used by each forward this step, replayed when a checkpointed layer recomputes.
+        self._global_counts_used: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, MoELayerAux]:
+        B, S, H = x.shape
+        x_TH = x.reshape(B * S, H)
+        valid_T = None if loss_mask is None else (loss_mask.reshape(B * S) > 0)
+
+        # 1. route
+        r = self.router(x_TH)
+        idx_TK, weight_TK = r.topk_idx_TK, r.topk_weight_TK
+        loss, stats = self._routing_losses(r.logits_TE, valid_T, B, S)
+
+        # 2. capacity (optional): which assignments fit
+        keep_TK, pad = None, None
+        cf = self.cfg.expert_capacity_factor
+        if cf is not None:
+            capacity = expert_capacity(B * S, self.topk, self.num_experts, cf)
+            if capacity < B * S:  # an expert receives at most one copy of each token
+                keep_TK = capacity_keep(idx_TK, weight_TK, self.num_experts, capacity, self.cfg.token_drop_policy)
+            if self.cfg.pad_expert_input_to_capacity:
+                pad = capacity
+
+        # 3. permute + dispatch, 4. experts, 5. combine + unpermute
+        expert_in, counts, probs, ctx = self.dispatcher.token_dispatch(x_TH, idx_TK, weight_TK, keep_TK, pad)
+        expert_out = self.experts(expert_in, counts, probs)
+        y_TH = self.dispatcher.token_combine(expert_out, ctx)
+
+        # 6. shared experts
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x_TH)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x_TH)) * shared
+            y_TH = y_TH + shared
+
+        stats.update(self._load_stats(idx_TK, keep_TK, valid_T, count=self._counting()))
+        return y_TH.view(B, S, H), MoELayerAux(loss=loss, stats=stats)
+
+    # ------------------------------------------------------------------ losses and statistics
+    def _counting(self) -> bool:
+        """Whether this forward is a training step whose counts should accumulate (not eval, not recompute)."""
+        return self.training and torch.is_grad_enabled() and not _in_backward()
+
+    def _routing_losses(
+        self, logits_TE: torch.Tensor, valid_T: torch.Tensor | None, B: int, S: int
+    ) -> tuple[torch.Tensor, dict]:
+        """Every balancing loss and the z-loss; the enabled ones (coefficient > 0) form the returned loss."""
+        K, E = self.topk, self.num_experts
+        scores_TE = scores_for_balancing(logits_TE, self.cfg.router_score_function)
+        if valid_T is not None:
+            scores_TE = scores_TE * valid_T.to(scores_TE.dtype).unsqueeze(-1)
+            num_tokens = valid_T.sum().to(scores_TE.dtype)
+        else:
+            num_tokens = torch.tensor(float(B * S), dtype=scores_TE.dtype, device=scores_TE.device)
+        counts_E = losses.topk_counts(scores_TE, K, valid_T)
+
+        values: dict[str, torch.Tensor] = {}
+        values["aux_loss"] = losses.switch_aux_loss(scores_TE, counts_E, num_tokens, K)
+        values["seq_aux_loss"] = losses.sequence_aux_loss(
+            scores_TE.view(B, S, E), K, None if valid_T is None else valid_T.view(B, S)
+        )
+        values["global_aux_loss"] = losses.switch_aux_loss(
+            scores_TE, self._global_counts(counts_E, self.training and torch.is_grad_enabled()), num_tokens, K
+        )
+        values["z_loss"] = losses.z_loss(logits_TE, valid_T)
+
+        total = logits_TE.new_zeros(())
+        for name, coeff in self.coeffs.items():
+            total = total + coeff * values[name]
+        if self.cfg.z_loss_coeff:
+            total = total + self.cfg.z_loss_coeff * values["z_loss"]
+        stats = {k: v.detach().float() for k, v in values.items()}
+        return total.float(), stats
+
+    @torch.no_grad()
+    def _global_counts(self, counts_E: torch.Tensor, training: bool) -> torch.Tensor:
+        """Counts for global_aux_loss: the average per micro-batch of this step's counts (see losses.py).
+
+        `training`: a training forward with gradients (eval / no-grad forwards use this micro-batch only).
+        """
+        if not training:
+            return counts_E
+        if _in_backward():
+            # Recomputation of a checkpointed layer: reuse what the original forward used (FIFO order,
+            # which also holds for pipeline schedules where backwards run in forward order).
+            if self._global_counts_used:
+                return self._global_counts_used.pop(0)
+            return counts_E
+        counts = counts_E.float()
+        if "global_aux_loss" in self.coeffs:
+            counts = self._sum_over_ranks(counts)  # only communicate when the loss is in the objective
+        self.global_tokens_per_expert += counts
+        self.global_steps += 1
+        avg = (self.global_tokens_per_expert / self.global_steps).to(counts_E.dtype)
+        if "global_aux_loss" in self.coeffs:
+            self._global_counts_used.append(avg)
+        return avg
+
+    @torch.no_grad()
+    def _load_stats(
+        self, idx_TK: torch.Tensor, keep_TK: torch.Tensor | None, valid_T: torch.Tensor | None, count: bool
+    ) -> dict[str, torch.Tensor]:
+        """tokens_per_expert / imbalance / dropped_fraction; `count`: add the counts to the expert-bias tally."""
+        w = torch.ones(idx_TK.shape, dtype=torch.float32, device=idx_TK.device)
+        if valid_T is not None:
+            w = w * valid_T.float().unsqueeze(-1)
+        assigned = w.sum()
+        if keep_TK is not None:
+            w = w * keep_TK.float()
+        tpe = torch.zeros(self.num_experts, device=idx_TK.device).scatter_add_(0, idx_TK.reshape(-1), w.reshape(-1))
+        if count:
+            self.router.accumulate_tokens_per_expert(tpe)
+        mean = tpe.mean()
+        return {
+            "tokens_per_expert": tpe,
+            "imbalance": torch.where(mean > 0, tpe.max() / mean.clamp(min=1e-12), torch.zeros_like(mean)),
+            "dropped_fraction": torch.where(
+                assigned > 0, 1.0 - tpe.sum() / assigned.clamp(min=1.0), torch.zeros_like(mean)
+            ),
+        }
+
+    # ------------------------------------------------------------------ once per optimizer step
+    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum counts over the data-parallel (and context/tensor-parallel) ranks; identity on one process."""
+        if self.dims is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            return t
+        if torch.distributed.get_world_size() == 1:
+            return t
+        reduce = getattr(self.dims, "all_reduce_moe_counts", None)
+        if reduce is None:
+            raise NotImplementedError(
+                "expert bias / global_aux_loss with several ranks needs ParallelDims.all_reduce_moe_counts "
+                "(sum over the dp x cp x tp ranks)"
+            )
+        return reduce(t)
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """Call once per optimizer step: move the expert bias (if enabled), reset the step's counts."""
+        if self.router.expert_bias is not None:
+            self.router.update_expert_bias(self._sum_over_ranks(self.router.local_tokens_per_expert.clone()))
+        self.global_tokens_per_expert.zero_()
+        self.global_steps.zero_()
+        self._global_counts_used.clear()
+
+
+def update_expert_biases(model: nn.Module) -> None:
+    """`update_expert_bias()` on every MoELayer inside `model` (once per optimizer step)."""
+    for m in model.modules():
+        if isinstance(m, MoELayer):
+            m.update_expert_bias()

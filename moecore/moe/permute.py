@@ -1,0 +1,131 @@
+"""Sort-based token permutation: group token copies by expert, and scatter expert outputs back.
+
+Legend: T tokens, K experts per token, E experts, H hidden, N permuted rows, C expert capacity.
+
+Each token has K assignments (t, k) -> expert idx[t, k]; assignment a = t * K + k is its flat index.
+`permute` sorts the flat expert ids (stable, so within an expert tokens keep their order) and
+gathers one row per assignment, so expert e's rows are contiguous; `unpermute` puts each row back
+at its assignment slot of a [T, K, H] buffer and sums over K with the routing weights. Nothing
+builds a dense [T, E] one-hot; memory is O(T*K*H) for the rows and O(T*K) for the indices.
+
+Capacity (token dropping, GShard / Switch): C = ceil(T * K / E * capacity_factor) rows per expert.
+`capacity_keep` names the kept assignments: policy `probs` keeps each expert's C highest-weight
+assignments (ties: earlier assignment first); `position` keeps its first C in token order (token
+t = b * S + s of the flattened [B, S] batch). Dropped assignments get no expert output. With
+`pad_to_capacity`, every expert gets exactly C rows (zeros where it has fewer tokens), so shapes
+are static.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PermuteCtx:
+    """What `unpermute` needs to reverse `permute` (and an expert-parallel dispatcher to split rows)."""
+
+    num_tokens: int  # T
+    topk: int  # K
+    src_flat: torch.Tensor  # [N_kept] flat assignment t*K+k of each kept row, in permuted (expert) order
+    dest_rows: torch.Tensor | None  # [N_kept] row of each kept assignment in the padded buffer; None: row i
+    num_rows: int  # rows of the permuted buffer: N_kept, or E*C when padded to capacity
+    tokens_per_expert: torch.Tensor  # [E] int64 rows per expert in the buffer (C each when padded)
+    kept_per_expert: torch.Tensor  # [E] int64 real (unpadded) assignments per expert
+
+
+def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
+    """C = ceil(T * K / E * capacity_factor) (Megatron-Core `get_capacity` with T*K assignments)."""
+    return math.ceil(num_tokens * topk / num_experts * capacity_factor)
+
+
+def capacity_keep(
+    idx_TK: torch.Tensor, weight_TK: torch.Tensor, num_experts: int, capacity: int, policy: str
+) -> torch.Tensor:
+    """Boolean [T, K]: which assignments fit in their expert's capacity under `policy` (probs | position)."""
+    flat_e = idx_TK.reshape(-1)
+    if policy == "probs":
+        # Two stable sorts: by weight descending, then by expert -> per expert, highest weight first.
+        pre = torch.argsort(-weight_TK.detach().reshape(-1), stable=True)
+        order = pre[torch.argsort(flat_e[pre], stable=True)]
+    elif policy == "position":
+        order = torch.argsort(flat_e, stable=True)
+    else:
+        raise ValueError(f"moe.token_drop_policy={policy!r} is invalid: allowed: probs | position")
+    sorted_e = flat_e[order]
+    counts = torch.bincount(flat_e, minlength=num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(flat_e.numel(), device=flat_e.device) - starts[sorted_e]
+    keep = torch.empty_like(flat_e, dtype=torch.bool)
+    keep[order] = rank < capacity
+    return keep.view_as(idx_TK)
+
+
+def permute(
+    x_TH: torch.Tensor,
+    idx_TK: torch.Tensor,
+    num_experts: int,
+    keep_TK: torch.Tensor | None = None,
+    pad_to_capacity: int | None = None,
+) -> tuple[torch.Tensor, PermuteCtx]:
+    """Rows of x grouped by expert: returns (permuted [N, H], ctx).
+
+    keep_TK: assignments to keep (None: all, dropless). pad_to_capacity=C: each expert's block is
+    exactly C rows (requires every expert to keep at most C assignments), zeros in the unused rows.
+    Dropless needs no host synchronisation; with drops and no padding, N is read back from the device.
+    """
+    T, K = idx_TK.shape
+    flat_e = idx_TK.reshape(-1)
+    if keep_TK is not None:
+        flat_e = torch.where(keep_TK.reshape(-1), flat_e, num_experts)  # dropped -> sentinel, sorted last
+    order = torch.argsort(flat_e, stable=True)
+    kept_per_expert = torch.bincount(flat_e, minlength=num_experts + 1)[:num_experts]
+    n_kept = T * K if keep_TK is None else int(kept_per_expert.sum())
+    src_flat = order[:n_kept]
+    token_of_row = src_flat // K
+    if pad_to_capacity is None:
+        rows = x_TH.index_select(0, token_of_row)
+        ctx = PermuteCtx(T, K, src_flat, None, n_kept, kept_per_expert, kept_per_expert)
+        return rows, ctx
+    C = pad_to_capacity
+    starts = torch.cumsum(kept_per_expert, 0) - kept_per_expert
+    sorted_e = flat_e[src_flat]
+    rank = torch.arange(n_kept, device=x_TH.device) - starts[sorted_e]
+    dest_rows = sorted_e * C + rank
+    rows = x_TH.new_zeros(num_experts * C, x_TH.shape[-1]).index_copy(0, dest_rows, x_TH.index_select(0, token_of_row))
+    per_expert = torch.full_like(kept_per_expert, C)
+    return rows, PermuteCtx(T, K, src_flat, dest_rows, num_experts * C, per_expert, kept_per_expert)
+
+
+def permute_probs(weight_TK: torch.Tensor, ctx: PermuteCtx) -> torch.Tensor:
+    """Routing weight of each permuted row ([num_rows]; 0 for padding rows)."""
+    w = weight_TK.reshape(-1).index_select(0, ctx.src_flat)
+    if ctx.dest_rows is None:
+        return w
+    return w.new_zeros(ctx.num_rows).index_copy(0, ctx.dest_rows, w)
+
+
+def unpermute(rows_NH: torch.Tensor, ctx: PermuteCtx, weight_TK: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of `permute`: out[t] = sum_k weight[t, k] * row(t, k) ([T, H], dropped rows count 0).
+
+    The weighted sum runs in fp32 when the rows are in a lower precision, then casts back.
+    weight_TK=None: plain sum over k (the weights were applied inside the experts).
+    """
+    T, K, H = ctx.num_tokens, ctx.topk, rows_NH.shape[-1]
+    rows = rows_NH if ctx.dest_rows is None else rows_NH.index_select(0, ctx.dest_rows)
+    if ctx.src_flat.numel() == T * K and ctx.dest_rows is None:
+        # Dropless: every slot is filled, a gather by the inverse permutation is enough.
+        inv = torch.empty_like(ctx.src_flat)
+        inv[ctx.src_flat] = torch.arange(T * K, device=inv.device)
+        slots = rows.index_select(0, inv)
+    else:
+        slots = rows.new_zeros(T * K, H).index_copy(0, ctx.src_flat, rows)
+    slots_TKH = slots.view(T, K, H)
+    if weight_TK is None:
+        return slots_TKH.sum(dim=1)
+    acc = torch.promote_types(slots.dtype, torch.float32)
+    out = (slots_TKH.to(acc) * weight_TK.to(acc).unsqueeze(-1)).sum(dim=1)
+    return out.to(rows_NH.dtype)

@@ -1,0 +1,207 @@
+"""Top-k router: logits, scores, expert selection and routing weights for every routing option.
+
+Legend for shape suffixes: T tokens, E experts, K experts per token (top-k), H hidden size.
+
+Order of operations (`topk_routing`), one token at a time:
+1. logits = x @ W_router^T, computed in `moe.router_dtype` (fp32 or fp64).
+2. scores: softmax over all experts (`router_pre_softmax`), the raw logits (softmax after top-k,
+   Megatron-Core's default), or sigmoid (`router_score_function=sigmoid`).
+3. selection scores = scores + expert bias (aux-loss-free balancing, DeepSeek-V3); the bias only
+   chooses experts, the weights below never see it.
+4. group-limited routing (DeepSeek-V2/V3): experts form `router_num_groups` equal groups, each group
+   is scored (`max` of its selection scores, DeepSeek-V2; or the sum of its top-2, DeepSeek-V3), the
+   best `router_group_topk` groups stay and the other experts are masked to -inf.
+5. top-k over the selection scores -> expert indices.
+6. weights, gathered from the unbiased scores:
+   - softmax, pre-softmax: softmax(all)[idx], divided by their sum if `norm_topk_prob` (no epsilon,
+     as Mixtral / Qwen-MoE in transformers);
+   - softmax after top-k: softmax over the K selected logits (sums to one by construction);
+   - sigmoid: sigmoid[idx], divided by (their sum + 1e-20) if `norm_topk_prob` (DeepSeek-V3).
+7. weights *= `router_topk_scaling_factor` (routed_scaling_factor) when set.
+
+Hugging Face equivalents: Mixtral = softmax, pre-softmax, renorm; Qwen2-MoE = softmax, pre-softmax,
+no renorm; Qwen3-MoE = softmax, pre-softmax, renorm; DeepSeek-V2 = softmax, pre-softmax, group `max`,
+no renorm, scaling; DeepSeek-V3 = sigmoid + expert bias (`e_score_correction_bias`), group `top2_sum`,
+renorm, scaling.
+
+The expert bias is updated once per optimizer step from the token counts accumulated over the
+micro-batches of that step: bias += rate * sign(mean(count) - count) (DeepSeek-V3, Wang et al. 2024,
+"Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moecore.config import MoEConfig
+
+ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+@dataclass
+class RouterOutput:
+    """What the router hands to the rest of the layer. Tensors keep their autograd graph."""
+
+    logits_TE: torch.Tensor  # router logits, router dtype
+    topk_idx_TK: torch.Tensor  # chosen experts, int64
+    topk_weight_TK: torch.Tensor  # routing weights (scaling applied), router dtype
+
+
+def group_limited_mask(select_TE: torch.Tensor, num_groups: int, group_topk: int, group_score: str) -> torch.Tensor:
+    """Mask (to -inf) the experts outside each token's best `group_topk` groups of experts.
+
+    group_score `max`: a group's score is its best expert score (DeepSeek-V2 group-limited greedy);
+    `top2_sum`: the sum of its two best expert scores (DeepSeek-V3; one expert per group: its score).
+    """
+    T, E = select_TE.shape
+    grouped = select_TE.view(T, num_groups, E // num_groups)
+    if group_score == "max":
+        gscore = grouped.max(dim=-1).values
+    elif group_score == "top2_sum":
+        gscore = grouped.topk(min(2, E // num_groups), dim=-1).values.sum(dim=-1)
+    else:
+        raise ValueError(f"moe.router_group_score={group_score!r} is invalid: allowed: max | top2_sum")
+    gidx = gscore.topk(group_topk, dim=-1, sorted=False).indices
+    keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gidx, True)
+    keep_TE = keep.unsqueeze(-1).expand(T, num_groups, E // num_groups).reshape(T, E)
+    return select_TE.masked_fill(~keep_TE, float("-inf"))
+
+
+def topk_routing(
+    logits_TE: torch.Tensor,
+    topk: int,
+    score_function: str = "softmax",
+    pre_softmax: bool = False,
+    norm_topk_prob: bool = True,
+    scaling_factor: float | None = None,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    group_score: str = "max",
+    expert_bias_E: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick `topk` experts per token and their weights; see the module docstring for the steps.
+
+    Returns (weights [T, K] in the logits' dtype, indices [T, K] int64).
+    """
+    if score_function == "softmax":
+        scores_TE = torch.softmax(logits_TE, dim=-1) if pre_softmax else logits_TE
+    elif score_function == "sigmoid":
+        scores_TE = torch.sigmoid(logits_TE)
+    else:
+        raise ValueError(f"moe.router_score_function={score_function!r} is invalid: allowed: softmax | sigmoid")
+    with torch.no_grad():
+        select_TE = scores_TE.detach()
+        if expert_bias_E is not None:
+            select_TE = select_TE + expert_bias_E.to(select_TE.dtype)
+        if num_groups is not None and group_topk is not None and num_groups > 1:
+            select_TE = group_limited_mask(select_TE, num_groups, group_topk, group_score)
+        idx_TK = select_TE.topk(topk, dim=-1).indices
+    picked_TK = scores_TE.gather(1, idx_TK)
+    if score_function == "softmax" and not pre_softmax:
+        weight_TK = torch.softmax(picked_TK, dim=-1)
+    elif score_function == "softmax":
+        weight_TK = picked_TK / picked_TK.sum(dim=-1, keepdim=True) if norm_topk_prob else picked_TK
+    else:
+        weight_TK = picked_TK / (picked_TK.sum(dim=-1, keepdim=True) + 1e-20) if norm_topk_prob else picked_TK
+    if scaling_factor is not None:
+        weight_TK = weight_TK * scaling_factor
+    return weight_TK, idx_TK
+
+
+def scores_for_balancing(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor:
+    """Per-token scores over all experts that the balancing losses use (P in E * sum_i f_i P_i).
+
+    softmax: softmax of the logits; sigmoid: sigmoid scores divided by (their sum + 1e-20), so each
+    row sums to one (Megatron-Core's `compute_routing_scores_for_aux_loss`).
+    """
+    if score_function == "softmax":
+        return torch.softmax(logits_TE, dim=-1)
+    s = torch.sigmoid(logits_TE)
+    return s / (s.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+class TopKRouter(nn.Module):
+    """Linear gate `weight` [E, H] plus, with expert bias on, the fp32 buffer `expert_bias` [E].
+
+    `expert_bias` is persistent (saved in state_dict; DeepSeek-V3 checkpoints call it
+    `e_score_correction_bias`) and stays fp32 when the module is cast to another dtype.
+    `local_tokens_per_expert` (not saved) accumulates the routed token counts between bias updates.
+    """
+
+    def __init__(self, cfg: MoEConfig, hidden_size: int, init_std: float = 0.02) -> None:
+        super().__init__()
+        if cfg.router_score_function == "softmax" and not cfg.router_pre_softmax and not cfg.norm_topk_prob:
+            raise ValueError(
+                "moe.norm_topk_prob=False is invalid with moe.router_pre_softmax=False: a softmax over the top-k "
+                "always sums to one; set moe.router_pre_softmax=true (softmax over all experts, as Qwen2-MoE)"
+            )
+        if cfg.router_dtype not in ROUTER_DTYPES:
+            raise ValueError(f"moe.router_dtype={cfg.router_dtype!r} is invalid: allowed: fp32 | fp64")
+        self.cfg = cfg
+        self.num_experts = cfg.num_experts
+        self.topk = cfg.router_topk
+        self.router_dtype = ROUTER_DTYPES[cfg.router_dtype]
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size))
+        nn.init.normal_(self.weight, std=init_std)
+        if cfg.router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
+        else:
+            self.expert_bias = None
+            self.local_tokens_per_expert = None
+
+    def _apply(self, fn, recurse: bool = True):
+        # Keep the expert bias in fp32 through `.to(dtype)` / `.bfloat16()`: its updates (1e-3) are
+        # below bf16 resolution near typical bias values, and selection must not depend on the cast.
+        bias = self.expert_bias
+        out = super()._apply(fn, recurse)
+        if bias is not None and self._buffers["expert_bias"].dtype != torch.float32:
+            self._buffers["expert_bias"] = bias.to(device=self._buffers["expert_bias"].device, dtype=torch.float32)
+        return out
+
+    def forward(self, x_TH: torch.Tensor) -> RouterOutput:
+        cfg = self.cfg
+        x = x_TH
+        if self.training and cfg.input_jitter_eps:
+            # Switch Transformer input jitter: multiply the router input by U(1 - eps, 1 + eps).
+            eps = cfg.input_jitter_eps
+            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+        logits_TE = F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype))
+        weight_TK, idx_TK = topk_routing(
+            logits_TE,
+            self.topk,
+            score_function=cfg.router_score_function,
+            pre_softmax=cfg.router_pre_softmax,
+            norm_topk_prob=cfg.norm_topk_prob,
+            scaling_factor=cfg.router_topk_scaling_factor,
+            num_groups=cfg.router_num_groups,
+            group_topk=cfg.router_group_topk,
+            group_score=cfg.router_group_score,
+            expert_bias_E=self.expert_bias,
+        )
+        return RouterOutput(logits_TE=logits_TE, topk_idx_TK=idx_TK, topk_weight_TK=weight_TK)
+
+    @torch.no_grad()
+    def accumulate_tokens_per_expert(self, counts_E: torch.Tensor) -> None:
+        """Add one micro-batch's routed token counts (padding excluded) to the bias-update counts."""
+        if self.local_tokens_per_expert is not None:
+            self.local_tokens_per_expert += counts_E.to(self.local_tokens_per_expert.dtype)
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts_E: torch.Tensor | None = None) -> None:
+        """bias += rate * sign(mean(count) - count); then reset the accumulated counts.
+
+        `counts_E` defaults to the accumulated local counts; the caller sums them over the data-parallel
+        ranks first when there are several (see MoELayer.update_expert_bias).
+        """
+        if self.expert_bias is None:
+            return
+        counts = self.local_tokens_per_expert if counts_E is None else counts_E
+        counts = counts.float()
+        offset = counts.mean() - counts
+        self.expert_bias += self.cfg.router_bias_update_rate * torch.sign(offset)
+        self.local_tokens_per_expert.zero_()
