@@ -185,7 +185,7 @@ class Trainer:
         self.model.eval()
         total = torch.zeros((), dtype=torch.float64, device=rt.device)
         tokens = torch.zeros((), dtype=torch.float64, device=rt.device)
-        for b in self.data.valid_batches(self.cfg.train.eval_iters):
+        for b in self.data.valid_batches():
             b = _to(b, rt.device)
             with autocast_context(rt):
                 out = self.model(b["input_ids"], labels=b["labels"], loss_mask=b["loss_mask"])
