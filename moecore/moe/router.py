@@ -99,7 +99,9 @@ def topk_routing(
             select_TE = select_TE + expert_bias_E.to(select_TE.dtype)
         if num_groups is not None and group_topk is not None and num_groups > 1:
             select_TE = group_limited_mask(select_TE, num_groups, group_topk, group_score)
-        idx_TK = select_TE.topk(topk, dim=-1).indices
+        # Sorted for softmax (Mixtral / Qwen), unsorted for sigmoid (DeepSeek-V3): the renormalising sum
+        # below then adds the K weights in the same order as those references, bit for bit.
+        idx_TK = select_TE.topk(topk, dim=-1, sorted=score_function == "softmax").indices
     picked_TK = scores_TE.gather(1, idx_TK)
     if score_function == "softmax" and not pre_softmax:
         weight_TK = torch.softmax(picked_TK, dim=-1)
