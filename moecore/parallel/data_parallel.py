@@ -1,0 +1,259 @@
+"""Data-parallel gradient reduction in buckets, launched from backward hooks, and the global grad norm.
+
+The training loop's contract:
+
+    sync = wrap_model_for_data_parallel(model, dims, bucket_mb, overlap)
+    for each micro-batch i:
+        with sync.no_sync() if i < last else nullcontext():
+            (loss / num_micro_batches).backward()
+    sync.finish_grad_sync()            # every grad now equals the single-process run's
+    norm = clip_grad_norm_(model.parameters(), max_norm, dims)
+    optimizer.step()
+
+How each gradient is reduced follows its ShardSpec kind (see `moecore.parallel.sharding`):
+
+| kind | reduction |
+|---|---|
+| replicated, tensor_parallel | mean over the dp_cp group |
+| tp_partial | mean over dp_cp, then sum over tp |
+| expert | sum over the edp group, divided by dp * cp |
+
+Why experts divide by dp*cp: every rank routes distinct tokens (TP ranks hold sequence chunks),
+and an expert's local gradient already sums the contributions of every token it received, from all
+EP (and ETP) peers. Summing over the ranks that hold the same expert shard (edp) covers every token
+of the global batch once; dividing by the number of data-parallel replicas makes it the mean over
+replicas that the dense parameters get.
+
+Buckets: parameters are grouped in reverse registration order (roughly the order backward produces
+their gradients), by reduction group, up to `bucket_mb` MiB each. A post-accumulate-grad hook marks
+a parameter ready; when a bucket is complete, it and every complete bucket before it are flattened
+and all-reduced asynchronously (so communication overlaps the rest of backward). Buckets are always
+launched in index order, so every rank issues the same collectives in the same order even when a
+parameter gets no gradient on some rank (it counts as zero at `finish_grad_sync`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from moecore.parallel import comm
+from moecore.parallel.dims import Group, ParallelDims
+from moecore.parallel.sharding import get_shard, replication_factor
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.nn.Parameter]
+    group: Group
+    scale: float
+    ready: set = field(default_factory=set)
+    work: object | None = None
+    flat: torch.Tensor | None = None
+
+
+class GradSync:
+    """Bucketed, hook-driven gradient reduction for one model; see the module docstring.
+
+    bucket_mb / overlap default to `parallel.grad_bucket_mb` / `parallel.overlap_grad_reduce`.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, dims: ParallelDims, bucket_mb: float | None = None, overlap: bool | None = None
+    ) -> None:
+        bucket_mb = dims.cfg.grad_bucket_mb if bucket_mb is None else bucket_mb
+        overlap = dims.cfg.overlap_grad_reduce if overlap is None else overlap
+        self.dims = dims
+        self.overlap = overlap
+        self.sync_enabled = True
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.tp_partial = [p for p in params if get_shard(p).kind == "tp_partial"]
+        self.buckets = self._make_buckets(params, bucket_mb)
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        self._next_launch = 0
+        self._hooks = []
+        if overlap and self.buckets:
+            for p in params:
+                if id(p) in self._bucket_of:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def _make_buckets(self, params: list[torch.nn.Parameter], bucket_mb: float) -> list[_Bucket]:
+        d = self.dims
+        replicas = d.dp * d.cp
+        cap = max(1, int(bucket_mb * 2**20))
+        open_: dict[str, _Bucket] = {}
+        sizes: dict[str, int] = {}
+        buckets: list[_Bucket] = []
+        for p in reversed(params):
+            if get_shard(p).kind == "expert":
+                key, group, scale = "expert", d.edp_group, 1.0 / replicas
+            else:
+                key, group, scale = "dense", d.dp_cp_group, 1.0 / d.dp_cp_group.size
+            if group.size == 1:
+                if scale != 1.0:  # nothing to sum, but the mean over replicas still applies
+                    key = key + "-scale"
+                else:
+                    continue
+            if key not in open_:
+                open_[key] = _Bucket([], group, scale)
+                sizes[key] = 0
+                buckets.append(open_[key])
+            open_[key].params.append(p)
+            sizes[key] += p.numel() * p.element_size()
+            if sizes[key] >= cap:
+                del open_[key]
+        return buckets
+
+    # ------------------------------------------------------------------ hooks
+    def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
+        if not self.sync_enabled:
+            return
+        b = self.buckets[self._bucket_of[id(p)]]
+        b.ready.add(id(p))
+        # Launch in index order only: bucket i waits for buckets < i, so all ranks issue the same sequence.
+        while self._next_launch < len(self.buckets):
+            nb = self.buckets[self._next_launch]
+            if len(nb.ready) < len(nb.params):
+                break
+            self._launch(nb)
+            self._next_launch += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        b.flat = torch.cat([g.reshape(-1) for g in grads]).mul_(b.scale)
+        if b.group.size > 1:
+            b.work = dist.all_reduce(b.flat, group=b.group.pg, async_op=True)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally without reducing them."""
+        prev = self.sync_enabled
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = prev
+
+    # ------------------------------------------------------------------ finish
+    def finish_grad_sync(self) -> None:
+        """Launch what is left (in order), wait for every bucket, write the results back into .grad."""
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            off = 0
+            for p in b.params:
+                n = p.numel()
+                g = b.flat[off : off + n].view_as(p)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+                off += n
+            b.ready.clear()
+            b.work, b.flat = None, None
+        self._next_launch = 0
+        self._reduce_tp_partial()
+
+    def _reduce_tp_partial(self) -> None:
+        tp = self.dims.tp_group
+        if tp.size == 1 or not self.tp_partial:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.tp_partial]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce_(flat, tp, "sum")
+        off = 0
+        for p in self.tp_partial:
+            n = p.numel()
+            if p.grad is None:
+                p.grad = flat[off : off + n].view_as(p).clone()
+            else:
+                p.grad.copy_(flat[off : off + n].view_as(p))
+            off += n
+
+    finish = finish_grad_sync  # the name the training runtime calls
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+GradReducer = GradSync  # alias used by moecore.train.runtime
+
+
+def wrap_model_for_data_parallel(
+    model: torch.nn.Module, dims: ParallelDims, bucket_mb: float | None = None, overlap: bool | None = None
+) -> GradSync:
+    """Register the bucketed gradient reduction on `model` (which stays the same object) and return it."""
+    sync = GradSync(model, dims, bucket_mb, overlap)
+    model._moecore_grad_sync = sync
+    return sync
+
+
+def finish_grad_sync(model: torch.nn.Module) -> None:
+    """Complete the gradient reduction registered by `wrap_model_for_data_parallel` (no-op without it)."""
+    sync = getattr(model, "_moecore_grad_sync", None)
+    if sync is not None:
+        sync.finish_grad_sync()
+
+
+def _params(params: Iterable[torch.nn.Parameter] | torch.nn.Module) -> list[torch.nn.Parameter]:
+    if isinstance(params, torch.nn.Module):
+        params = params.parameters()
+    return [p for p in params if p.grad is not None]
+
+
+def global_grad_norm(params: Iterable[torch.nn.Parameter] | torch.nn.Module, dims: ParallelDims | None) -> torch.Tensor:
+    """L2 norm of the full gradient: every parameter counted once (replicas once, shards from every shard)."""
+    params = _params(params)
+    if not params:
+        return torch.zeros((), dtype=torch.float32)
+    device = params[0].grad.device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        # Each copy contributes 1/copies of its square, so the sum over all ranks counts it once.
+        sq = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32).double().square()
+        copies = 1 if dims is None else replication_factor(get_shard(p), dims)
+        total += sq / copies
+    if dims is not None:
+        comm.all_reduce_(total, dims.world_group, "sum")
+    return total.sqrt().float()
+
+
+def clip_grad_norm_(
+    params: Iterable[torch.nn.Parameter] | torch.nn.Module, max_norm: float, dims: ParallelDims | None
+) -> torch.Tensor:
+    """Scale grads so the global norm is at most max_norm (as torch.nn.utils.clip_grad_norm_); returns the norm.
+
+    `params` may be a module (all its parameters with a gradient).
+    """
+    params = _params(params)
+    norm = global_grad_norm(params, dims)
+    if max_norm > 0 and math.isfinite(max_norm):
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+    return norm
+
+
+def average_over_data_parallel(t: torch.Tensor, dims: ParallelDims | None) -> torch.Tensor:
+    """Mean of a per-replica metric (e.g. the LM loss) over the data-parallel replicas; a detached copy."""
+    t = t.detach().clone()
+    if dims is not None:
+        comm.all_reduce_(t, dims.dp_cp_group, "avg")
+    return t
+
+
+def sum_over_token_ranks(t: torch.Tensor, dims: ParallelDims | None) -> torch.Tensor:
+    """Sum of a per-rank token statistic over every rank that routes distinct tokens (tp x cp x dp); in place."""
+    if dims is not None:
+        comm.all_reduce_(t, dims.world_group, "sum")  # with pp = 1 those ranks are the whole world
+    return t

@@ -1,0 +1,135 @@
+"""Shared machinery of the multi-process parity tests: a tiny MoE model, a training step, a comparison.
+
+The reference is the one-process run (dims None; torch's own clip_grad_norm_); a layout runs the same
+steps on N gloo processes from the same initial weights (cut out of the reference's full tensors)
+and the same global batches (data-parallel rank d takes its contiguous share of the micro-batches).
+The objective is the training loop's (moecore/train/loop.py): LM loss summed over tokens / global
+tokens x dp, plus each micro-batch's routing losses x dp / micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from moecore.config import Config
+from moecore.models.transformer import MoETransformer
+from moecore.parallel.data_parallel import clip_grad_norm_, wrap_model_for_data_parallel
+from moecore.parallel.dims import ParallelDims
+from moecore.parallel.sharding import global_grads, load_global_state_dict
+
+STEPS, GLOBAL_BATCH, MICRO_BATCH, SEQ, VOCAB = 3, 8, 2, 8, 64
+CLIP = 0.05  # small enough that clipping is active, so the global norm matters
+
+
+def tiny_config(**moe_overrides) -> Config:
+    """3 layers: layer 0 dense, layers 1-2 MoE with 8 experts (top-2) and a shared expert."""
+    cfg = Config()
+    m, e = cfg.model, cfg.moe
+    m.vocab_size, m.hidden_size, m.num_layers = VOCAB, 32, 3
+    m.num_attention_heads, m.num_kv_heads, m.ffn_hidden_size, m.init_std = 4, 2, 64, 0.1
+    e.num_experts, e.router_topk, e.ffn_hidden_size, e.shared_expert_intermediate_size = 8, 2, 16, 24
+    e.first_k_dense_replace, e.aux_loss_coeff, e.z_loss_coeff = 1, 1e-2, 1e-3
+    for k, v in moe_overrides.items():
+        setattr(e, k, v)
+    cfg.train.seq_length, cfg.train.global_batch_size, cfg.train.micro_batch_size = SEQ, GLOBAL_BATCH, MICRO_BATCH
+    return cfg
+
+
+def make_data(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+        labels = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+        mask = (torch.rand(GLOBAL_BATCH, SEQ, generator=g) > 0.15).float()  # some padding positions
+        out.append((ids, labels, mask))
+    return out
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    sd = {k: v.detach().clone() for k, v in model.named_parameters()}
+    sd.update({k: v.detach().clone() for k, v in model.named_buffers()})
+    return sd
+
+
+def train_steps(model: MoETransformer, dims: ParallelDims | None, data) -> dict:
+    """STEPS optimizer steps; returns losses, grad norms and (full) gradients after the first step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    dp = 1 if dims is None else dims.dp
+    dp_rank = 0 if dims is None else dims.dp_group.rank
+    sync = None if dims is None else wrap_model_for_data_parallel(model, dims, bucket_mb=0.002)
+    n_mb = GLOBAL_BATCH // MICRO_BATCH
+    per_rank = n_mb // dp
+    out = {"losses": [], "norms": [], "grads": None}
+    for step in range(STEPS):
+        ids, labels, mask = data[step]
+        global_tokens = mask.sum().double()
+        opt.zero_grad(set_to_none=True)
+        lm_sum = torch.zeros((), dtype=torch.float64)
+        for i in range(per_rank):
+            sl = slice((dp_rank * per_rank + i) * MICRO_BATCH, (dp_rank * per_rank + i + 1) * MICRO_BATCH)
+            last = i == per_rank - 1
+            ctx = sync.no_sync() if sync is not None and not last else contextlib.nullcontext()
+            with ctx:
+                o = model(ids[sl], labels=labels[sl], loss_mask=mask[sl])
+                obj = o.lm_loss_sum / global_tokens.to(o.lm_loss_sum.dtype) * dp + o.aux_loss * (dp / n_mb)
+                obj.backward()
+            lm_sum += o.lm_loss_sum.detach().double()
+        if dims is None:
+            if step == 0:
+                out["grads"] = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        else:
+            sync.finish_grad_sync()
+            if step == 0:
+                out["grads"] = global_grads(model, dims)
+            norm = clip_grad_norm_(model, CLIP, dims)
+            lm_sum = dims.all_reduce_dp(lm_sum)
+        opt.step()
+        for layer in model.moe_layers():
+            layer.update_expert_bias()
+        out["losses"].append(float(lm_sum / global_tokens))
+        out["norms"].append(float(norm))
+    return out
+
+
+def reference(cfg: Config, data, seed: int = 0, init_hook=None) -> tuple[dict, dict]:
+    """(initial full state, results) of the one-process run."""
+    torch.manual_seed(seed)
+    model = MoETransformer(copy.deepcopy(cfg), None)
+    if init_hook is not None:
+        init_hook(model)
+    init = full_state(model)
+    return init, train_steps(model, None, data)
+
+
+def run_layout(rank: int, world: int, cfg: Config, init: dict, data) -> dict:
+    """One layout on this rank: build, load the reference's initial weights, train."""
+    dims = ParallelDims(
+        cfg.parallel,
+        world,
+        rank,
+        "cpu",
+        num_experts=cfg.moe.num_experts,
+        num_attention_heads=cfg.model.num_attention_heads,
+        vocab_size=cfg.model.vocab_size,
+    )
+    torch.manual_seed(1000 + rank)  # the local random init is overwritten below
+    model = MoETransformer(copy.deepcopy(cfg), dims)
+    load_global_state_dict(model, init)
+    return train_steps(model, dims, data)
+
+
+def compare(ref: dict, got: dict) -> dict:
+    """Largest relative differences: losses, grad norms, and per-parameter gradient (norm-wise)."""
+    loss = max(abs(a - b) / abs(a) for a, b in zip(ref["losses"], got["losses"]))
+    norm = max(abs(a - b) / abs(a) for a, b in zip(ref["norms"], got["norms"]))
+    worst, worst_name = 0.0, ""
+    for name, g in ref["grads"].items():
+        err = float((got["grads"][name] - g).norm() / g.norm().clamp(min=1e-30))
+        if err > worst:
+            worst, worst_name = err, name
+    return {"loss": loss, "norm": norm, "grad": worst, "grad_param": worst_name}
