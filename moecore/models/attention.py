@@ -23,6 +23,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from moecore.config import ModelConfig
 from moecore.models.norms import RMSNorm
 from moecore.models.rope import RotaryEmbedding, apply_rotary
+from moecore.parallel.sharding import mark_tp_partial
+from moecore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, tp_region_input, tp_size
 
 _BACKENDS = {
     "flash": [SDPBackend.FLASH_ATTENTION],
@@ -79,23 +81,33 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.layer_idx = layer_idx
+        self.dims = dims
         self.head_dim = cfg.resolved_head_dim
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.kv_heads
+        # Tensor parallel: each rank computes num_heads / tp query heads and num_kv_heads / tp kv heads.
+        tp = tp_size(dims)
+        if cfg.kv_heads % tp:
+            raise ValueError(f"parallel.tp={tp} does not divide model.num_kv_heads={cfg.kv_heads}")
+        self.num_heads = cfg.num_attention_heads // tp
+        self.num_kv_heads = cfg.kv_heads // tp
         h = cfg.hidden_size
-        q_out = self.num_heads * self.head_dim * (2 if cfg.attn_output_gate else 1)
-        self.q_proj = nn.Linear(h, q_out, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=cfg.attn_out_bias)
+        n_q, n_kv = cfg.num_attention_heads * self.head_dim, cfg.kv_heads * self.head_dim
+        q_out = n_q * (2 if cfg.attn_output_gate else 1)
+        self.q_proj = ColumnParallelLinear(h, q_out, cfg.qkv_bias, dims, name="model.num_attention_heads * head_dim")
+        self.k_proj = ColumnParallelLinear(h, n_kv, cfg.qkv_bias, dims, name="model.num_kv_heads * head_dim")
+        self.v_proj = ColumnParallelLinear(h, n_kv, cfg.qkv_bias, dims, name="model.num_kv_heads * head_dim")
+        self.o_proj = RowParallelLinear(n_q, h, cfg.attn_out_bias, dims, name="model.num_attention_heads * head_dim")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.norm_zero_centered)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.norm_zero_centered)
+            if tp > 1:  # each rank normalises its own heads: partial gradients over TP
+                mark_tp_partial(self.q_norm)
+                mark_tp_partial(self.k_norm)
         rotary_dim = int(self.head_dim * cfg.partial_rotary_factor)
         self.rotary = RotaryEmbedding(rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         self.recompute_core = "core_attn" in cfg.recompute_modules
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = tp_region_input(x, self.dims)  # sequence-parallel shards -> full sequence
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, -1)
         gate = None

@@ -25,6 +25,7 @@ from moecore.config import Config, ModelConfig
 from moecore.models.attention import Attention
 from moecore.models.mlp import MLP
 from moecore.models.norms import RMSNorm
+from moecore.parallel import tensor_parallel as tpl
 
 
 @dataclass
@@ -66,6 +67,8 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(m.hidden_size, m.norm_eps, m.norm_zero_centered)
         self.attn = build_attention(m, layer_idx, dims)
         self.mlp_norm = RMSNorm(m.hidden_size, m.norm_eps, m.norm_zero_centered)
+        tpl.mark_sequence_parallel(self.attn_norm, dims)  # norms see sequence shards under SP
+        tpl.mark_sequence_parallel(self.mlp_norm, dims)
         self.is_moe = cfg.moe.is_moe_layer(layer_idx, m.num_layers)
         if self.is_moe:
             from moecore.moe.layer import MoELayer
@@ -100,11 +103,18 @@ class MoETransformer(nn.Module):
         if cfg.model.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (> 0) before building the model")
         self.cfg = cfg
+        self.dims = dims
         m = cfg.model
-        self.embed = nn.Embedding(m.vocab_size, m.hidden_size)
+        # Tensor parallel: embedding rows and head columns split along the vocabulary.
+        self.embed = tpl.VocabParallelEmbedding(m.vocab_size, m.hidden_size, dims)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dims) for i in range(m.num_layers))
         self.norm = RMSNorm(m.hidden_size, m.norm_eps, m.norm_zero_centered)
-        self.lm_head = None if m.tie_embeddings else nn.Linear(m.hidden_size, m.vocab_size, bias=False)
+        tpl.mark_sequence_parallel(self.norm, dims)
+        self.lm_head = (
+            None
+            if m.tie_embeddings
+            else tpl.ColumnParallelLinear(m.hidden_size, m.vocab_size, False, dims, name="model.vocab_size")
+        )
         self.mtp = None
         if m.mtp_num_layers > 0:
             from moecore.models.mtp import MTPStack
@@ -133,8 +143,10 @@ class MoETransformer(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def logits_from_hidden(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.output_weight())
+    def logits_from_hidden(self, h: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """Logits [B, S, V]; under tensor parallel `gather=False` keeps this rank's vocabulary shard."""
+        logits = F.linear(tpl.tp_region_input(h, self.dims), self.output_weight())
+        return tpl.gather_vocab(logits, self.dims) if gather else logits
 
     def decoder(
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
@@ -191,10 +203,14 @@ class MoETransformer(nn.Module):
     def lm_loss(
         self, h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(logits or None, sum over masked tokens of the cross-entropy); fp32 logits."""
-        logits = self.logits_from_hidden(h)
-        ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
-        return logits, (ce * mask.flatten()).sum()
+        """(logits or None, sum over masked tokens of the cross-entropy); fp32 logits.
+
+        Under tensor parallel the logits are this rank's vocabulary shard and the cross-entropy is
+        vocabulary-parallel (moecore.parallel.tensor_parallel).
+        """
+        logits = self.logits_from_hidden(h, gather=False)
+        ce = tpl.vocab_parallel_cross_entropy(logits, labels, self.dims)
+        return logits, (ce.flatten() * mask.flatten()).sum()
 
     # ------------------------------------------------------------------ helpers
     def moe_layers(self) -> list[nn.Module]:

@@ -137,9 +137,17 @@ class LocalDispatcher(TokenDispatcher):
         return unpermute(rows, ctx.permute_ctx, weight)
 
 
-def build_dispatcher(num_experts: int, apply_probs_on_input: bool = False, dims=None) -> TokenDispatcher:
-    """The dispatcher for this layout. Expert parallel ones (allgather / alltoall) plug in here."""
+def build_dispatcher(
+    num_experts: int, apply_probs_on_input: bool = False, dims=None, kind: str = "alltoall"
+) -> TokenDispatcher:
+    """The dispatcher for this layout: local with ep = etp = 1, else `kind` (moe.token_dispatcher_type).
+
+    The expert-parallel ones (allgather / alltoall) live in moecore.parallel.expert_parallel.
+    """
     ep = getattr(dims, "ep", 1) if dims is not None else 1
-    if ep == 1:
+    etp = getattr(dims, "etp", 1) if dims is not None else 1
+    if ep == 1 and etp == 1:
         return LocalDispatcher(num_experts, apply_probs_on_input, dims)
-    raise NotImplementedError(f"parallel.ep={ep}: expert-parallel token dispatchers are not implemented yet")
+    from moecore.parallel.expert_parallel import build_parallel_dispatcher
+
+    return build_parallel_dispatcher(kind, num_experts, apply_probs_on_input, dims)

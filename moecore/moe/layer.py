@@ -32,6 +32,7 @@ from moecore.moe.dispatch import build_dispatcher
 from moecore.moe.experts import GroupedExperts
 from moecore.moe.permute import capacity_keep, expert_capacity
 from moecore.moe.router import TopKRouter, scores_for_balancing
+from moecore.parallel import expert_parallel as ep_util
 
 
 @dataclass
@@ -79,10 +80,13 @@ class MoELayer(nn.Module):
         self.num_experts = cfg.num_experts
         self.topk = cfg.router_topk
         self.router = TopKRouter(cfg, hidden_size, init_std)
-        self.experts = GroupedExperts(
-            cfg.num_experts, hidden_size, cfg.ffn_hidden_size, activation, init_std, cfg.grouped_gemm
+        # Expert parallel: this rank holds E / ep experts, each with F / etp FFN columns.
+        e_local, f_local = ep_util.local_expert_sizes(cfg.num_experts, cfg.ffn_hidden_size, dims)
+        self.experts = GroupedExperts(e_local, hidden_size, f_local, activation, init_std, cfg.grouped_gemm)
+        ep_util.shard_expert_params(
+            self.experts.w13, self.experts.w2, cfg.num_experts, cfg.ffn_hidden_size, activation == "swiglu", dims
         )
-        self.dispatcher = build_dispatcher(cfg.num_experts, cfg.apply_probs_on_input, dims)
+        self.dispatcher = build_dispatcher(cfg.num_experts, cfg.apply_probs_on_input, dims, cfg.token_dispatcher_type)
         self.shared_experts = None
         self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
@@ -92,6 +96,7 @@ class MoELayer(nn.Module):
             if cfg.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
                 nn.init.normal_(self.shared_expert_gate.weight, std=init_std)
+        ep_util.mark_replicated_moe_params([self.router, self.shared_experts, self.shared_expert_gate], dims)
         self.coeffs = {t: c for t, c in zip(cfg.balancing_types, cfg.aux_loss_coeffs) if t != "none" and c > 0}
         # Global-batch counts for global_aux_loss: summed over this step's micro-batches (not saved).
         self.register_buffer("global_tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
@@ -101,14 +106,17 @@ class MoELayer(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, MoELayerAux]:
+        full_loss_mask = loss_mask
+        x, loss_mask = ep_util.moe_tokens_enter(x, loss_mask, self.dims)  # tensor parallel: this rank's tokens
         B, S, H = x.shape
         x_TH = x.reshape(B * S, H)
         valid_T = None if loss_mask is None else (loss_mask.reshape(B * S) > 0)
 
-        # 1. route
+        # 1. route (the balancing losses see the whole micro-batch, also under tensor parallel)
         r = self.router(x_TH)
         idx_TK, weight_TK = r.topk_idx_TK, r.topk_weight_TK
-        loss, stats = self._routing_losses(r.logits_TE, valid_T, B, S)
+        loss_logits, loss_valid, loss_S = ep_util.router_logits_for_losses(r.logits_TE, B, full_loss_mask, self.dims)
+        loss, stats = self._routing_losses(loss_logits, loss_valid, B, loss_S)
 
         # 2. capacity (optional): which assignments fit
         keep_TK, pad = None, None
@@ -133,7 +141,7 @@ class MoELayer(nn.Module):
             y_TH = y_TH + shared
 
         stats.update(self._load_stats(idx_TK, keep_TK, valid_T, count=self._counting()))
-        return y_TH.view(B, S, H), MoELayerAux(loss=loss, stats=stats)
+        return ep_util.moe_tokens_exit(y_TH.view(B, S, H), self.dims), MoELayerAux(loss=loss, stats=stats)
 
     # ------------------------------------------------------------------ losses and statistics
     def _counting(self) -> bool:
@@ -187,7 +195,9 @@ class MoELayer(nn.Module):
             return counts_E
         counts = counts_E.float()
         if "global_aux_loss" in self.coeffs:
-            counts = self._sum_over_ranks(counts)  # only communicate when the loss is in the objective
+            # only communicate when the loss is in the objective; counts_E are the whole micro-batch's
+            # (the same on every TP rank), so they are summed over the data-parallel replicas only
+            counts = self.dims.all_reduce_dp(counts) if self.dims is not None else counts
         self.global_tokens_per_expert += counts
         self.global_steps += 1
         avg = (self.global_tokens_per_expert / self.global_steps).to(counts_E.dtype)
@@ -209,6 +219,8 @@ class MoELayer(nn.Module):
         tpe = torch.zeros(self.num_experts, device=idx_TK.device).scatter_add_(0, idx_TK.reshape(-1), w.reshape(-1))
         if count:
             self.router.accumulate_tokens_per_expert(tpe)
+        # statistics of the whole micro-batch (this rank routed one sequence chunk under tensor parallel)
+        tpe, assigned = ep_util.sum_counts_over_tp(tpe, self.dims), ep_util.sum_counts_over_tp(assigned, self.dims)
         mean = tpe.mean()
         return {
             "tokens_per_expert": tpe,
