@@ -1,0 +1,132 @@
+"""Shared checks for the Hugging Face family tests: tiny random transformers models against ours.
+
+Every check compares with transformers (installed from PyPI; nothing is downloaded):
+- `import_export_parity`: save a transformers model, `load_pretrained` it, compare fp32 logits;
+  `save_pretrained` it back, load that with `AutoModelForCausalLM`, compare again;
+- `train_step_parity`: the LM loss and every parameter's gradient of one training step, then the
+  per-layer aux loss against transformers' `load_balancing_loss_func` and the gradient of the full
+  objective (LM + aux) against the same objective built from transformers' router logits.
+Tolerance for logits: max abs diff <= 1e-4 * max(1, max |reference|).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moecore.hf import load_pretrained, save_pretrained
+from moecore.hf.families import get_family
+
+transformers = __import__("transformers")
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Weights that make every tensor matter: matrices N(0, 1/sqrt(fan_in)), norms 1 + N(0, 0.3), biases N(0, 0.2).
+
+    transformers initialises norms to one and weights with std 0.02, under which swapped norms or a
+    near-uniform router would go unnoticed.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return model
+
+
+def build_hf(config, seed: int = 0) -> torch.nn.Module:
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return randomize(transformers.AutoModelForCausalLM.from_config(config), seed).eval()
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor, what: str = "logits") -> float:
+    tol = 1e-4 * max(1.0, ref.abs().max().item())
+    err = (ours - ref).abs().max().item()
+    assert err <= tol, f"{what}: max abs diff {err:.3g} > {tol:.3g}"
+    return err
+
+
+def tokens(vocab: int, batch: int = 2, seq: int = 12, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def import_export_parity(hf_model, tmp_path: Path, hf_save_kwargs: dict | None = None):
+    """Import, compare, export, reload with transformers, compare. Returns (our model, exported folder)."""
+    src, out = tmp_path / "hf", tmp_path / "exported"
+    hf_model.save_pretrained(src, **(hf_save_kwargs or {}))
+    ours = load_pretrained(src)
+    ids = tokens(hf_model.config.vocab_size)
+    with torch.no_grad():
+        ref = hf_model(ids).logits
+        assert_close(ours(ids).logits, ref, "imported logits")
+    save_pretrained(ours, out)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert type(back) is type(hf_model)
+    with torch.no_grad():
+        assert_close(back(ids).logits, ref, "exported logits")
+    return ours, out
+
+
+def _grad_pairs(ours, hf_model):
+    """(our name, our grad, HF name, HF grad) for every parameter, through the family's in-memory name map."""
+    family = get_family(hf_model.config.model_type)
+    hf_params = dict(hf_model.named_parameters())
+    maps = family.tensor_maps(ours.cfg, set(hf_params))  # transformers' in-memory layout (fused experts)
+    ours_params = dict(ours.named_parameters())
+    for mp in maps:
+        names = mp.hf_names()
+        assert len(names) == 1, f"in-memory layout of {mp.ours} should be one tensor, got {names}"
+        if mp.ours == "lm_head.weight" and names[0] not in hf_params:
+            continue
+        yield mp.ours, ours_params[mp.ours].grad, names[0], hf_params[names[0]].grad
+
+
+def train_step_parity(ours, hf_model) -> None:
+    """Loss and gradients of one training step against transformers (LM loss, then LM + aux loss)."""
+    cfg = hf_model.config
+    ids = tokens(cfg.vocab_size, batch=2, seq=16, seed=3)
+    ours.train()
+    hf_model.train()
+
+    # 1. LM loss alone: transformers shifts labels itself; ours takes labels already shifted.
+    ours.zero_grad()
+    hf_model.zero_grad()
+    ref = hf_model(ids, labels=ids, output_router_logits=False)
+    out = ours(ids[:, :-1], labels=ids[:, 1:])
+    assert_close(out.lm_loss, ref.loss, "LM loss")
+    ref.loss.backward()
+    out.lm_loss.backward()
+    for name, g, hf_name, hg in _grad_pairs(ours, hf_model):
+        assert g is not None and hg is not None, f"no gradient for {name} / {hf_name}"
+        tol = 1e-4 * hg.abs().max().item() + 1e-9
+        err = (g - hg).abs().max().item()
+        assert err <= tol, f"grad of {name} vs {hf_name}: max abs diff {err:.3g} > {tol:.3g}"
+
+    # 2. Aux loss per MoE layer. transformers' load_balancing_loss_func on one layer's router logits is
+    #    E * sum_i f_i P_i with f summing to top-k; ours (Megatron-Core's) divides by top-k.
+    k = cfg.num_experts_per_tok
+    coef = ours.cfg.moe.aux_loss_coeff
+    lbl = __import__(type(hf_model).__module__, fromlist=["load_balancing_loss_func"]).load_balancing_loss_func
+    ours.zero_grad()
+    hf_model.zero_grad()
+    ref = hf_model(ids[:, :-1], output_router_logits=True)
+    out = ours(ids[:, :-1], labels=ids[:, 1:])
+    per_layer = [lbl((g,), g.shape[-1], k) / k for g in ref.router_logits]
+    assert len(per_layer) == len(out.moe_stats) > 0
+    for ref_aux, stats in zip(per_layer, out.moe_stats):
+        assert_close(stats["aux_loss"], ref_aux, f"aux loss of layer {stats['layer']}")
+    ce = torch.nn.functional.cross_entropy(ref.logits.flatten(0, 1), ids[:, 1:].flatten())
+    ref_total = ce + coef * sum(per_layer)
+    assert_close(out.loss, ref_total, "LM + aux loss")
+    ref_total.backward()
+    out.loss.backward()
+    for name, g, hf_name, hg in _grad_pairs(ours, hf_model):
+        tol = 1e-4 * hg.abs().max().item() + 1e-9
+        err = (g - hg).abs().max().item()
+        assert err <= tol, f"grad (LM + aux) of {name} vs {hf_name}: max abs diff {err:.3g} > {tol:.3g}"

@@ -1,0 +1,115 @@
+"""Mixtral against transformers: import/export logits parity, options off the defaults, one training step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_parity import assert_close, build_hf, import_export_parity, tokens, train_step_parity  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from transformers import MixtralConfig  # noqa: E402
+
+from moecore.hf import load_pretrained  # noqa: E402
+
+
+def mixtral_config(**over) -> MixtralConfig:
+    kw = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+    )
+    kw.update(over)
+    return MixtralConfig(**kw)
+
+
+def test_import_export_sharded(tmp_path):
+    """Defaults (GQA, softmax top-2 renormalised); the source is sharded, and so is the export."""
+    hf = build_hf(mixtral_config())
+    ours, out = import_export_parity(hf, tmp_path, {"max_shard_size": "20KB"})
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    assert ours.cfg.moe.norm_topk_prob and ours.cfg.moe.router_pre_softmax
+    # Our own writer shards too; transformers must read that index.
+    from transformers import AutoModelForCausalLM
+
+    from moecore.hf import save_pretrained
+
+    save_pretrained(ours, tmp_path / "sharded", max_shard_bytes=16 * 1024)
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded").eval()
+    ids = tokens(96)
+    with torch.no_grad():
+        assert_close(back(ids).logits, hf(ids).logits, "sharded export")
+
+
+def test_options_head_dim_window_tied_yarn(tmp_path):
+    """head_dim != hidden/heads, a sliding window shorter than the sequence, tied embeddings, YaRN, top-1."""
+    cfg = mixtral_config(
+        head_dim=16,
+        sliding_window=5,
+        tie_word_embeddings=True,
+        num_experts_per_tok=1,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    )
+    hf = build_hf(cfg)
+    ours, _ = import_export_parity(hf, tmp_path)
+    m = ours.cfg.model
+    assert (m.head_dim, m.sliding_window, m.tie_embeddings, m.rope_scaling["type"]) == (16, 5, True, "yarn")
+
+
+def test_fused_expert_layout(tmp_path):
+    """transformers' in-memory layout (fused 3-D gate_up_proj / down_proj) is accepted on disk as well."""
+    hf = build_hf(mixtral_config())
+    hf.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    (tmp_path / "model.safetensors").unlink()
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ours = load_pretrained(tmp_path)
+    ids = tokens(96)
+    with torch.no_grad():
+        assert_close(ours(ids).logits, hf(ids).logits)
+
+
+def test_train_step(tmp_path):
+    hf = build_hf(mixtral_config(router_aux_loss_coef=0.5))
+    hf.save_pretrained(tmp_path)
+    train_step_parity(load_pretrained(tmp_path), hf)
+
+
+def test_native_model_exports_as_mixtral(tmp_path):
+    """A model built by moecore (family "moecore") whose options fit Mixtral is written as Mixtral."""
+    from transformers import AutoModelForCausalLM, MixtralForCausalLM
+
+    from moecore.config import Config
+    from moecore.hf import save_pretrained
+    from moecore.models.transformer import MoETransformer
+
+    cfg = Config()
+    cfg.model.vocab_size, cfg.model.hidden_size, cfg.model.num_layers = 96, 32, 2
+    cfg.moe.num_experts, cfg.moe.router_topk, cfg.moe.ffn_hidden_size = 4, 2, 24
+    cfg.moe.router_pre_softmax = False  # softmax over the top-k: the same weights as Mixtral's renormalisation
+    torch.manual_seed(0)
+    ours = MoETransformer(cfg).eval()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5 if p.dim() > 1 else 1 + 0.3 * torch.randn_like(p))
+    save_pretrained(ours, tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(back, MixtralForCausalLM)
+    ids = tokens(96)
+    with torch.no_grad():
+        assert_close(back(ids).logits, ours(ids).logits)

@@ -1,0 +1,69 @@
+"""Qwen2-MoE against transformers: shared expert with sigmoid gate, qkv bias, dense/MoE layer patterns,
+norm_topk_prob both ways, head_dim != hidden/heads, one training step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from hf_parity import build_hf, import_export_parity, train_step_parity  # noqa: E402
+from transformers import Qwen2MoeConfig  # noqa: E402
+
+from moecore.hf import load_pretrained  # noqa: E402
+
+
+def qwen2_config(**over) -> Qwen2MoeConfig:
+    kw = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        max_position_embeddings=64,
+    )
+    kw.update(over)
+    return Qwen2MoeConfig(**kw)
+
+
+@pytest.mark.parametrize(
+    "over, pattern",
+    [
+        # defaults: qkv bias, no renormalisation; a dense layer between two MoE layers
+        (dict(mlp_only_layers=[1]), [1, 0, 1]),
+        # every second layer MoE, renormalised, no qkv bias, head_dim 16 (hidden/heads is 8)
+        (
+            dict(num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=True, qkv_bias=False, head_dim=16),
+            [0, 1, 0, 1],
+        ),
+    ],
+)
+def test_import_export(tmp_path, over, pattern):
+    hf = build_hf(qwen2_config(**over))
+    ours, out = import_export_parity(hf, tmp_path)
+    assert [int(layer.is_moe) for layer in ours.layers] == pattern
+    assert ours.cfg.moe.shared_expert_gate and ours.cfg.moe.shared_expert_intermediate_size == 24
+    assert ours.cfg.moe.norm_topk_prob == over.get("norm_topk_prob", False)
+    assert ours.cfg.model.qkv_bias == over.get("qkv_bias", True)
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == "qwen2_moe" and written["architectures"] == ["Qwen2MoeForCausalLM"]
+
+
+def test_sliding_window_every_layer(tmp_path):
+    """use_sliding_window with every layer below max_window_layers marked sliding (explicit layer_types)."""
+    cfg = qwen2_config(use_sliding_window=True, sliding_window=4, layer_types=["sliding_attention"] * 3)
+    ours, _ = import_export_parity(build_hf(cfg), tmp_path)
+    assert ours.cfg.model.sliding_window == 4
+
+
+def test_train_step(tmp_path):
+    hf = build_hf(qwen2_config(mlp_only_layers=[1], router_aux_loss_coef=0.5))
+    hf.save_pretrained(tmp_path)
+    train_step_parity(load_pretrained(tmp_path), hf)
