@@ -32,7 +32,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from moecore.train.loop import preflight, train
 
     console = _console()
-    cfg = load_config(args.recipe, args.overrides)
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe:  # `moecore train a.b=c`: no recipe, only overrides
+        recipe, overrides = None, [recipe, *overrides]
+    cfg = load_config(recipe, overrides)
     preflight(cfg)
     console.print(f"[bold]moecore train[/bold] recipe={cfg.recipe}")
     if _is_main_process():

@@ -204,6 +204,7 @@ class Trainer:
     # ------------------------------------------------------------------ the run
     def run(self) -> TrainResult:
         from moecore.train.logger import RunLogger
+        from moecore.train.logger import flops_per_token as flops_per_token_of
         from moecore.train.profiling import Profiler
 
         cfg, rt = self.cfg, self.rt
@@ -215,7 +216,7 @@ class Trainer:
         result = TrainResult(run_dir=self.run_dir)
         stop = cfg.train.exit_interval or cfg.train.steps
         tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_length
-        flops_per_token = rt.flops_per_token(self.model, cfg)
+        flops_per_token = flops_per_token_of(cfg)
         progress = rt.progress(self.console, total=stop, start=self.step, enabled=cfg.log.progress)
         start_time = time.perf_counter()
         window_t, window_steps = time.perf_counter(), 0

@@ -124,33 +124,16 @@ class Runtime:
         destroy_distributed()
 
     # ------------------------------------------------------------------ reporting
-    def flops_per_token(self, model: torch.nn.Module, cfg: Config) -> float:
-        """Training FLOPs per token: 6 x active matmul parameters + causal attention scores."""
-        _, active = model.num_params()
-        active -= model.embed.weight.numel()  # a lookup, not a matmul (the head still counts)
-        m = cfg.model
-        attn_dim = m.num_attention_heads * (
-            m.qk_nope_head_dim + m.qk_rope_head_dim if m.attention_type == "mla" else m.resolved_head_dim
-        )
-        full_layers = sum(1 for t in (m.layer_types or ["full_attention"] * m.num_layers) if t == "full_attention")
-        # QK^T and AV: 2 matmuls x 2 FLOP x seq x dim per token, x3 for fwd+bwd, halved by causality.
-        attn = 6 * full_layers * attn_dim * cfg.train.seq_length
-        # num_params counts this rank's parameters: scale sharded ones back up to the whole model.
-        return 6.0 * active * self.dims.tp + attn
-
     def perf_metrics(self, tokens_per_s: float, flops_per_token: float, cfg: Config) -> dict:
-        out = {}
-        peak = cfg.log.peak_tflops
-        if self.device.type == "cuda":
-            out["mem_max_allocated_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-            out["mem_max_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 2**30
-            name = torch.cuda.get_device_name(self.device)
-            if peak is None and ("H200" in name or "H100" in name):
-                peak = 989.0  # dense bf16 datasheet figure for H100/H200 SXM
-        achieved = tokens_per_s * flops_per_token / max(self.world_size, 1) / 1e12
-        out["tflops_per_gpu"] = achieved
-        if peak:
-            out["mfu"] = achieved / peak
+        """Achieved TFLOP/s per device, MFU against log.peak_tflops (or the device's datasheet peak), memory."""
+        from moecore.train.logger import gpu_memory_stats, mfu, peak_tflops
+
+        out = gpu_memory_stats(self.device) if self.device.type == "cuda" else {}
+        out["tflops_per_device"] = tokens_per_s * flops_per_token / self.world_size / 1e12
+        peak = cfg.log.peak_tflops or (peak_tflops() if self.device.type == "cuda" else None)
+        value = mfu(tokens_per_s, flops_per_token, peak, self.world_size)
+        if value is not None:
+            out["mfu"] = value
         return out
 
     def progress(self, console, total: int, start: int, enabled: bool):
