@@ -174,6 +174,7 @@ class BlendedSamples:
         self.sources = [s for s, k in zip(sources, keep) if k]
         self.weights = w[keep] / w[keep].sum()
         self._chunks: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._offsets: dict[int, int] = {}
 
     def _counts_before(self, chunk: int) -> np.ndarray:
         """Draws of each dataset with virtual time < chunk * BLEND_CHUNK."""
@@ -181,7 +182,12 @@ class BlendedSamples:
         return np.array([max(0, math.ceil(w * t - 0.5)) for w in self.weights], dtype=np.int64)
 
     def _offset(self, chunk: int) -> int:
-        return int(self._counts_before(chunk).sum())
+        """Blended samples before chunk `chunk` (memoised: locate() asks for neighbouring chunks often)."""
+        if chunk not in self._offsets:
+            if len(self._offsets) > 64:
+                self._offsets.clear()
+            self._offsets[chunk] = int(self._counts_before(chunk).sum())
+        return self._offsets[chunk]
 
     def _chunk(self, chunk: int) -> tuple[np.ndarray, np.ndarray]:
         if chunk in self._chunks:

@@ -204,15 +204,6 @@ def build_data(
     d, t = cfg.data, cfg.train
     tokenizer = load_tokenizer(d.tokenizer)
     embedded = not d.paths
-    if embedded:
-        cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
-        if log is not None:
-            log(f"data: embedded corpus (Python standard library sources), tokenized once into {cache}")
-        prefixes = [build_embedded_corpus(tokenizer, cache)]
-    else:
-        prefixes = [normalize_prefix(p) for p in d.paths]
-    weights = [float(w) for w in d.weights] if d.weights is not None else [1.0] * len(prefixes)
-
     if cfg.model.vocab_size:
         vocab_size = cfg.model.vocab_size
         if embedded and vocab_size < tokenizer.vocab_size:
@@ -222,6 +213,15 @@ def build_data(
     else:
         tp = cfg.parallel.tp
         vocab_size = -(-tokenizer.vocab_size // tp) * tp  # rounded up to a multiple of parallel.tp
+
+    if embedded:
+        cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
+        if log is not None:
+            log(f"data: embedded corpus (Python standard library sources), tokenized once into {cache}")
+        prefixes = [build_embedded_corpus(tokenizer, cache)]
+    else:
+        prefixes = [normalize_prefix(p) for p in d.paths]
+    weights = [float(w) for w in d.weights] if d.weights is not None else [1.0] * len(prefixes)
 
     datasets = [IndexedDataset(p) for p in prefixes]
     per_split: dict[str, list[SplitSamples | None]] = {"train": [], "valid": [], "test": []}
