@@ -217,23 +217,31 @@ def _chunks(spec: ShardSpec) -> list[tuple[tuple[int, ...], tuple[int, ...], tup
     return pieces
 
 
-class CheckpointShard:
+class CheckpointShard(torch.Tensor):
     """A local shard that torch.distributed.checkpoint saves/loads as chunks of the global tensor.
 
-    Implements DCP's checkpointable protocol (`__create_write_items__`, `__create_chunk_list__`,
-    `__get_tensor_shard__`); loading writes straight into the local parameter.
+    A tensor sharing the local parameter's storage (so a load writes straight into the model) that
+    implements DCP's checkpointable protocol: `__create_write_items__`, `__create_chunk_list__`,
+    `__get_tensor_shard__`, and `size()` answering the global shape (what DCP checks on load).
+    Torch operations on it return plain tensors.
     """
 
-    def __init__(self, tensor: torch.Tensor, spec: ShardSpec) -> None:
-        self.tensor, self.spec = tensor, spec
-        self._pieces = _chunks(spec)
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, spec: ShardSpec) -> CheckpointShard:
+        obj = torch.Tensor._make_subclass(cls, tensor.detach(), False)
+        obj._spec = spec
+        obj._pieces = _chunks(spec)
+        return obj
+
+    def size(self, dim: int | None = None):  # the global size, as DCP compares it with the checkpoint's
+        g = torch.Size(self._spec.global_shape)
+        return g if dim is None else g[dim]
 
     def _views(self) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]:
-        v = self.tensor.detach().view(self.spec.local_view)
+        v = torch.Tensor.view(self, self._spec.local_view)
         return [(o, s, v[sl].reshape(s)) for o, s, sl in self._pieces]
-
-    def size(self) -> torch.Size:
-        return torch.Size(self.spec.global_shape)
 
     def __create_write_items__(self, fqn: str, obj: object) -> list:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -248,7 +256,7 @@ class CheckpointShard:
                     tensor_data=TensorWriteData(
                         chunk=ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size)),
                         properties=TensorProperties.create_from_tensor(view),
-                        size=torch.Size(self.spec.global_shape),
+                        size=torch.Size(self._spec.global_shape),
                     ),
                 )
             )
@@ -277,3 +285,34 @@ def checkpoint_state_dict(module: torch.nn.Module) -> dict[str, object]:
         spec = get_shard(t)
         out[name] = CheckpointShard(t, spec) if spec.is_sharded else t
     return out
+
+
+def wrap_for_checkpoint(
+    model: torch.nn.Module, model_sd: dict, optim_sd: dict | None = None
+) -> tuple[dict, dict | None]:
+    """Wrap the sharded tensors of `get_state_dict`-style dicts as `CheckpointShard`s (new dicts, same tensors).
+
+    model_sd: {fqn: tensor}; optim_sd: {"state": {fqn: {name: tensor}}, "param_groups": ...}. Optimizer
+    states shaped like their sharded parameter (AdamW moments, ...) share its spec; scalars stay plain.
+    Saving and loading the wrapped dicts with torch.distributed.checkpoint makes the files layout-free.
+    """
+    specs = {name: get_shard(t) for name, t in itertools.chain(model.named_parameters(), model.named_buffers())}
+
+    def wrap(name: str, t):
+        spec = specs.get(name)
+        if spec is None or not spec.is_sharded or not isinstance(t, torch.Tensor):
+            return t
+        if tuple(t.shape) != tuple(spec.local_shape):
+            return t
+        return CheckpointShard(t, spec)
+
+    new_model = {k: wrap(k, v) for k, v in model_sd.items()}
+    if optim_sd is None:
+        return new_model, None
+    new_optim = dict(optim_sd)
+    if isinstance(optim_sd.get("state"), dict):
+        new_optim["state"] = {
+            fqn: ({k: wrap(fqn, v) for k, v in st.items()} if isinstance(st, dict) else st)
+            for fqn, st in optim_sd["state"].items()
+        }
+    return new_model, new_optim

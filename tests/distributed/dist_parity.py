@@ -55,17 +55,43 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return sd
 
 
-def train_steps(model: MoETransformer, dims: ParallelDims | None, data) -> dict:
-    """STEPS optimizer steps; returns losses, grad norms and (full) gradients after the first step."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def build(cfg: Config, dims: ParallelDims | None, init: dict) -> MoETransformer:
+    """The model for this layout with the reference's initial weights (the local random init is overwritten)."""
+    model = MoETransformer(copy.deepcopy(cfg), dims)
+    load_global_state_dict(model, init)
+    return model
+
+
+def make_dims(cfg: Config, rank: int, world: int) -> ParallelDims:
+    m = cfg.model
+    return ParallelDims(
+        cfg.parallel,
+        world,
+        rank,
+        "cpu",
+        num_experts=cfg.moe.num_experts,
+        num_attention_heads=m.num_attention_heads,
+        vocab_size=m.vocab_size,
+    )
+
+
+def train_steps(
+    model: MoETransformer, dims: ParallelDims | None, data, steps: int = STEPS, opt=None, first: int = 0
+) -> dict:
+    """`steps` optimizer steps on data[first:]; returns losses, grad norms and (full) grads after the first one."""
+    opt = make_optimizer(model) if opt is None else opt
     dp = 1 if dims is None else dims.dp
     dp_rank = 0 if dims is None else dims.dp_group.rank
     sync = None if dims is None else wrap_model_for_data_parallel(model, dims, bucket_mb=0.002)
     n_mb = GLOBAL_BATCH // MICRO_BATCH
     per_rank = n_mb // dp
     out = {"losses": [], "norms": [], "grads": None}
-    for step in range(STEPS):
-        ids, labels, mask = data[step]
+    for step in range(steps):
+        ids, labels, mask = data[first + step]
         global_tokens = mask.sum().double()
         opt.zero_grad(set_to_none=True)
         lm_sum = torch.zeros((), dtype=torch.float64)
@@ -108,19 +134,8 @@ def reference(cfg: Config, data, seed: int = 0, init_hook=None) -> tuple[dict, d
 
 def run_layout(rank: int, world: int, cfg: Config, init: dict, data) -> dict:
     """One layout on this rank: build, load the reference's initial weights, train."""
-    dims = ParallelDims(
-        cfg.parallel,
-        world,
-        rank,
-        "cpu",
-        num_experts=cfg.moe.num_experts,
-        num_attention_heads=cfg.model.num_attention_heads,
-        vocab_size=cfg.model.vocab_size,
-    )
-    torch.manual_seed(1000 + rank)  # the local random init is overwritten below
-    model = MoETransformer(copy.deepcopy(cfg), dims)
-    load_global_state_dict(model, init)
-    return train_steps(model, dims, data)
+    dims = make_dims(cfg, rank, world)
+    return train_steps(build(cfg, dims, init), dims, data)
 
 
 def compare(ref: dict, got: dict) -> dict:
