@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from moecore.config import ConfigError
+from moecore.parallel.sharding import wrap_for_checkpoint
 
 
 def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -85,6 +86,8 @@ def save_training_state(
         tmp.mkdir(parents=True, exist_ok=True)
     _barrier()
     model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
+    # Sharded (TP / EP) tensors are saved as chunks of their global tensors: layout-free files.
+    model_sd, optim_sd = wrap_for_checkpoint(model, model_sd, optim_sd)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     torch.save({**extra, "rng": rng_state()}, tmp / f"rank-{_rank()}.pt")
     _barrier()
@@ -111,8 +114,8 @@ def load_training_state(path: Path, model: torch.nn.Module, optimizer) -> dict:
     """Load model + optimizer from `path`, restore RNG; returns this rank's extra state."""
     path = _check_folder(path)
     model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(dict(zip(("model", "optim"), wrap_for_checkpoint(model, model_sd, optim_sd))), checkpoint_id=str(path))
+    state = {"model": model_sd, "optim": optim_sd}  # the wrapped shards were loaded in place
     set_state_dict(model, _optimizers(optimizer), model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank_file = path / f"rank-{_rank()}.pt"
     if not rank_file.exists():
@@ -126,5 +129,5 @@ def load_model_weights(path: Path, model: torch.nn.Module) -> None:
     """Load only the model's tensors from a checkpoint folder (fine-tuning start, conversion)."""
     path = _check_folder(path)
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load({"model": wrap_for_checkpoint(model, state["model"])[0]}, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
