@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moecore.kernels.rmsnorm import rms_norm as fused_rms_norm
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm over the last dimension."""
@@ -25,6 +27,8 @@ class RMSNorm(nn.Module):
         nn.init.zeros_(self.weight) if self.zero_centered else nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # fused Triton forward + backward, same maths (moecore/kernels/rmsnorm.py)
+            return fused_rms_norm(x, self.weight, self.eps, self.zero_centered)
         return rms_norm(x, self.weight, self.eps, self.zero_centered)
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moecore.config import Config, ModelConfig
+from moecore.kernels.cross_entropy import linear_cross_entropy
 from moecore.models.attention import Attention
 from moecore.models.mlp import MLP
 from moecore.models.norms import RMSNorm
@@ -208,6 +209,10 @@ class MoETransformer(nn.Module):
         Under tensor parallel the logits are this rank's vocabulary shard and the cross-entropy is
         vocabulary-parallel (moecore.parallel.tensor_parallel).
         """
+        if self.cfg.model.fused_cross_entropy and h.is_cuda and getattr(self.dims, "tp", 1) == 1:
+            # Chunked LM head + loss (moecore/kernels/cross_entropy.py): same maths, no full logits.
+            loss_sum = linear_cross_entropy(h.flatten(0, 1), self.output_weight(), labels.flatten(), mask.flatten())
+            return None, loss_sum
         logits = self.logits_from_hidden(h, gather=False)
         ce = tpl.vocab_parallel_cross_entropy(logits, labels, self.dims)
         return logits, (ce.flatten() * mask.flatten()).sum()

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moecore.kernels.grouped_ffn import expert_ffn, fused_expert_ffn_available
+
 ACTIVATIONS = ("swiglu", "gelu")
 
 
@@ -162,6 +164,9 @@ class GroupedExperts(nn.Module):
     def forward(
         self, x_NH: torch.Tensor, tokens_per_expert: torch.Tensor, probs_N: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if self.activation == "swiglu" and fused_expert_ffn_available(x_NH) and self.uses_grouped_mm(x_NH):
+            # Fused expert FFN (moecore/kernels/grouped_ffn.py): GEMM per shape, fused SwiGLU * probs.
+            return expert_ffn(x_NH, self.w13, self.w2, tokens_per_expert.to(x_NH.device), probs_N)
         if self.uses_grouped_mm(x_NH):
             return experts_grouped_mm(x_NH, tokens_per_expert, self.w13, self.w2, self.activation, probs_N)
         return experts_loop(x_NH, tokens_per_expert, self.w13, self.w2, self.activation, probs_N)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moecore.kernels.permute import permute_rows, unpermute_rows
+
 
 @dataclass
 class PermuteCtx:
@@ -87,7 +89,10 @@ def permute(
     src_flat = order[:n_kept]
     token_of_row = src_flat // K
     if pad_to_capacity is None:
-        rows = x_TH.index_select(0, token_of_row)
+        if keep_TK is None and x_TH.is_cuda:  # fused gather (Triton), same values; see moecore/kernels/permute.py
+            rows = permute_rows(x_TH, src_flat, K)
+        else:
+            rows = x_TH.index_select(0, token_of_row)
         ctx = PermuteCtx(T, K, src_flat, None, n_kept, kept_per_expert, kept_per_expert)
         return rows, ctx
     C = pad_to_capacity
@@ -120,6 +125,8 @@ def unpermute(rows_NH: torch.Tensor, ctx: PermuteCtx, weight_TK: torch.Tensor | 
         # Dropless: every slot is filled, a gather by the inverse permutation is enough.
         inv = torch.empty_like(ctx.src_flat)
         inv[ctx.src_flat] = torch.arange(T * K, device=inv.device)
+        if rows.is_cuda:  # fused gather-sum (Triton), same maths; see moecore/kernels/permute.py
+            return unpermute_rows(rows, ctx.src_flat, inv, weight_TK, T, K)
         slots = rows.index_select(0, inv)
     else:
         slots = rows.new_zeros(T * K, H).index_copy(0, ctx.src_flat, rows)

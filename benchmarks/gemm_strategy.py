@@ -1,0 +1,150 @@
+"""Which GEMM each phase of the expert FFN should use, per shape, on the GPU at hand.
+
+Times, for random top-k routing of the issue's shapes: each GEMM kind (forward, dgrad, wgrad) with
+torch._grouped_mm, a loop of cuBLAS GEMMs and (wgrad) our Triton kernel; the fused SwiGLU and the
+permute/unpermute gathers; and the whole expert FFN forward+backward under several plans. Prints
+one JSON line per measurement and writes them all to --json.
+
+    python benchmarks/gemm_strategy.py --json OUT.json [--shapes qwen3_30b_a3b,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from moecore.kernels.grouped_ffn import GemmPlan, _bounds, default_plan, expert_ffn, gemm_nn, gemm_nt, gemm_tn
+from moecore.kernels.permute import make_permutation, permute, unpermute
+from moecore.kernels.swiglu import swiglu, swiglu_backward
+
+SHAPES = {  # hidden, ffn, experts, top-k, tokens
+    "qwen3_30b_a3b": (2048, 768, 128, 8, 16384),
+    "mixtral_8x7b": (4096, 14336, 8, 2, 16384),
+    "deepseek_v3": (7168, 2048, 256, 8, 8192),
+    "qwen3_next_80b": (2048, 512, 512, 10, 16384),
+}
+
+
+def bench(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Median milliseconds of fn over `iters` timed runs (CUDA events, one pair per run)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def run_shape(name: str, out: list) -> None:
+    H, Fd, E, K, T = SHAPES[name]
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    logits = torch.randn(T, E, device=dev)
+    idx = logits.topk(K, dim=-1).indices
+    perm = make_permutation(idx, E)
+    counts = perm.counts_E
+    host = counts.tolist()
+    bounds = _bounds(counts)
+    M = T * K
+    x = torch.randn(T, H, device=dev, dtype=dt)
+    xs = torch.randn(M, H, device=dev, dtype=dt)
+    w13 = torch.randn(E, 2 * Fd, H, device=dev, dtype=dt) * 0.02
+    w2 = torch.randn(E, H, Fd, device=dev, dtype=dt) * 0.02
+    h = torch.randn(M, 2 * Fd, device=dev, dtype=dt)
+    a = torch.randn(M, Fd, device=dev, dtype=dt)
+    dy = torch.randn(M, H, device=dev, dtype=dt)
+    p = torch.rand(M, device=dev)
+
+    def emit(what, ms, flops=None, **kw):
+        rec = dict(shape=name, what=what, ms=round(ms, 4), **kw)
+        if flops:
+            rec["tflops"] = round(flops / ms / 1e9, 1)
+        out.append(rec)
+        print(json.dumps(rec), flush=True)
+
+    f13, f2 = 2 * M * H * 2 * Fd, 2 * M * H * Fd
+    for impl in ("grouped", "loop"):
+        try:
+            emit(f"fwd_w13/{impl}", bench(lambda impl=impl: gemm_nt(xs, w13, bounds, host, impl)), f13)
+            emit(f"fwd_w2/{impl}", bench(lambda impl=impl: gemm_nt(a, w2, bounds, host, impl)), f2)
+            emit(f"dgrad_w2/{impl}", bench(lambda impl=impl: gemm_nn(dy, w2, bounds, host, impl)), f2)
+            emit(f"dgrad_w13/{impl}", bench(lambda impl=impl: gemm_nn(h, w13, bounds, host, impl)), f13)
+        except Exception as ex:  # record and go on: one failing kind must not hide the others
+            emit(f"fwd_dgrad/{impl}", 0.0, error=str(ex)[:300])
+    for impl in ("grouped", "loop", "triton"):
+        try:
+            emit(f"wgrad_w13/{impl}", bench(lambda impl=impl: gemm_tn(h, xs, bounds, host, impl, dt)), f13)
+            emit(f"wgrad_w2/{impl}", bench(lambda impl=impl: gemm_tn(dy, a, bounds, host, impl, dt)), f2)
+        except Exception as ex:
+            emit(f"wgrad/{impl}", 0.0, error=str(ex)[:300])
+    # elementwise / movement phases
+    emit("swiglu_fwd", bench(lambda: swiglu(h, p)), bytes=M * Fd * 2 * 3)
+    emit("swiglu_bwd", bench(lambda: swiglu_backward(h, p, a)), bytes=M * Fd * 2 * 7)
+    emit("make_permutation", bench(lambda: make_permutation(idx, E)))
+    emit("permute_fwd", bench(lambda: permute(x, perm)), bytes=M * H * 4)
+    emit("unpermute_fwd", bench(lambda: unpermute(dy, perm)), bytes=M * H * 2 + T * H * 2)
+    # whole expert FFN, forward + backward
+    flops = 18 * H * Fd * K * T
+    plans = {
+        "grouped": GemmPlan.uniform("grouped"),
+        "grouped+triton_wgrad": GemmPlan.uniform("grouped", "triton"),
+        "loop": GemmPlan.uniform("loop"),
+        "default": default_plan(E, M, H, Fd, dev),
+    }
+    w13p = w13.clone().requires_grad_()
+    w2p = w2.clone().requires_grad_()
+    xsp = xs.clone().requires_grad_()
+    for pname, plan in plans.items():
+
+        def step(plan=plan):
+            w13p.grad = w2p.grad = xsp.grad = None
+            y = expert_ffn(xsp, w13p, w2p, counts, p, plan=plan)
+            y.backward(dy)
+
+        try:
+            torch.cuda.reset_peak_memory_stats()
+            ms = bench(step, 2, 5)
+            emit(
+                f"expert_ffn_fwd_bwd/{pname}",
+                ms,
+                flops,
+                peak_mem_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            )
+        except Exception as ex:
+            emit(f"expert_ffn_fwd_bwd/{pname}", 0.0, error=str(ex)[:300])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    args = ap.parse_args()
+    out: list = []
+    print(json.dumps(dict(what="env", torch=torch.__version__, gpu=torch.cuda.get_device_name())), flush=True)
+    n = 8192
+    m1, m2 = (
+        torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
+        torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
+    )
+    ms = bench(lambda: m1 @ m2, 3, 20)
+    out.append(dict(what="dense_bf16_8192", ms=ms, tflops=2 * n**3 / ms / 1e9))
+    print(json.dumps(out[-1]), flush=True)
+    for name in args.shapes.split(","):
+        run_shape(name, out)
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""MoE layer forward + backward: moecore's MoELayer against transformers' MoE block, same inputs, same GPU.
+
+For each shape (hidden, expert ffn, experts, top-k, tokens) one transformers
+`Qwen3MoeSparseMoeBlock` (softmax router, top-k, renormalised weights, SwiGLU experts) is built with
+random weights (normal, std 0.02: near-uniform random routing) and timed with
+`experts_implementation` = grouped_mm and eager; its weights are then copied into a moecore
+`MoELayer` with the same routing options, so both route the same tokens to the same experts.
+Inputs: x [1, T, H] bf16 and an output gradient, identical for all. Each implementation is timed
+alone (the other's modules freed), so peak memory is its own (weights, inputs, activations, grads).
+
+FLOPs per forward + backward, as in the reference measurements: 18 * H * F * K * T (three GEMMs,
+backward twice the forward) + 6 * H * E * T (the router).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import torch
+
+from moecore.bench.common import cuda_time_ms, record
+
+SHAPES = {  # hidden, expert ffn, experts, top-k, tokens
+    "qwen3_30b_a3b": (2048, 768, 128, 8, 16384),
+    "mixtral_8x7b": (4096, 14336, 8, 2, 16384),
+    "deepseek_v3": (7168, 2048, 256, 8, 8192),
+}
+
+
+def moe_flops(h: int, f: int, e: int, k: int, t: int) -> float:
+    return 18 * h * f * k * t + 6 * h * e * t
+
+
+def _hf_block(h: int, f: int, e: int, k: int, impl: str):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(
+        hidden_size=h, moe_intermediate_size=f, num_experts=e, num_experts_per_tok=k, norm_topk_prob=True
+    )
+    cfg._experts_implementation = impl
+    return Qwen3MoeSparseMoeBlock(cfg)
+
+
+def _moecore_layer(h: int, f: int, e: int, k: int):
+    from moecore.config import MoEConfig
+    from moecore.moe.layer import MoELayer
+
+    cfg = MoEConfig(
+        num_experts=e,
+        router_topk=k,
+        ffn_hidden_size=f,
+        router_pre_softmax=True,  # softmax over all experts, then top-k, then renormalise (Qwen3-MoE)
+        norm_topk_prob=True,
+        router_load_balancing_type="none",  # transformers' block computes no balancing loss either
+        aux_loss_coeff=0.0,
+        apply_probs_on_input=True,  # weights inside the SwiGLU (Megatron-Core's fused weighted SwiGLU)
+    )
+    cfg.validate()
+    return MoELayer(cfg, h)
+
+
+def _copy_hf_to_moecore(hf_state: dict, layer) -> None:
+    """transformers' gate / gate_up_proj / down_proj are our router.weight / w13 / w2 (same layouts)."""
+    with torch.no_grad():
+        layer.router.weight.copy_(hf_state["gate.weight"])
+        layer.experts.w13.copy_(hf_state["experts.gate_up_proj"])
+        layer.experts.w2.copy_(hf_state["experts.down_proj"])
+
+
+def _time_step(module, x: torch.Tensor, g: torch.Tensor, warmup: int, iters: int) -> tuple[float, float]:
+    """(median ms of forward + backward, peak GB) for module(x) -> y (or (y, aux))."""
+
+    def step():
+        x.grad = None
+        for p in module.parameters():
+            p.grad = None
+        out = module(x)
+        y = out[0] if isinstance(out, tuple) else out
+        y.backward(g)
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    ms = cuda_time_ms(step, warmup, iters)
+    return ms, torch.cuda.max_memory_allocated() / 2**30
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _weights(h: int, f: int, e: int, dev: torch.device, dt: torch.dtype) -> dict:
+    """The block's weights, drawn on the GPU from a fixed seed (normal, std 0.02), in transformers' names."""
+    g = torch.Generator(device=dev).manual_seed(1)
+    return {
+        "gate.weight": torch.randn(e, h, generator=g, device=dev, dtype=dt) * 0.02,
+        "experts.gate_up_proj": torch.randn(e, 2 * f, h, generator=g, device=dev, dtype=dt) * 0.02,
+        "experts.down_proj": torch.randn(e, h, f, generator=g, device=dev, dtype=dt) * 0.02,
+    }
+
+
+PHASES = (  # (phase, substrings of CUDA kernel names), first match wins
+    ("expert GEMMs", ("gemm", "cutlass", "nvjet", "xmma", "sm90", "grouped")),
+    ("SwiGLU", ("swiglu", "silu", "glu")),
+    ("permute/unpermute", ("_gather", "index", "scatter")),
+    ("sort/count", ("sort", "bincount", "histc", "cumsum", "radix")),
+)
+
+
+def profile_phases(module, x: torch.Tensor, g: torch.Tensor, steps: int = 3) -> dict:
+    """GPU milliseconds per forward + backward, summed by phase over the CUDA kernels (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        x.grad = None
+        for p in module.parameters():
+            p.grad = None
+        out = module(x)
+        (out[0] if isinstance(out, tuple) else out).backward(g)
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    phases: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if not us:
+            continue
+        name = ev.key.lower()
+        phase = next((ph for ph, keys in PHASES if any(k in name for k in keys)), "other (router, elementwise, copies)")
+        phases[phase] = phases.get(phase, 0.0) + us / 1e3 / steps
+    return {k: round(v, 3) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])}
+
+
+def run_shape(
+    name: str, compare_hf: bool, warmup: int, iters: int, eager: bool = True, phases: bool = False
+) -> list[dict]:
+    h, f, e, k, t = SHAPES[name]
+    flops = moe_flops(h, f, e, k, t)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    x = torch.randn(1, t, h, device=dev, dtype=dt, requires_grad=True)
+    g = torch.randn(1, t, h, device=dev, dtype=dt)
+    records = []
+    impls = []
+    if compare_hf:
+        impls.append("transformers-grouped_mm")
+        if eager and e <= 128:  # eager on DeepSeek-V3's 256 experts takes minutes; the reference run skipped it too
+            impls.append("transformers-eager")
+    impls.append("moecore")
+    for impl in impls:
+        mod = None
+        try:
+            with torch.device(dev):
+                mod = (
+                    _hf_block(h, f, e, k, impl.split("-", 1)[1])
+                    if impl.startswith("transformers")
+                    else _moecore_layer(h, f, e, k)
+                )
+            mod = mod.to(dt)
+            state = _weights(h, f, e, dev, dt)
+            if impl.startswith("transformers"):
+                mod.load_state_dict(state)
+            else:
+                _copy_hf_to_moecore(state, mod)
+            del state
+            _free()
+            ms, peak = _time_step(mod, x, g, warmup, iters)
+            extra = {"phases_ms": profile_phases(mod, x, g)} if phases else {}
+            records.append(record(name, impl, ms, flops, peak, **extra))
+        except Exception as ex:  # record and continue: one failing implementation must not hide the others
+            records.append(record(name, impl, None, None, None, error=f"{type(ex).__name__}: {ex}"[:300]))
+        print(json.dumps(records[-1]), flush=True)
+        mod = None
+        _free()
+    return records
+
+
+def run(
+    shapes: list[str], compare_hf: bool, warmup: int, iters: int, eager: bool = True, phases: bool = False
+) -> list[dict]:
+    out = []
+    for name in shapes:
+        out.extend(run_shape(name, compare_hf, warmup, iters, eager, phases))
+    return out

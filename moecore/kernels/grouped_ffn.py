@@ -1,0 +1,314 @@
+"""The whole expert FFN (w13 -> SwiGLU * prob -> w2) as one autograd Function, with a GEMM chosen per shape.
+
+Legend: M routed rows (sorted by expert), E experts, H hidden size, F expert FFN width.
+Weights as the MoE layer stores them: w13 [E, 2F, H] (gate rows then up rows), w2 [E, H, F].
+
+    forward                               backward (dy [M, H])
+    h  = x_e @ w13[e]^T        [M, 2F]    da   = dy_e @ w2[e]                [M, F]   (dgrad)
+    a  = silu(g) * u * p       [M, F]     dh, dp, a = swiglu_backward(h, p, da)       (a recomputed)
+    y  = a_e @ w2[e]^T         [M, H]     dW2[e]  = dy_e^T @ a_e             [E, H, F] (wgrad)
+                                          dx   = dh_e @ w13[e]               [M, H]   (dgrad)
+                                          dW13[e] = dh_e^T @ x_e             [E, 2F, H] (wgrad)
+
+Only x, h and p are kept for backward (a is recomputed by the fused SwiGLU backward), less than
+autograd through the separate ops would keep. Each GEMM kind runs one of:
+  "grouped": torch._grouped_mm, one launch for all experts (no host sync);
+  "loop":    one cuBLAS GEMM per expert on slices (needs the counts on the host: one sync);
+  "triton":  (weight gradients only) the grouped GEMM kernel below, tiles of dW[e] reducing over the
+             expert's rows, one launch.
+`default_plan` picks per shape from the H200 measurements recorded in docs/benchmarks.md. The
+reference `expert_ffn_reference` is a loop over experts through plain autograd; `expert_ffn` uses
+the Function where the GEMMs can run (CUDA, or `impl="triton"`) and the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moecore.kernels._triton import triton_importable, use_triton
+from moecore.kernels.swiglu import swiglu, swiglu_backward, swiglu_reference
+
+GEMM_IMPLS = ("grouped", "loop", "triton")
+
+if triton_importable():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _grouped_tn_kernel(
+        a_ptr,
+        b_ptr,
+        c_ptr,
+        bounds_ptr,
+        N1,
+        N2,
+        stride_a,
+        stride_b,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
+        # c[e] = a[s:t]^T @ b[s:t] with s, t = bounds[e], bounds[e+1]; a [M, N1], b [M, N2], c [E, N1, N2].
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(N1, BLOCK_M)
+        tiles_n = tl.cdiv(N2, BLOCK_N)
+        per_e = tiles_m * tiles_n
+        e = pid // per_e
+        t = pid % per_e
+        # Within an expert, visit tiles in column groups of GROUP_M so that a's and b's rows stay in L2.
+        in_group = GROUP_M * tiles_n
+        first_m = (t // in_group) * GROUP_M
+        gsz = tl.minimum(tiles_m - first_m, GROUP_M)
+        tm = first_m + (t % in_group) % gsz
+        tn = (t % in_group) // gsz
+        start = tl.load(bounds_ptr + e)
+        end = tl.load(bounds_ptr + e + 1)
+        rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        mm = rm < N1
+        mn = rn < N2
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(start, end, BLOCK_K):
+            rows = k0 + rk
+            mk = rows < end
+            rows64 = rows.to(tl.int64)
+            a = tl.load(a_ptr + rows64[:, None] * stride_a + rm[None, :], mask=mk[:, None] & mm[None, :], other=0.0)
+            b = tl.load(b_ptr + rows64[:, None] * stride_b + rn[None, :], mask=mk[:, None] & mn[None, :], other=0.0)
+            acc = tl.dot(tl.trans(a), b, acc)
+        c = c_ptr + e.to(tl.int64) * N1 * N2 + rm.to(tl.int64)[:, None] * N2 + rn[None, :]
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+
+    _TN_CONFIGS = [
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
+    ]
+    _grouped_tn_tuned = triton.autotune(configs=_TN_CONFIGS, key=["N1", "N2"])(_grouped_tn_kernel)
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """Which implementation each of the six GEMMs of the expert FFN uses (see the module docstring).
+
+    fwd13 / fwd2: h = x @ w13^T, y = a @ w2^T; dgrad2 / dgrad13: da = dy @ w2, dx = dh @ w13;
+    wgrad2 / wgrad13: dW2 = dy^T a, dW13 = dh^T x. Values: grouped | loop (| triton for wgrad*).
+    """
+
+    fwd13: str = "grouped"
+    fwd2: str = "grouped"
+    dgrad2: str = "grouped"
+    dgrad13: str = "grouped"
+    wgrad2: str = "grouped"
+    wgrad13: str = "grouped"
+
+    def __post_init__(self) -> None:
+        for name in ("fwd13", "fwd2", "dgrad2", "dgrad13", "wgrad2", "wgrad13"):
+            v = getattr(self, name)
+            allowed = GEMM_IMPLS if name.startswith("wgrad") else GEMM_IMPLS[:2]
+            if v not in allowed:
+                raise ValueError(f"GemmPlan.{name}={v!r} is invalid: allowed: {' | '.join(allowed)}")
+
+    @classmethod
+    def uniform(cls, impl: str, wgrad: str | None = None) -> GemmPlan:
+        w = wgrad or impl
+        return cls(impl, impl, impl, impl, w, w)
+
+    @property
+    def needs_host_counts(self) -> bool:
+        return "loop" in (self.fwd13, self.fwd2, self.dgrad2, self.dgrad13, self.wgrad2, self.wgrad13)
+
+
+def default_plan(num_experts: int, rows: int, hidden: int, ffn: int, device: torch.device) -> GemmPlan:
+    """The plan measured fastest on an H200 (torch 2.11) for shapes like this; docs/benchmarks.md.
+
+    torch._grouped_mm is within a few percent of cuBLAS wherever each expert's GEMM is small, and a
+    Python loop of cuBLAS GEMMs is launch-bound there (Qwen3-30B-A3B: 260 vs 640 TFLOP/s). A loop
+    wins where each expert's GEMM is large: few experts with thousands of rows (Mixtral: 680-697 vs
+    645-664 TFLOP/s, except dx = dh @ w13 where grouped is faster), and the dx GEMM of wide experts
+    (DeepSeek-V3: 554 vs 439 TFLOP/s at 2 * 256 * 4096 * 7168 FLOP per expert).
+    """
+    if device.type != "cuda":
+        return GemmPlan()
+    per_expert = rows / max(num_experts, 1)
+    if num_experts <= 16 and per_expert >= 2048:
+        return GemmPlan("loop", "loop", "loop", "grouped", "loop", "loop")
+    big_dgrad13 = 2 * per_expert * 2 * ffn * hidden >= 12e9
+    return GemmPlan(dgrad13="loop" if big_dgrad13 else "grouped")
+
+
+# ---------------------------------------------------------------- GEMM primitives
+
+
+def _bounds(counts: torch.Tensor) -> torch.Tensor:
+    b = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
+    torch.cumsum(counts, 0, out=b[1:])
+    return b
+
+
+def gemm_nt(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, counts: list | None, impl: str) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ b[e]^T; a [M, K], b [E, N, K] -> [M, N]."""
+    if impl == "grouped":
+        return torch._grouped_mm(a, b.transpose(-2, -1), offs=bounds[1:])
+    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    s = 0
+    for e, n in enumerate(counts):
+        if n:
+            torch.mm(a[s : s + n], b[e].t(), out=out[s : s + n])
+        s += n
+    return out
+
+
+def gemm_nn(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, counts: list | None, impl: str) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ b[e]; a [M, N], b [E, N, K] -> [M, K]."""
+    if impl == "grouped":
+        return torch._grouped_mm(a, b, offs=bounds[1:])
+    out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)
+    s = 0
+    for e, n in enumerate(counts):
+        if n:
+            torch.mm(a[s : s + n], b[e], out=out[s : s + n])
+        s += n
+    return out
+
+
+def gemm_tn(
+    a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, counts: list | None, impl: str, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """out[e] = a[rows of e]^T @ b[rows of e]; a [M, N1], b [M, N2] -> [E, N1, N2] (zeros for empty experts)."""
+    E = bounds.numel() - 1
+    N1, N2 = a.shape[1], b.shape[1]
+    if impl == "grouped":
+        return torch._grouped_mm(a.t(), b, offs=bounds[1:]).to(out_dtype)
+    if impl == "triton":
+        a, b = a.contiguous(), b.contiguous()
+        out = torch.empty(E, N1, N2, dtype=out_dtype, device=a.device)
+        if a.is_cuda:
+
+            def grid(meta):
+                return (E * triton.cdiv(N1, meta["BLOCK_M"]) * triton.cdiv(N2, meta["BLOCK_N"]),)
+
+            _grouped_tn_tuned[grid](a, b, out, bounds, N1, N2, a.stride(0), b.stride(0))
+        else:  # TRITON_INTERPRET=1 on CPU (the tests): one fixed small config
+            bm = bn = bk = 16
+            grid = (E * triton.cdiv(N1, bm) * triton.cdiv(N2, bn),)
+            _grouped_tn_kernel[grid](a, b, out, bounds, N1, N2, a.stride(0), b.stride(0), bm, bn, bk, 2)
+        return out
+    out = torch.empty(E, N1, N2, dtype=a.dtype, device=a.device)
+    s = 0
+    for e, n in enumerate(counts):
+        if n:
+            torch.mm(a[s : s + n].t(), b[s : s + n], out=out[e])
+        else:
+            out[e].zero_()
+        s += n
+    return out.to(out_dtype)
+
+
+# ---------------------------------------------------------------- the fused expert FFN
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (torch.utils.checkpoint, CPU offloading) are active right now."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    try:
+        return top is None or top(False) is not None
+    except Exception:  # a torch without this query: take the safe path
+        return True
+
+
+class _GroupedFFN(torch.autograd.Function):
+    # x and h are kept as ctx attributes rather than saved tensors so that backward can drop them as
+    # soon as they are used: the peak then holds at most one of the large [M, *] buffers besides dy.
+    @staticmethod
+    def forward(ctx, x, w13, w2, counts, probs, plan: GemmPlan, act_impl: str):
+        dt = x.dtype
+        w13c, w2c = w13.to(dt), w2.to(dt)
+        bounds = _bounds(counts)
+        host = counts.tolist() if plan.needs_host_counts else None
+        h = gemm_nt(x, w13c, bounds, host, plan.fwd13)
+        with torch.no_grad():
+            a = swiglu(h, probs, impl=act_impl)
+        y = gemm_nt(a, w2c, bounds, host, plan.fwd2)
+        ctx.hooked = _saved_tensor_hooks_active()
+        if ctx.hooked:  # activation checkpointing (or offloading) must see x and h to drop or move them
+            ctx.save_for_backward(w13c, w2c, probs, bounds, x, h)
+        else:
+            ctx.save_for_backward(w13c, w2c, probs, bounds)
+            ctx.x, ctx.h = x.detach(), h
+        ctx.host, ctx.plan, ctx.act_impl = host, plan, act_impl
+        ctx.w_dtypes = (w13.dtype, w2.dtype)
+        ctx.p_dtype = None if probs is None else probs.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        if ctx.hooked:
+            w13c, w2c, probs, bounds, x, h = ctx.saved_tensors
+        else:
+            w13c, w2c, probs, bounds = ctx.saved_tensors
+            x, h = ctx.x, ctx.h
+            ctx.x = ctx.h = None
+        plan, host = ctx.plan, ctx.host
+        dy = dy.contiguous()
+        da = gemm_nn(dy, w2c, bounds, host, plan.dgrad2)
+        dh, dp, a = swiglu_backward(h, probs, da, impl=ctx.act_impl)
+        del da, h
+        dw2 = gemm_tn(dy, a, bounds, host, plan.wgrad2, ctx.w_dtypes[1]) if ctx.needs_input_grad[2] else None
+        del a
+        dw13 = gemm_tn(dh, x, bounds, host, plan.wgrad13, ctx.w_dtypes[0]) if ctx.needs_input_grad[1] else None
+        del x
+        dx = gemm_nn(dh, w13c, bounds, host, plan.dgrad13) if ctx.needs_input_grad[0] else None
+        dprobs = dp.to(ctx.p_dtype) if dp is not None and ctx.needs_input_grad[4] else None
+        return dx, dw13, dw2, None, dprobs, None, None
+
+
+def expert_ffn_reference(
+    x_MH: torch.Tensor,
+    w13_EFH: torch.Tensor,
+    w2_EHF: torch.Tensor,
+    counts_E: torch.Tensor,
+    probs_M: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Loop over experts through plain autograd: y = (silu(g) * u * p) @ w2[e]^T with [g|u] = x @ w13[e]^T."""
+    dt = x_MH.dtype
+    outs, s = [], 0
+    for e, n in enumerate(counts_E.tolist()):
+        h = x_MH[s : s + n] @ w13_EFH[e].to(dt).t()
+        a = swiglu_reference(h, None if probs_M is None else probs_M[s : s + n])
+        outs.append(a @ w2_EHF[e].to(dt).t())
+        s += n
+    if not outs:
+        return x_MH.new_zeros(0, w2_EHF.shape[1])
+    return torch.cat(outs)
+
+
+def fused_expert_ffn_available(x_MH: torch.Tensor) -> bool:
+    """Whether `expert_ffn` runs the fused Function for rows like these (CUDA tensors, Triton importable)."""
+    return use_triton("auto", x_MH)
+
+
+def expert_ffn(
+    x_MH: torch.Tensor,
+    w13_EFH: torch.Tensor,
+    w2_EHF: torch.Tensor,
+    counts_E: torch.Tensor,
+    probs_M: torch.Tensor | None = None,
+    plan: GemmPlan | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """The expert FFN of the module docstring on rows already sorted by expert ([M, H] -> [M, H]).
+
+    counts_E: rows per expert (sum = M); probs_M: the routing probability of each row, multiplied
+    inside the activation, or None. `plan`: GEMM choice per kind (default: `default_plan`).
+    """
+    if x_MH.shape[0] == 0 or not use_triton(impl, x_MH, w13_EFH, w2_EHF):
+        return expert_ffn_reference(x_MH, w13_EFH, w2_EHF, counts_E, probs_M)
+    if plan is None:
+        plan = default_plan(w13_EFH.shape[0], x_MH.shape[0], x_MH.shape[1], w2_EHF.shape[2], x_MH.device)
+    act_impl = "triton" if impl == "triton" else "auto"
+    return _GroupedFFN.apply(x_MH.contiguous(), w13_EFH, w2_EHF, counts_E, probs_M, plan, act_impl)

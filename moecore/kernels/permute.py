@@ -1,0 +1,231 @@
+"""Token permutation to expert order and back, sort-based (no dense [T, E] one-hot), fused on GPU.
+
+Legend: T tokens, K experts per token, M = T * K routed rows, E experts, H hidden size.
+
+`make_permutation(idx_TK, E)` sorts the M (token, slot) pairs by expert with a stable sort, so rows
+of one expert stay in token order (deterministic), and returns:
+  order_M  : for each sorted row, the flat index t * K + k it came from;
+  inv_M    : for each flat index t * K + k, the sorted row that holds it (inverse of order_M);
+  counts_E : rows per expert (int64), the group sizes of the expert GEMMs.
+`permute(x_TH, perm)` gathers x[order // K] -> [M, H]; `unpermute(y_MH, perm, probs_TK)` returns
+out[t] = sum_k probs[t, k] * y[inv[t*K + k]] (probs optional) in fp32, rounded to y's dtype. Both are
+gathers: each output row is written by one program, so there are no atomics and the result is
+bit-reproducible. The backward of each is the other gather (plus, for the probabilities, a row dot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moecore.kernels._triton import next_pow2, triton_importable, use_triton
+
+if triton_importable():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gather_rows_kernel(
+        src_ptr, idx_ptr, scale_ptr, out_ptr, H, DIV: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_H: tl.constexpr
+    ):
+        # out[i] = src[idx[i] // DIV] (* scale[idx[i]])
+        i = tl.program_id(0)
+        j = tl.load(idx_ptr + i)
+        src_row = (j // DIV).to(tl.int64)
+        dst = i.to(tl.int64) * H
+        if HAS_SCALE:
+            s = tl.load(scale_ptr + j).to(tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            rh = h0 + tl.arange(0, BLOCK_H)
+            m = rh < H
+            v = tl.load(src_ptr + src_row * H + rh, mask=m, other=0.0)
+            if HAS_SCALE:
+                v = (v.to(tl.float32) * s).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + dst + rh, v, mask=m)
+
+    @triton.jit
+    def _gather_sum_kernel(
+        src_ptr, inv_ptr, w_ptr, out_ptr, H, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr
+    ):
+        # out[t] = sum_k w[t, k] * src[inv[t*K + k]], accumulated in fp32.
+        t = tl.program_id(0)
+        pid_h = tl.program_id(1)
+        rh = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = rh < H
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for k in range(K):
+            r = tl.load(inv_ptr + t * K + k).to(tl.int64)
+            v = tl.load(src_ptr + r * H + rh, mask=m, other=0.0).to(tl.float32)
+            if HAS_W:
+                v = v * tl.load(w_ptr + t * K + k).to(tl.float32)
+            acc += v
+        tl.store(out_ptr + t.to(tl.int64) * H + rh, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _gather_dot_kernel(a_ptr, b_ptr, inv_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
+        # out[t, k] = <a[t], b[inv[t*K + k]]> in fp32 (the routing-probability gradient of unpermute).
+        t = tl.program_id(0)
+        for k in range(K):
+            r = tl.load(inv_ptr + t * K + k).to(tl.int64)
+            acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            for h0 in range(0, H, BLOCK_H):
+                rh = h0 + tl.arange(0, BLOCK_H)
+                m = rh < H
+                x = tl.load(a_ptr + t.to(tl.int64) * H + rh, mask=m, other=0.0).to(tl.float32)
+                y = tl.load(b_ptr + r * H + rh, mask=m, other=0.0).to(tl.float32)
+                acc += x * y
+            tl.store(out_ptr + t * K + k, tl.sum(acc, axis=0))
+
+
+@dataclass
+class Permutation:
+    """Where each routed row goes; see the module docstring. All tensors live on the tokens' device."""
+
+    order_M: torch.Tensor
+    inv_M: torch.Tensor
+    counts_E: torch.Tensor
+    num_tokens: int
+    topk: int
+
+
+def make_permutation(idx_TK: torch.Tensor, num_experts: int) -> Permutation:
+    """Stable sort of the (token, slot) pairs by expert id."""
+    T, K = idx_TK.shape
+    flat = idx_TK.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return Permutation(order, inv, counts, T, K)
+
+
+# ---------------------------------------------------------------- references (autograd through torch ops)
+
+
+def permute_reference(x_TH: torch.Tensor, perm: Permutation) -> torch.Tensor:
+    return x_TH[perm.order_M // perm.topk]
+
+
+def unpermute_reference(y_MH: torch.Tensor, perm: Permutation, probs_TK: torch.Tensor | None = None) -> torch.Tensor:
+    y = y_MH[perm.inv_M].view(perm.num_tokens, perm.topk, -1).float()
+    if probs_TK is not None:
+        y = y * probs_TK.float().unsqueeze(-1)
+    return y.sum(1).to(y_MH.dtype)
+
+
+# ---------------------------------------------------------------- Triton launches
+
+
+def _gather_rows(src: torch.Tensor, idx: torch.Tensor, div: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+    H = src.shape[-1]
+    out = torch.empty(idx.numel(), H, dtype=src.dtype, device=src.device)
+    if idx.numel():
+        block = min(next_pow2(H), 4096)
+        _gather_rows_kernel[(idx.numel(),)](
+            src, idx, scale if scale is not None else src, out, H, div, scale is not None, block, num_warps=4
+        )
+    return out
+
+
+def _gather_sum(src: torch.Tensor, inv: torch.Tensor, T: int, K: int, w: torch.Tensor | None) -> torch.Tensor:
+    H = src.shape[-1]
+    out = torch.empty(T, H, dtype=src.dtype, device=src.device)
+    if T:
+        block = min(next_pow2(H), 2048)
+        grid = (T, triton.cdiv(H, block))
+        _gather_sum_kernel[grid](src, inv, w if w is not None else src, out, H, K, w is not None, block, num_warps=4)
+    return out
+
+
+def _gather_dot(a_TH: torch.Tensor, b_MH: torch.Tensor, inv: torch.Tensor, T: int, K: int) -> torch.Tensor:
+    out = torch.empty(T, K, dtype=torch.float32, device=a_TH.device)
+    if T:
+        block = min(next_pow2(a_TH.shape[-1]), 2048)
+        _gather_dot_kernel[(T,)](a_TH, b_MH, inv, out, a_TH.shape[-1], K, block, num_warps=4)
+    return out
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, T: int, K: int) -> torch.Tensor:
+        ctx.save_for_backward(inv)
+        ctx.T, ctx.K = T, K
+        return _gather_rows(x.contiguous(), order, K)
+
+    @staticmethod
+    def backward(ctx, d_y: torch.Tensor):
+        (inv,) = ctx.saved_tensors
+        return _gather_sum(d_y.contiguous(), inv, ctx.T, ctx.K, None), None, None, None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, y: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, probs: torch.Tensor | None, T: int, K: int
+    ):
+        y = y.contiguous()
+        p = probs.contiguous() if probs is not None else None
+        ctx.save_for_backward(y if p is not None else None, order, inv, p)
+        ctx.T, ctx.K = T, K
+        ctx.p_dtype = None if probs is None else probs.dtype
+        return _gather_sum(y, inv, T, K, p)
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor):
+        y, order, inv, p = ctx.saved_tensors
+        d_out = d_out.contiguous()
+        # d y[i] = d_out[order[i] // K] * p[order[i]]
+        d_y = _gather_rows(d_out, order, ctx.K, p)
+        d_p = None
+        if p is not None and ctx.needs_input_grad[3]:
+            d_p = _gather_dot(d_out, y, inv, ctx.T, ctx.K).to(ctx.p_dtype)
+        return d_y, None, None, d_p, None, None
+
+
+def permute(x_TH: torch.Tensor, perm: Permutation, impl: str = "auto") -> torch.Tensor:
+    """Rows of x in expert order: [M, H]. Differentiable in x."""
+    if not use_triton(impl, x_TH):
+        return permute_reference(x_TH, perm)
+    return _Permute.apply(x_TH, perm.order_M, perm.inv_M, perm.num_tokens, perm.topk)
+
+
+def unpermute(
+    y_MH: torch.Tensor, perm: Permutation, probs_TK: torch.Tensor | None = None, impl: str = "auto"
+) -> torch.Tensor:
+    """Per-token (weighted) sum of its K expert outputs: [T, H]. Differentiable in y and probs."""
+    if not use_triton(impl, y_MH):
+        return unpermute_reference(y_MH, perm, probs_TK)
+    return _Unpermute.apply(y_MH, perm.order_M, perm.inv_M, probs_TK, perm.num_tokens, perm.topk)
+
+
+def permute_probs(probs_TK: torch.Tensor, perm: Permutation) -> torch.Tensor:
+    """Routing probabilities in expert order [M] (differentiable; a small gather)."""
+    return probs_TK.reshape(-1)[perm.order_M]
+
+
+def permute_rows(x_TH: torch.Tensor, order_M: torch.Tensor, topk: int, impl: str = "auto") -> torch.Tensor:
+    """x[order // topk] for a dropless sort `order_M` (as the MoE layer's permute holds it), fused on GPU.
+
+    Same values as `x_TH.index_select(0, order_M // topk)`; the backward is a per-token gather-sum in
+    fp32 instead of an atomic scatter-add.
+    """
+    if not use_triton(impl, x_TH):
+        return x_TH.index_select(0, order_M // topk)
+    inv = torch.empty_like(order_M)
+    inv[order_M] = torch.arange(order_M.numel(), device=order_M.device)
+    return _Permute.apply(x_TH, order_M, inv, x_TH.shape[0], topk)
+
+
+def unpermute_rows(
+    rows_MH: torch.Tensor,
+    order_M: torch.Tensor,
+    inv_M: torch.Tensor,
+    weight_TK: torch.Tensor | None,
+    num_tokens: int,
+    topk: int,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """sum_k weight[t, k] * rows[inv[t*K + k]] in fp32, cast to rows' dtype (weight None: plain sum)."""
+    perm = Permutation(order_M, inv_M, torch.empty(0), num_tokens, topk)
+    return unpermute(rows_MH, perm, weight_TK, impl=impl)

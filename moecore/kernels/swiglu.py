@@ -1,0 +1,200 @@
+"""SwiGLU with optional per-row routing probabilities, forward and backward, fused.
+
+    h = [g | u]  (the first half of the last dim is the gate, the second the up projection;
+                  this is the row order of `w13` = gate rows then up rows)
+    out = silu(g) * u * p      (p: one routing probability per row, or 1)
+
+Megatron-Core multiplies the routing probabilities inside the expert activation (its weighted
+SwiGLU) so that the unpermute is a plain sum and the probability gradient is a row-sum over F
+channels instead of H. The maths is done in fp32 and rounded once to h's dtype, in the kernel and in
+the reference alike. Backward, with s = sigmoid(g) and d = dout * p:
+    dg = d * u * s * (1 + g * (1 - s)),   du = d * g * s,   dp = sum_f dout * silu(g) * u
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moecore.kernels._triton import next_pow2, triton_importable, use_triton
+
+if triton_importable():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _swiglu_fwd_kernel(
+        h_ptr, p_ptr, out_ptr, M, F, HAS_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr
+    ):
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rf = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+        mask = (rm < M)[:, None] & (rf < F)[None, :]
+        row = rm.to(tl.int64)[:, None]
+        g = tl.load(h_ptr + row * (2 * F) + rf[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_ptr + row * (2 * F) + F + rf[None, :], mask=mask, other=0.0).to(tl.float32)
+        a = g * tl.sigmoid(g) * u
+        if HAS_P:
+            p = tl.load(p_ptr + rm, mask=rm < M, other=0.0).to(tl.float32)
+            a = a * p[:, None]
+        tl.store(out_ptr + row * F + rf[None, :], a.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(
+        h_ptr,
+        p_ptr,
+        do_ptr,
+        dh_ptr,
+        dp_ptr,
+        a_ptr,
+        M,
+        F,
+        HAS_P: tl.constexpr,
+        STORE_A: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_F: tl.constexpr,
+    ):
+        # One program owns BLOCK_M whole rows so the probability gradient (a row sum) needs no atomics.
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mrow = rm < M
+        row = rm.to(tl.int64)[:, None]
+        if HAS_P:
+            p = tl.load(p_ptr + rm, mask=mrow, other=0.0).to(tl.float32)
+        dp = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for f0 in range(0, F, BLOCK_F):
+            rf = f0 + tl.arange(0, BLOCK_F)
+            mask = mrow[:, None] & (rf < F)[None, :]
+            g = tl.load(h_ptr + row * (2 * F) + rf[None, :], mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(h_ptr + row * (2 * F) + F + rf[None, :], mask=mask, other=0.0).to(tl.float32)
+            do = tl.load(do_ptr + row * F + rf[None, :], mask=mask, other=0.0).to(tl.float32)
+            s = tl.sigmoid(g)
+            silu = g * s
+            if HAS_P:
+                dp += tl.sum(do * silu * u, axis=1)
+                d = do * p[:, None]
+            else:
+                d = do
+            dg = d * u * s * (1.0 + g * (1.0 - s))
+            du = d * silu
+            tl.store(dh_ptr + row * (2 * F) + rf[None, :], dg.to(dh_ptr.dtype.element_ty), mask=mask)
+            tl.store(dh_ptr + row * (2 * F) + F + rf[None, :], du.to(dh_ptr.dtype.element_ty), mask=mask)
+            if STORE_A:
+                a = silu * u
+                if HAS_P:
+                    a = a * p[:, None]
+                tl.store(a_ptr + row * F + rf[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
+        if HAS_P:
+            tl.store(dp_ptr + rm, dp, mask=mrow)
+
+
+def swiglu_reference(h: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(g) * u (* p) in fp32, rounded to h's dtype; h [..., 2F], probs [...] or None -> [..., F]."""
+    g, u = h.float().chunk(2, dim=-1)
+    out = F.silu(g) * u
+    if probs is not None:
+        out = out * probs.float().unsqueeze(-1)
+    return out.to(h.dtype)
+
+
+def swiglu_backward_reference(
+    h: torch.Tensor, probs: torch.Tensor | None, dout: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(dh in h's dtype, dprobs fp32 or None, recomputed out) from the formulas in the module docstring."""
+    g, u = h.float().chunk(2, dim=-1)
+    do = dout.float()
+    s = torch.sigmoid(g)
+    silu = g * s
+    a = silu * u
+    dp = None
+    if probs is not None:
+        p = probs.float().unsqueeze(-1)
+        dp = (do * a).sum(-1)
+        do = do * p
+        a = a * p
+    dg = do * u * s * (1 + g * (1 - s))
+    du = do * silu
+    return torch.cat((dg, du), dim=-1).to(h.dtype), dp, a.to(h.dtype)
+
+
+def _launch_fwd(h2: torch.Tensor, p1: torch.Tensor | None) -> torch.Tensor:
+    M, F2 = h2.shape
+    Fh = F2 // 2
+    out = torch.empty(M, Fh, dtype=h2.dtype, device=h2.device)
+    block_f = min(next_pow2(Fh), 1024)
+    block_m = max(1, 2048 // block_f)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(Fh, block_f))
+    _swiglu_fwd_kernel[grid](h2, p1 if p1 is not None else h2, out, M, Fh, p1 is not None, block_m, block_f)
+    return out
+
+
+def _launch_bwd(
+    h2: torch.Tensor, p1: torch.Tensor | None, do2: torch.Tensor, store_a: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    M, F2 = h2.shape
+    Fh = F2 // 2
+    dh = torch.empty_like(h2)
+    dp = torch.empty(M, dtype=torch.float32, device=h2.device) if p1 is not None else None
+    a = torch.empty(M, Fh, dtype=h2.dtype, device=h2.device) if store_a else None
+    block_f = min(next_pow2(Fh), 256)
+    block_m = max(1, 1024 // block_f)
+    grid = (triton.cdiv(M, block_m),)
+    _swiglu_bwd_kernel[grid](
+        h2,
+        p1 if p1 is not None else h2,
+        do2,
+        dh,
+        dp if dp is not None else h2,
+        a if a is not None else h2,
+        M,
+        Fh,
+        p1 is not None,
+        store_a,
+        block_m,
+        block_f,
+    )
+    return dh, dp, a
+
+
+def _flat(h: torch.Tensor, probs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    h2 = h.reshape(-1, h.shape[-1]).contiguous()
+    p1 = probs.reshape(-1).contiguous() if probs is not None else None
+    return h2, p1
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+        h2, p1 = _flat(h, probs)
+        ctx.save_for_backward(h2, p1)
+        ctx.h_shape, ctx.p_dtype = h.shape, None if probs is None else probs.dtype
+        return _launch_fwd(h2, p1).view(*h.shape[:-1], h.shape[-1] // 2)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        h2, p1 = ctx.saved_tensors
+        dh, dp, _ = _launch_bwd(h2, p1, dout.reshape(h2.shape[0], -1).contiguous(), store_a=False)
+        dprobs = None
+        if dp is not None and ctx.needs_input_grad[1]:
+            dprobs = dp.view(ctx.h_shape[:-1]).to(ctx.p_dtype)
+        return dh.view(ctx.h_shape), dprobs
+
+
+def swiglu(h: torch.Tensor, probs: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
+    """silu(g) * u (* probs) for h = [g | u] of shape [..., 2F]; probs [...] or None. Differentiable."""
+    if h.shape[-1] % 2:
+        raise ValueError(f"swiglu input's last dim must be even (gate | up), got {h.shape[-1]}")
+    tensors = (h,) if probs is None else (h, probs)
+    if not use_triton(impl, *tensors):
+        return swiglu_reference(h, probs)
+    return _SwiGLUFunction.apply(h, probs)
+
+
+def swiglu_backward(
+    h: torch.Tensor, probs: torch.Tensor | None, dout: torch.Tensor, impl: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(dh, dprobs fp32 or None, out recomputed) for 2-D h [M, 2F]; used by the fused expert FFN."""
+    tensors = (h, dout) if probs is None else (h, probs, dout)
+    if not use_triton(impl, *tensors):
+        return swiglu_backward_reference(h, probs, dout)
+    h2, p1 = _flat(h, probs)
+    dh, dp, a = _launch_bwd(h2, p1, dout.reshape(h2.shape[0], -1).contiguous(), store_a=True)
+    return dh, dp, a
