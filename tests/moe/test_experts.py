@@ -38,7 +38,7 @@ def _pipeline(impl, x, idx, w, w13, w2, activation, probs_on_input=False):
 def _grads(fn, tensors):
     tensors = [t.detach().clone().requires_grad_() for t in tensors]
     out = fn(*tensors)
-    g = torch.randn_like(out, generator=torch.Generator().manual_seed(123))
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(123)).to(out.device, out.dtype)
     out.backward(g)
     return out.detach(), [t.grad for t in tensors]
 
@@ -143,8 +143,9 @@ def test_grouped_gemm_bf16_on_gpu():
     grp, grp_g = run(experts_grouped_mm, args16)
     lop, lop_g = run(experts_loop, args16)
     scale = ref.abs().max()
-    # bf16 has 8 mantissa bits: both bf16 paths sit within a few bf16 ulps of the fp32 result
+    # bf16 keeps 8 mantissa bits (relative step 2^-8 = 0.4%): grouped and looped bf16 GEMMs agree to about
+    # one step, and both sit a few steps from fp32 (measured on an H200: 0.6% forward, <= 0.9% gradients)
+    assert (grp.float() - lop.float()).abs().max() <= 2**-8 * scale
     assert (grp.float() - ref).abs().max() <= 0.02 * scale
-    assert (grp.float() - lop.float()).abs().max() <= 0.02 * scale
     for a, b in zip(grp_g, ref_g):
-        assert (a.float() - b).abs().max() <= 0.03 * b.abs().max()
+        assert (a.float() - b).abs().max() <= 0.02 * b.abs().max()
