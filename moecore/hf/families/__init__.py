@@ -34,6 +34,7 @@ _FAMILY_MODULES = {
     "qwen3_moe": "moecore.hf.families.qwen3_moe",
     "deepseek_v2": "moecore.hf.families.deepseek_v2",
     "deepseek_v3": "moecore.hf.families.deepseek_v3",
+    "qwen3_next": "moecore.hf.families.qwen3_next",
 }
 
 

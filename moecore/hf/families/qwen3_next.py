@@ -1,0 +1,278 @@
+"""Qwen3-Next (`model_type: qwen3_next`, Qwen3NextForCausalLM): hybrid gated DeltaNet + gated attention MoE.
+
+What differs from the Llama-style families (see `common.py` for the shared names):
+- `layer_types` (or, in Hub config.json files, `full_attention_interval` N: every N-th layer is full
+  attention) picks per layer between gated full attention (`self_attn`, q_proj twice as wide: query
+  then gate per head; zero-centred q/k norms) and gated DeltaNet (`linear_attn`). Our DeltaNet
+  parameters carry the checkpoint's names, so those tensors map by prefix only:
+      layers.i.attn.{in_proj_qkvz,in_proj_ba,conv1d,norm,out_proj}.weight, .dt_bias, .A_log
+      <-> model.layers.i.linear_attn.<same>
+- every RMSNorm except the DeltaNet's gated one is zero-centred (weight stored as an offset from 1);
+- partial rotary: `partial_rotary_factor` (0.25 by default) of each head's channels are rotated;
+- MoE: softmax over all experts, top-k, optional renormalisation (`norm_topk_prob`), and a shared
+  expert with a sigmoid gate; the dense/MoE pattern comes from `decoder_sparse_step`/`mlp_only_layers`.
+Hub checkpoints also hold a multi-token-prediction head (`mtp.*`); transformers does not load it and
+neither do we.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from moecore.config import Config
+from moecore.hf.families import TensorMap
+from moecore.hf.families.common import (
+    HFFields,
+    base_config,
+    dense_mlp_maps,
+    embed_maps,
+    expert_maps,
+    moe_pattern,
+    moe_pattern_from_hf,
+    moe_pattern_to_hf,
+    refuse_export,
+    renormalises,
+    rope_to_hf,
+    shared_expert_maps,
+    validated,
+)
+
+MODEL_TYPE = "qwen3_next"
+ARCHITECTURE = "Qwen3NextForCausalLM"
+IGNORED_HF_TENSORS = (r"^mtp\.", r"\.rotary_emb\.inv_freq$")
+
+# transformers' Qwen3NextConfig defaults, for fields a config.json leaves out.
+DEFAULTS = {
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "head_dim": 256,
+    "partial_rotary_factor": 0.25,
+    "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "num_experts_per_tok": 10,
+    "num_experts": 512,
+    "norm_topk_prob": True,
+    "router_aux_loss_coef": 0.001,
+    "mlp_only_layers": [],
+}
+
+_LINEAR_FIELDS = (
+    ("linear_num_key_heads", "linear_num_key_heads"),
+    ("linear_num_value_heads", "linear_num_value_heads"),
+    ("linear_key_head_dim", "linear_key_head_dim"),
+    ("linear_value_head_dim", "linear_value_head_dim"),
+    ("linear_conv_kernel_dim", "linear_conv_kernel_dim"),
+)
+_DELTANET_TENSORS = (
+    "in_proj_qkvz.weight",
+    "in_proj_ba.weight",
+    "conv1d.weight",
+    "dt_bias",
+    "A_log",
+    "norm.weight",
+    "out_proj.weight",
+)
+
+
+def _split_partial_rotary(hf: dict) -> tuple[dict, float]:
+    """Take `partial_rotary_factor` out of config.json (top level or inside `rope_parameters`) so that the
+    shared RoPE reader, which refuses partial rotary for the other families, sees the rest."""
+    hf = dict(hf)
+    partial = hf.pop("partial_rotary_factor", None)
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "partial_rotary_factor" in params:
+        params = dict(params)
+        partial = params.pop("partial_rotary_factor")
+        hf["rope_parameters"] = params
+    return hf, float(DEFAULTS["partial_rotary_factor"] if partial is None else partial)
+
+
+def _layer_types(f: HFFields, num_layers: int) -> list[str]:
+    types = f.get("layer_types", None)
+    interval = f.get("full_attention_interval")
+    if types is None:
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            f.refuse("full_attention_interval", interval, "an integer >= 1")
+        return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers:
+        f.refuse("layer_types", types, f"a list with one entry per layer (num_hidden_layers={num_layers})")
+    for t in types:
+        if t not in ("full_attention", "linear_attention"):
+            f.refuse("layer_types", t, "entries full_attention | linear_attention")
+    return list(types)
+
+
+def config_from_hf(hf: dict) -> Config:
+    """config.json -> our Config (model and moe sections)."""
+    hf, partial = _split_partial_rotary(hf)
+    f = HFFields(hf, MODEL_TYPE, DEFAULTS)
+    cfg = base_config(f)
+    m, e = cfg.model, cfg.moe
+    # Qwen3-Next attention always has a head_dim of its own, zero-centred q/k norms and the output gate.
+    m.head_dim = f.integer("head_dim")
+    m.partial_rotary_factor = partial
+    m.qk_norm = True
+    m.attn_output_gate = True
+    m.norm_zero_centered = True
+    m.qkv_bias = m.attn_out_bias = bool(f.get("attention_bias"))
+    m.layer_types = _layer_types(f, m.num_layers)
+    for ours, theirs in _LINEAR_FIELDS:
+        setattr(m, ours, f.integer(theirs))
+    # Fields Qwen3NextConfig does not define, so transformers' model ignores them and so do we: the MTP
+    # head of Hub checkpoints (not loaded) and sliding-window switches (Qwen3-Next has no window).
+    for key in (
+        "mtp_num_hidden_layers",
+        "mtp_use_dedicated_embeddings",
+        "use_sliding_window",
+        "sliding_window",
+        "max_window_layers",
+    ):
+        f.get(key, None)
+
+    e.num_experts = f.integer("num_experts", lo=0)
+    if e.num_experts:
+        e.ffn_hidden_size = f.integer("moe_intermediate_size")
+        e.shared_expert_intermediate_size = f.integer("shared_expert_intermediate_size")
+        e.shared_expert_gate = True
+        e.norm_topk_prob = bool(f.get("norm_topk_prob"))
+        e.layer_freq = moe_pattern_from_hf(f, m.num_layers, e.num_experts)
+    else:
+        for key in (
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "norm_topk_prob",
+            "decoder_sparse_step",
+            "mlp_only_layers",
+        ):
+            f.get(key)
+        e.layer_freq = 1
+    f.finish()
+    return validated(cfg)
+
+
+def config_to_hf(cfg: Config) -> dict:
+    """Our Config -> config.json, refusing options Qwen3NextForCausalLM cannot express."""
+    m, e = cfg.model, cfg.moe
+
+    def need(cond: bool, field: str, value, why: str) -> None:
+        if not cond:
+            refuse_export(MODEL_TYPE, field, value, why)
+
+    need(m.attention_type == "gqa", "model.attention_type", m.attention_type, "only gqa attention")
+    need(m.qk_norm, "model.qk_norm", m.qk_norm, "Qwen3-Next always normalises q and k")
+    need(m.attn_output_gate, "model.attn_output_gate", m.attn_output_gate, "Qwen3-Next always gates attention")
+    need(m.norm_zero_centered, "model.norm_zero_centered", m.norm_zero_centered, "Qwen3-Next norms are zero-centred")
+    need(
+        m.qkv_bias == m.attn_out_bias,
+        "model.attn_out_bias",
+        m.attn_out_bias,
+        "attention_bias covers q, k, v and o alike",
+    )
+    need(m.activation == "swiglu", "model.activation", m.activation, "SwiGLU only")
+    need(m.sliding_window is None, "model.sliding_window", m.sliding_window, "no sliding window")
+    need(m.mtp_num_layers == 0, "model.mtp_num_layers", m.mtp_num_layers, "no multi-token prediction")
+    if e.num_experts:
+        need(e.router_score_function == "softmax", "moe.router_score_function", e.router_score_function, "softmax only")
+        need(
+            e.router_pre_softmax or renormalises(e),
+            "moe.norm_topk_prob",
+            e.norm_topk_prob,
+            "top-k softmax renormalises",
+        )
+        need(not e.router_enable_expert_bias, "moe.router_enable_expert_bias", True, "no expert bias")
+        need(
+            e.router_topk_scaling_factor in (None, 1.0),
+            "moe.router_topk_scaling_factor",
+            e.router_topk_scaling_factor,
+            "no scaling",
+        )
+        need(e.router_num_groups is None, "moe.router_num_groups", e.router_num_groups, "no group-limited routing")
+        need(
+            bool(e.shared_expert_intermediate_size),
+            "moe.shared_expert_intermediate_size",
+            e.shared_expert_intermediate_size,
+            "Qwen3-Next always has a shared expert",
+        )
+        need(e.shared_expert_gate, "moe.shared_expert_gate", e.shared_expert_gate, "the shared expert is always gated")
+    layer_types = list(m.layer_types or ["full_attention"] * m.num_layers)
+    out = {
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.ffn_hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.kv_heads,
+        "head_dim": m.resolved_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": m.max_position_embeddings,
+        "initializer_range": m.init_std,
+        "rms_norm_eps": m.norm_eps,
+        "tie_word_embeddings": m.tie_embeddings,
+        "attention_bias": m.qkv_bias,
+        "attention_dropout": m.attention_dropout,
+        **rope_to_hf(m),
+        "partial_rotary_factor": m.partial_rotary_factor,
+        "layer_types": layer_types,
+        **{theirs: getattr(m, ours) for ours, theirs in _LINEAR_FIELDS},
+        "num_experts": e.num_experts,
+    }
+    interval = layer_types.index("full_attention") + 1 if "full_attention" in layer_types else 0
+    if interval and layer_types == [
+        "linear_attention" if (i + 1) % interval else "full_attention" for i in range(m.num_layers)
+    ]:
+        out["full_attention_interval"] = interval
+    if e.num_experts:
+        out.update(
+            num_experts_per_tok=e.router_topk,
+            moe_intermediate_size=e.ffn_hidden_size,
+            shared_expert_intermediate_size=e.shared_expert_intermediate_size,
+            norm_topk_prob=renormalises(e),
+            router_aux_loss_coef=e.aux_loss_coeffs[0] if e.aux_loss_coeffs else 0.0,
+            **moe_pattern_to_hf(cfg),
+        )
+    return out
+
+
+def tensor_maps(cfg: Config, available: Collection[str] | None = None) -> list[TensorMap]:
+    """Every parameter of our model and the checkpoint tensors it is made of."""
+    m, e = cfg.model, cfg.moe
+    maps = embed_maps(m)
+    pattern = moe_pattern(cfg)
+    for i in range(m.num_layers):
+        ours, hf = f"layers.{i}", f"model.layers.{i}"
+        maps.append(TensorMap.copy(f"{ours}.attn_norm.weight", f"{hf}.input_layernorm.weight"))
+        maps.append(TensorMap.copy(f"{ours}.mlp_norm.weight", f"{hf}.post_attention_layernorm.weight"))
+        if m.layer_types is not None and m.layer_types[i] == "linear_attention":
+            maps += [TensorMap.copy(f"{ours}.attn.{t}", f"{hf}.linear_attn.{t}") for t in _DELTANET_TENSORS]
+        else:
+            for p in ("q", "k", "v", "o"):
+                maps.append(TensorMap.copy(f"{ours}.attn.{p}_proj.weight", f"{hf}.self_attn.{p}_proj.weight"))
+                if m.qkv_bias:
+                    maps.append(TensorMap.copy(f"{ours}.attn.{p}_proj.bias", f"{hf}.self_attn.{p}_proj.bias"))
+            for p in ("q", "k"):
+                maps.append(TensorMap.copy(f"{ours}.attn.{p}_norm.weight", f"{hf}.self_attn.{p}_norm.weight"))
+        if pattern[i]:
+            maps += expert_maps(i, e.num_experts, f"{hf}.mlp", available=available)
+            maps += shared_expert_maps(i, f"{hf}.mlp", gated=True)
+        else:
+            maps += dense_mlp_maps(f"{ours}.mlp", f"{hf}.mlp")
+    return maps
