@@ -20,6 +20,8 @@ import math
 import torch
 from torch import nn
 
+from moecore.kernels.rope import apply_rotary as fused_apply_rotary
+
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -101,6 +103,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
 
     cos/sin are [S, d]. With `interleaved`, the rotary channels are first de-interleaved (see module doc).
     """
+    if x.is_cuda:  # fused Triton forward + backward, same maths (moecore/kernels/rope.py)
+        return fused_apply_rotary(x, cos, sin, interleaved)
     d = cos.shape[-1]
     rot, rest = (x, None) if d == x.shape[-1] else (x[..., :d], x[..., d:])
     if interleaved:
