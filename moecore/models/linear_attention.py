@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from moecore.config import ConfigError, ModelConfig
@@ -213,10 +214,11 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, dims: ParallelDims | None = None) -> None:
         super().__init__()
-        if dims is not None and getattr(dims, "tp", 1) > 1:
-            raise ConfigError(
-                f"parallel.tp={dims.tp} is invalid: gated DeltaNet layers support only parallel.tp=1 so far"
-            )
+        for name in ("tp", "cp"):  # heads are not sharded, and the recurrence does not pass state across ranks
+            if dims is not None and getattr(dims, name, 1) > 1:
+                raise ConfigError(
+                    f"parallel.{name}={getattr(dims, name)} is invalid: gated DeltaNet layers support only parallel.{name}=1 so far"
+                )
         for name in (
             "linear_num_key_heads",
             "linear_num_value_heads",
@@ -239,6 +241,7 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.backend = "auto"  # auto | fla | torch, see gated_delta_rule
+        self.recompute_core = "core_attn" in cfg.recompute_modules  # recompute the rule in backward
 
         h = cfg.hidden_size
         # Output features grouped per key head: [q_h (Dk) | k_h (Dk) | v (r*Dv) | z (r*Dv)] for each of
@@ -307,7 +310,12 @@ class GatedDeltaNet(nn.Module):
         """x [B, S, H] -> [B, S, H]. position_ids is accepted for a uniform token-mixer signature and
         unused: the recurrence and the causal conv carry the order."""
         q, k, v, g, beta, z = self.prepare(x)
-        o = gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, backend=self.backend)
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            o = torch.utils.checkpoint.checkpoint(
+                gated_delta_rule, q, k, v, g, beta, None, self.chunk_size, self.backend, use_reentrant=False
+            )
+        else:
+            o = gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, backend=self.backend)
         return self.finish(o, z)
 
     def forward_recurrent(self, x: torch.Tensor) -> torch.Tensor:

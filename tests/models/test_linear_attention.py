@@ -7,6 +7,8 @@ rule for one step.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -189,8 +191,23 @@ def test_fresh_layer_init_and_backend_choice():
             gated_delta_rule(q, k, v, gg, beta, backend="fla")
 
 
-def test_bad_head_counts_are_config_errors():
+def test_recompute_core_attn_gives_the_same_gradients():
+    ours, _ = _layer_pair()
+    x = torch.randn(2, 21, 48, generator=torch.Generator().manual_seed(11), requires_grad=True)
+    params = [x, *ours.parameters()]
+    plain = torch.autograd.grad(ours(x).pow(2).sum(), params)
+    ours.recompute_core = True
+    recomputed = torch.autograd.grad(ours.train()(x).pow(2).sum(), params)
+    for a, b in zip(plain, recomputed):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_bad_head_counts_and_layouts_are_config_errors():
     cfg, _ = _layer_configs()
+    with pytest.raises(ConfigError, match="parallel.tp"):
+        GatedDeltaNet(cfg, layer_idx=0, dims=SimpleNamespace(tp=2, cp=1))
+    with pytest.raises(ConfigError, match="parallel.cp"):
+        GatedDeltaNet(cfg, layer_idx=0, dims=SimpleNamespace(tp=1, cp=2))
     cfg.linear_num_value_heads = 3
     with pytest.raises(ConfigError, match="model.linear_num_value_heads"):
         GatedDeltaNet(cfg, layer_idx=0)
