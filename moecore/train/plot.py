@@ -93,22 +93,27 @@ def plot_expert_load(records: list[dict], out: Path, plt) -> Path | None:
     n = len(layers)
     cols = min(n, 4)
     rows = -(-n // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(4.2 * cols + 1, 3.2 * rows + 0.6), squeeze=False, layout="constrained"
+    )
     image = None
     for ax, (layer, series) in zip(axes.flat, layers.items()):
         steps = [s for s, _ in series]
         counts = np.asarray([np.asarray(v, dtype=np.float64).ravel() for _, v in series])  # [steps, experts]
         totals = counts.sum(axis=1, keepdims=True)
         rel = np.divide(counts * counts.shape[1], totals, out=np.zeros_like(counts), where=totals > 0)
-        image = ax.imshow(
+        # Cell edges halfway between logged steps, so uneven logging intervals keep their true spacing.
+        x = np.asarray(steps, dtype=np.float64)
+        gaps = np.diff(x) if len(x) > 1 else np.ones(1)
+        edges = np.concatenate([[x[0] - gaps[0] / 2], (x[:-1] + x[1:]) / 2, [x[-1] + gaps[-1] / 2]])
+        image = ax.pcolormesh(
+            edges,
+            np.arange(counts.shape[1] + 1) - 0.5,
             rel.T,
-            aspect="auto",
-            origin="lower",
-            interpolation="nearest",
             cmap="viridis",
             vmin=0.0,
             vmax=max(2.0, float(rel.max())),
-            extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, counts.shape[1] - 0.5),
+            shading="flat",
         )
         ax.set_title(f"layer {layer}")
         ax.set_xlabel("step")
