@@ -121,7 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # argparse's REMAINDER drops options like `--from-hf` after a subcommand; hand delegated subcommands
+    # everything after their name untouched.
+    first = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if first is not None and argv[first] in ("convert", "preprocess", "plot", "bench"):
+        args = parser.parse_args(argv[: first + 1])
+        args.rest = argv[first + 1 :]
+    else:
+        args = parser.parse_args(argv)
     try:
         return args.func(args)
     except (ConfigError, FileNotFoundError) as e:
