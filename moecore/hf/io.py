@@ -2,7 +2,8 @@
 
 A Hugging Face folder holds `config.json`, the weights as `model.safetensors` or as shards listed in
 `model.safetensors.index.json` (`{"metadata": {"total_size": N}, "weight_map": {name: file}}`), and
-tokenizer files. `SafetensorsReader` memory-maps the shards and hands out one tensor per call.
+tokenizer files. `SafetensorsReader` parses the shard headers and reads one tensor per call with plain
+file reads, straight into the destination tensor where it can (no memory map, no second copy).
 `write_safetensors` writes shards without ever holding more than one tensor: it first lays out every
 shard from the tensors' shapes and dtypes, writes each shard's header, then asks for the tensors one
 by one and streams their bytes.
@@ -18,12 +19,11 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -76,38 +76,109 @@ def read_config_json(folder: str | Path) -> dict:
     return data
 
 
-def weight_files(folder: str | Path) -> dict[str, Path]:
-    """Map every tensor name to the safetensors file that holds it (single file or sharded index)."""
-    folder = Path(folder)
+class _Shard:
+    """One safetensors file: its parsed header, and plain file reads (no memory map) for the data."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+            if n < 2 or 8 + n > size:
+                raise ValueError(f"{path} is not a safetensors file (bad header length)")
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ValueError(f"{path} is not a safetensors file (header is not JSON)") from None
+        header.pop("__metadata__", None)
+        self.data_start = 8 + n
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for name, e in header.items():
+            if e.get("dtype") not in _ST_TO_DTYPE:
+                raise ValueError(f"tensor {name!r} in {path.name} has dtype {e.get('dtype')}, which is not supported")
+            begin, end = e["data_offsets"]
+            dtype, shape = _ST_TO_DTYPE[e["dtype"]], tuple(e["shape"])
+            if end - begin != _numel(shape) * _itemsize(dtype) or self.data_start + end > size:
+                raise ValueError(f"tensor {name!r} in {path.name} has data offsets that do not match its shape")
+            self.entries[name] = (dtype, shape, begin, end)
+        self._file = None
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Read tensor `name` straight into `out` (contiguous, same dtype and shape)."""
+        if self._file is None:
+            self._file = open(self.path, "rb")
+        _, _, begin, end = self.entries[name]
+        self._file.seek(self.data_start + begin)
+        if end > begin:
+            buf = out.reshape(-1).view(torch.uint8).numpy()
+            done = 0
+            while done < buf.size:
+                got = self._file.readinto(buf[done:].data)
+                if not got:
+                    raise ValueError(f"{self.path} ends inside tensor {name!r}")
+                done += got
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _shards(folder: Path) -> list[_Shard]:
+    """The safetensors files of a folder: those of the sharded index, or the single model.safetensors."""
     index = folder / INDEX_FILE
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            files = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise ValueError(f"{index} is not a valid safetensors index (needs a 'weight_map' object)") from None
-        out = {}
-        for name, file in weight_map.items():
-            path = folder / file
-            if not path.is_file():
-                raise ValueError(f"{index} lists tensor {name!r} in {file}, which does not exist")
-            out[name] = path
-        return out
+        for file in files:
+            if not (folder / file).is_file():
+                raise ValueError(f"{index} lists {file}, which does not exist")
+        shards = [_Shard(folder / file) for file in files]
+        listed = {name for sh in shards for name in sh.entries}
+        for name in weight_map:
+            if name not in listed:
+                raise ValueError(f"{index} lists tensor {name!r}, which its file {weight_map[name]} does not hold")
+        return shards
     single = folder / SINGLE_FILE
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
-            return {name: single for name in f.keys()}
+        return [_Shard(single)]
     found = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
     hint = f" (found {', '.join(found)}: convert them to safetensors first)" if found else ""
     raise ValueError(f"{folder} holds no {SINGLE_FILE} or {INDEX_FILE}{hint}")
 
 
 class SafetensorsReader:
-    """Read tensors one at a time from a Hugging Face folder (memory-mapped; nothing is loaded up front)."""
+    """Read tensors one at a time from a Hugging Face folder (single file or sharded index).
+
+    Tensors are read with plain file reads into memory we own, optionally straight into a destination
+    tensor (`read_into`), so reading never holds more than the tensor being read, and nothing of the
+    files stays mapped into the process.
+    """
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
-        self._where = weight_files(self.folder)
-        self._handles: dict[Path, object] = {}
+        self._shards = _shards(self.folder)
+        self._where: dict[str, _Shard] = {}
+        for sh in self._shards:
+            for name in sh.entries:
+                if name in self._where:
+                    raise ValueError(f"tensor {name!r} is stored twice ({self._where[name].path.name}, {sh.path.name})")
+                self._where[name] = sh
 
     def __enter__(self) -> SafetensorsReader:
         return self
@@ -116,18 +187,8 @@ class SafetensorsReader:
         self.close()
 
     def close(self) -> None:
-        for h in self._handles.values():
-            h.__exit__(None, None, None)
-        self._handles.clear()
-
-    def _handle(self, name: str):
-        if name not in self._where:
-            raise KeyError(name)
-        path = self._where[name]
-        if path not in self._handles:
-            h = safe_open(path, framework="pt")
-            self._handles[path] = h.__enter__()
-        return self._handles[path]
+        for sh in self._shards:
+            sh.close()
 
     def names(self) -> list[str]:
         return list(self._where)
@@ -136,16 +197,25 @@ class SafetensorsReader:
         return name in self._where
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return self._where[name].entries[name][1]
 
     def dtype(self, name: str) -> torch.dtype:
-        st = self._handle(name).get_slice(name).get_dtype()
-        if st not in _ST_TO_DTYPE:
-            raise ValueError(f"tensor {name!r} in {self._where[name].name} has dtype {st}, which is not supported")
-        return _ST_TO_DTYPE[st]
+        return self._where[name].entries[name][0]
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+        """A new tensor holding `name`."""
+        out = torch.empty(self.shape(name), dtype=self.dtype(name))
+        self._where[name].read_into(name, out)
+        return out
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Fill `out` (same shape) with `name`, converting the dtype if it differs."""
+        if tuple(out.shape) != self.shape(name):
+            raise ValueError(f"tensor {name!r} has shape {list(self.shape(name))}, not {list(out.shape)}")
+        if out.dtype == self.dtype(name) and out.is_contiguous():
+            self._where[name].read_into(name, out)
+        else:
+            out.copy_(self.get(name))
 
 
 @dataclass
@@ -262,9 +332,3 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
             shutil.copyfile(src / name, dst / name)
             copied.append(name)
     return copied
-
-
-def iter_shapes(reader: SafetensorsReader) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every tensor in the folder, without reading any data."""
-    for name in reader.names():
-        yield name, reader.shape(name)

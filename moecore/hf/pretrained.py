@@ -2,8 +2,9 @@
 
 Import: config.json -> `Config` (by the family of its `model_type`); the model is built with its
 parameters on the meta device (no memory, no random init), then each parameter is allocated and
-filled from the checkpoint, one Hugging Face tensor at a time. Peak memory is the model plus one
-tensor. Before any data is read, every name and shape is checked: a missing, unexpected or
+filled from the checkpoint, one Hugging Face tensor at a time, read straight into the parameter's
+memory (through one temporary tensor when the dtype changes). Peak memory is the model plus at most
+one tensor. Before any data is read, every name and shape is checked: a missing, unexpected or
 mis-shaped tensor stops the import with an error naming it.
 
 Export: `Config` -> config.json, and each Hugging Face tensor is cut from our parameters (a view)
@@ -168,11 +169,11 @@ def load_weights(
             dst = value[s] if mp.stacked else value
             rows = dst.shape[0] // len(parts) if len(parts) > 1 else 0
             for k, name in enumerate(parts):
-                part = reader.get(name)
-                if mp.to_ours is not None:
-                    part = mp.to_ours(part)
-                (dst if len(parts) == 1 else dst[k * rows : (k + 1) * rows]).copy_(part)
-                del part
+                piece = dst if len(parts) == 1 else dst[k * rows : (k + 1) * rows]
+                if mp.to_ours is None:
+                    reader.read_into(name, piece)  # straight into the parameter's memory
+                else:
+                    piece.copy_(mp.to_ours(reader.get(name)))
                 if on_tensor is not None:
                     on_tensor(name)
         if is_param:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from moecore.config import load_config
 from moecore.hf import load_pretrained, save_pretrained
 from moecore.hf.families import get_family
 
@@ -130,3 +131,38 @@ def train_step_parity(ours, hf_model) -> None:
         tol = 1e-4 * hg.abs().max().item() + 1e-9
         err = (g - hg).abs().max().item()
         assert err <= tol, f"grad (LM + aux) of {name} vs {hf_name}: max abs diff {err:.3g} > {tol:.3g}"
+
+
+# The fields a Hugging Face config.json decides (the rest of a recipe is training choices).
+MODEL_FIELDS = (
+    "family vocab_size hidden_size num_layers num_attention_heads num_kv_heads resolved_head_dim ffn_hidden_size "
+    "activation max_position_embeddings rope_theta rope_scaling norm_eps qkv_bias attn_out_bias qk_norm "
+    "sliding_window tie_embeddings"
+).split()
+MOE_FIELDS = (
+    "num_experts router_topk router_score_function router_pre_softmax norm_topk_prob ffn_hidden_size "
+    "shared_expert_intermediate_size shared_expert_gate router_topk_scaling_factor router_num_groups "
+    "router_enable_expert_bias expert_capacity_factor"
+).split()
+
+
+def check_real_size_recipe(recipe: str, hf_config: dict) -> None:
+    """The shipped recipe builds exactly the model a real checkpoint's config.json describes, so
+    `moecore train <recipe> checkpoint.load=<converted checkpoint>` loads it."""
+    ours = load_config(recipe).validate()
+    ref = get_family(hf_config["model_type"]).config_from_hf(hf_config)
+    for f in MODEL_FIELDS:
+        assert getattr(ours.model, f) == getattr(ref.model, f), f"{recipe}: model.{f}"
+    for f in MOE_FIELDS:
+        assert getattr(ours.moe, f) == getattr(ref.moe, f), f"{recipe}: moe.{f}"
+    n = ref.model.num_layers
+    assert [ours.moe.is_moe_layer(i, n) for i in range(n)] == [ref.moe.is_moe_layer(i, n) for i in range(n)]
+    assert ours.moe.aux_loss_coeffs == ref.moe.aux_loss_coeffs, f"{recipe}: moe.aux_loss_coeff"
+
+
+def check_tiny_recipe_exports(recipe: str, model_type: str) -> None:
+    """A tiny recipe is a model the family can express (its export config is accepted by transformers)."""
+    cfg = load_config(recipe).validate()
+    cfg.model.vocab_size = 64
+    hf_config = get_family(model_type).config_to_hf(cfg)
+    transformers.AutoConfig.for_model(model_type, **hf_config)

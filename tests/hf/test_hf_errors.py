@@ -154,3 +154,9 @@ def test_cli_bad_input(tmp_path, capsys):
     assert len(err) == 1 and "is not a folder" in err[0]
     assert main(["--to-hf", str(tmp_path), str(tmp_path / "out"), "--no-progress"]) == 2
     assert "not a moecore checkpoint folder" in capsys.readouterr().err
+
+
+def test_corrupt_safetensors(folder):
+    (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(ValueError, match="model.safetensors is not a safetensors file"):
+        load_pretrained(folder)

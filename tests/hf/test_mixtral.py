@@ -7,7 +7,15 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_parity import assert_close, build_hf, import_export_parity, tokens, train_step_parity  # noqa: E402
+from hf_parity import (  # noqa: E402
+    assert_close,
+    build_hf,
+    check_real_size_recipe,
+    check_tiny_recipe_exports,
+    import_export_parity,
+    tokens,
+    train_step_parity,
+)
 from safetensors.torch import save_file  # noqa: E402
 from transformers import MixtralConfig  # noqa: E402
 
@@ -113,3 +121,65 @@ def test_native_model_exports_as_mixtral(tmp_path):
     ids = tokens(96)
     with torch.no_grad():
         assert_close(back(ids).logits, ours(ids).logits)
+
+
+MIXTRAL_8X7B = {  # mistralai/Mixtral-8x7B-v0.1 config.json
+    "architectures": ["MixtralForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mixtral",
+    "num_attention_heads": 32,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.02,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0.dev0",
+    "use_cache": True,
+    "vocab_size": 32000,
+}
+MIXTRAL_8X22B = {  # mistralai/Mixtral-8x22B-v0.1 config.json
+    "architectures": ["MixtralForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 6144,
+    "initializer_range": 0.02,
+    "intermediate_size": 16384,
+    "max_position_embeddings": 65536,
+    "model_type": "mixtral",
+    "num_attention_heads": 48,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 56,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000,
+    "router_aux_loss_coef": 0.001,
+    "router_jitter_noise": 0.0,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.0.dev0",
+    "vocab_size": 32000,
+}
+
+
+@pytest.mark.parametrize("recipe, hf_config", [("mixtral-8x7b", MIXTRAL_8X7B), ("mixtral-8x22b", MIXTRAL_8X22B)])
+def test_real_size_recipes(recipe, hf_config):
+    check_real_size_recipe(recipe, hf_config)
+
+
+def test_tiny_recipe_exports():
+    check_tiny_recipe_exports("tiny-mixtral", "mixtral")

@@ -9,7 +9,13 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hf_parity import build_hf, import_export_parity, train_step_parity  # noqa: E402
+from hf_parity import (  # noqa: E402
+    build_hf,
+    check_real_size_recipe,
+    check_tiny_recipe_exports,
+    import_export_parity,
+    train_step_parity,
+)
 from transformers import Qwen2MoeConfig  # noqa: E402
 
 from moecore.hf import load_pretrained  # noqa: E402
@@ -67,3 +73,46 @@ def test_train_step(tmp_path):
     hf = build_hf(qwen2_config(mlp_only_layers=[1], router_aux_loss_coef=0.5))
     hf.save_pretrained(tmp_path)
     train_step_parity(load_pretrained(tmp_path), hf)
+
+
+QWEN2_57B_A14B = {  # Qwen/Qwen2-57B-A14B config.json
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151643,
+    "hidden_act": "silu",
+    "hidden_size": 3584,
+    "initializer_range": 0.02,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 131072,
+    "max_window_layers": 28,
+    "model_type": "qwen2_moe",
+    "moe_intermediate_size": 2560,
+    "norm_topk_prob": False,
+    "num_attention_heads": 28,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 20480,
+    "sliding_window": 131072,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.1",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def test_real_size_recipe():
+    check_real_size_recipe("qwen2-57b-a14b", QWEN2_57B_A14B)
+
+
+def test_tiny_recipe_exports():
+    check_tiny_recipe_exports("tiny-qwen2-moe", "qwen2_moe")

@@ -11,7 +11,15 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_parity import assert_close, build_hf, import_export_parity, tokens, train_step_parity  # noqa: E402
+from hf_parity import (  # noqa: E402
+    assert_close,
+    build_hf,
+    check_real_size_recipe,
+    check_tiny_recipe_exports,
+    import_export_parity,
+    tokens,
+    train_step_parity,
+)
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig  # noqa: E402
 
 from moecore.hf import load_pretrained  # noqa: E402
@@ -96,3 +104,59 @@ def test_convert_cli_round_trip(tmp_path, capsys):
         assert_close(reloaded(ids).logits, hf(ids).logits)
     assert main(["--to-hf", str(ckpt), str(back), "--no-progress"]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B config.json
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+QWEN3_235B_A22B = dict(  # Qwen/Qwen3-235B-A22B config.json: the 30B's fields with these sizes
+    QWEN3_30B_A3B,
+    hidden_size=4096,
+    intermediate_size=12288,
+    max_window_layers=94,
+    moe_intermediate_size=1536,
+    num_attention_heads=64,
+    num_hidden_layers=94,
+)
+
+
+@pytest.mark.parametrize("recipe, hf_config", [("qwen3-30b-a3b", QWEN3_30B_A3B), ("qwen3-235b-a22b", QWEN3_235B_A22B)])
+def test_real_size_recipes(recipe, hf_config):
+    check_real_size_recipe(recipe, hf_config)
+
+
+def test_tiny_recipe_exports():
+    check_tiny_recipe_exports("tiny-qwen3-moe", "qwen3_moe")
