@@ -17,8 +17,8 @@ import hashlib
 import json
 import os
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -130,13 +130,28 @@ class BatchIterator:
         self.consumed_samples = int(state["consumed_samples"])
         self.micro_batch = micro
 
-    def eval_batches(self, num_micro_batches: int) -> list[dict]:
+    def eval_batches(self, num_micro_batches: int) -> EvalBatches:
         """Fixed micro-batches from the start of the order: iteration i, micro m = global batch i's slice m."""
-        out = []
-        for n in range(num_micro_batches):
-            i, m = divmod(n, self.micro_batches_per_step)
-            out.append(self.make_batch(self.sample_ids(i * self.global_batch_size, m)))
-        return out
+        return EvalBatches(self, num_micro_batches)
+
+
+class EvalBatches:
+    """A lazy, re-iterable sequence of evaluation micro-batches (built on access, never all held at once)."""
+
+    def __init__(self, it: BatchIterator, num_micro_batches: int) -> None:
+        self.it, self.n = it, num_micro_batches
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, n: int) -> dict:
+        if not 0 <= n < self.n:
+            raise IndexError(n)
+        i, m = divmod(n, self.it.micro_batches_per_step)
+        return self.it.make_batch(self.it.sample_ids(i * self.it.global_batch_size, m))
+
+    def __iter__(self) -> Iterator[dict]:
+        return (self[n] for n in range(self.n))
 
 
 @dataclass
@@ -150,29 +165,25 @@ class DataBundle:
     test: BatchIterator | None
     eval_iters: int = 1
     description: str = ""
-    _eval_cache: dict = field(default_factory=dict, repr=False)
 
     @property
     def micro_batches_per_step(self) -> int:
         return self.train.micro_batches_per_step
 
-    def valid_batches(self, num_micro_batches: int | None = None) -> list[dict]:
+    def valid_batches(self, num_micro_batches: int | None = None) -> EvalBatches | list:
         """Deterministic validation micro-batches of this rank ([] without a validation split).
 
         The default, train.eval_iters global batches cut like training batches, is the same sample set
-        whatever the data-parallel size."""
-        return self._eval("valid", self.valid, num_micro_batches)
+        whatever the data-parallel size. The result is a lazy sequence: iterate it (again) or index it."""
+        return self._eval(self.valid, num_micro_batches)
 
-    def test_batches(self, num_micro_batches: int | None = None) -> list[dict]:
-        return self._eval("test", self.test, num_micro_batches)
+    def test_batches(self, num_micro_batches: int | None = None) -> EvalBatches | list:
+        return self._eval(self.test, num_micro_batches)
 
-    def _eval(self, name: str, it: BatchIterator | None, n: int | None) -> list[dict]:
+    def _eval(self, it: BatchIterator | None, n: int | None) -> EvalBatches | list:
         if it is None:
             return []
-        n = self.eval_iters * it.micro_batches_per_step if n is None else n
-        if (name, n) not in self._eval_cache:
-            self._eval_cache[(name, n)] = it.eval_batches(n)
-        return self._eval_cache[(name, n)]
+        return it.eval_batches(self.eval_iters * it.micro_batches_per_step if n is None else n)
 
 
 def _index_cache_dir(cfg_cache: str | None, prefix: str) -> Path:
@@ -190,7 +201,8 @@ def _index_cache_dir(cfg_cache: str | None, prefix: str) -> Path:
 
 def _fingerprint(cfg: Config, tokenizer: Tokenizer, prefixes: list[str]) -> str:
     d = cfg.data
-    desc = [prefixes, d.weights, d.split, cfg.train.seq_length, cfg.train.seed, tokenizer.fingerprint]
+    paths = [os.path.abspath(p) for p in prefixes]
+    desc = [paths, d.weights, d.split, cfg.train.seq_length, cfg.train.seed, tokenizer.fingerprint]
     return hashlib.sha256(json.dumps(desc, default=str).encode()).hexdigest()[:16]
 
 

@@ -208,6 +208,7 @@ def _run(args: argparse.Namespace) -> int:
     dtype = np.dtype(optimal_dtype(tokenizer.vocab_size))
     prefix = normalize_prefix(args.output_prefix)
 
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     sizes = [f.stat().st_size for f in files]
@@ -219,6 +220,7 @@ def _run(args: argparse.Namespace) -> int:
         TextColumn("{task.fields[docs]:,} docs"),
         TextColumn("{task.fields[tps]:,.0f} tokens/s"),
         TimeElapsedColumn(),
+        console=Console(stderr=True),
         disable=args.no_progress,
         transient=False,
     )
