@@ -161,7 +161,7 @@ def global_tensor(t: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
         return t.detach().clone()
     full = t.new_zeros(spec.view_shape)
     # Every rank's block with its offsets: gather offsets first (the shapes are equal for a given param).
-    offs = torch.tensor(spec.offsets, dtype=torch.long)
+    offs = torch.tensor(spec.offsets, dtype=torch.long, device=t.device)  # NCCL gathers device tensors only
     all_offs = [torch.empty_like(offs) for _ in range(dims.world_size)]
     dist.all_gather(all_offs, offs)
     blocks = [torch.empty_like(t.detach().contiguous()) for _ in range(dims.world_size)]

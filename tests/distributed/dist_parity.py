@@ -109,6 +109,8 @@ def train_steps(
                 out["grads"] = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         else:
+            # Overlap: buckets whose gradients were complete have been launched from the backward hooks.
+            out.setdefault("launched_in_backward", []).append((sync._next_launch, len(sync.buckets)))
             sync.finish_grad_sync()
             if step == 0:
                 out["grads"] = global_grads(model, dims)

@@ -121,6 +121,9 @@ def test_layouts_match_single_process(world, refs):
         print(f"{name}: loss {r['loss']:.1e} norm {r['norm']:.1e} grad {r['grad']:.1e} ({r['grad_param']})")
     bad = {n: r for n, r in report.items() if max(r["loss"], r["norm"], r["grad"]) > TOL}
     assert not bad, bad
+    for name, got in results[0].items():
+        if LAYOUTS[world][name][1] == "base":  # every parameter gets a gradient: all buckets launch in backward
+            assert all(n == total > 0 for n, total in got["launched_in_backward"]), (name, got["launched_in_backward"])
     # Every rank of a layout reports the same losses (they are reduced over data-parallel replicas).
     for got in results[1:]:
         for name in report:

@@ -1,0 +1,49 @@
+"""Which model / parallel-layout combinations this version runs; checked before any work (no torch needed).
+
+`check_layout(cfg)` raises ConfigError with one line naming the field, the value and what is
+allowed. It is called by `moecore.config.validate_layout` (the preflight of `moecore train`), so an
+unsupported layout is refused before processes start work; the layers raise the same errors if built
+directly.
+"""
+
+from __future__ import annotations
+
+from moecore.config import Config, ConfigError
+
+
+def check_layout(cfg: Config) -> None:
+    """Refuse degrees and combinations that are not implemented or do not divide the model's sizes."""
+    p, m, e = cfg.parallel, cfg.model, cfg.moe
+    if p.pp > 1:
+        raise ConfigError(f"parallel.pp={p.pp} is not supported yet: pipeline parallel is not implemented; use 1")
+    if p.cp > 1:
+        raise ConfigError(f"parallel.cp={p.cp} is not supported yet: context parallel is not implemented; use 1")
+    for name in ("distributed_optimizer", "fsdp"):
+        if getattr(p, name):
+            raise ConfigError(f"parallel.{name}=True is not supported yet; use false")
+    if (p.ep > 1 or p.etp > 1) and not e.num_experts:
+        raise ConfigError(f"parallel.ep={p.ep}, parallel.etp={p.etp} need MoE layers (moe.num_experts > 0); use 1")
+    if e.num_experts and e.num_experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} does not divide moe.num_experts={e.num_experts}")
+    if e.num_experts and e.ffn_hidden_size % p.etp:
+        raise ConfigError(f"parallel.etp={p.etp} does not divide moe.ffn_hidden_size={e.ffn_hidden_size}")
+    if p.tp == 1:
+        return
+    tp = p.tp
+    if m.attention_type == "mla":
+        raise ConfigError(f"parallel.tp={tp} is not supported with model.attention_type=mla yet; use parallel.tp=1")
+    if m.layer_types is not None and "linear_attention" in m.layer_types:
+        raise ConfigError(f"parallel.tp={tp} is not supported with linear_attention layers yet; use parallel.tp=1")
+    if m.mtp_num_layers:
+        raise ConfigError(f"parallel.tp={tp} is not supported with model.mtp_num_layers > 0 yet; use parallel.tp=1")
+    checks = [
+        ("model.num_attention_heads", m.num_attention_heads),
+        ("model.num_kv_heads", m.kv_heads),
+        ("model.ffn_hidden_size", m.ffn_hidden_size),
+        ("train.seq_length", cfg.train.seq_length),  # sequence-parallel shards (and MoE token chunks)
+    ]
+    if m.vocab_size:
+        checks.append(("model.vocab_size", m.vocab_size))
+    for name, value in checks:
+        if value % tp:
+            raise ConfigError(f"parallel.tp={tp} does not divide {name}={value}")

@@ -1,0 +1,66 @@
+"""The CLI under torchrun: a one-process run's checkpoint resumed on 2 processes with expert parallel.
+
+Run A (one process) trains 2 steps and checkpoints after each. Run B starts from a copy of A's
+folder without the step-2 checkpoint and resumes it with `torchrun --nproc-per-node 2 ... parallel.ep=2`
+(gloo, 2 data-parallel replicas, experts split over 2 ranks): its step 2 must reproduce A's loss and
+gradient norm, and only rank 0 may print the summary and write metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+COMMON = [
+    "tiny-moe",
+    "train.steps=2",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    "train.seq_length=32",
+    "train.eval_interval=0",
+    "log.interval=1",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "checkpoint.interval=1",
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.ffn_hidden_size=128",
+    "moe.ffn_hidden_size=32",
+    "moe.shared_expert_intermediate_size=32",
+]
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_torchrun_resumes_one_process_checkpoint_with_expert_parallel(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _run([sys.executable, "-m", "moecore", "train", *COMMON, f"train.run_dir={a}"])
+    shutil.copytree(a, b)
+    shutil.rmtree(b / "checkpoints" / "step-2")
+    (b / "metrics.jsonl").unlink()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moecore", "train"]
+    proc = _run([*torchrun, *COMMON, f"train.run_dir={b}", "checkpoint.resume=true", "parallel.ep=2"])
+    out = proc.stdout + proc.stderr
+    assert out.count("done: ") == 1, out[-2000:]  # rank 0 alone reports
+    ref, got = _metrics(a), _metrics(b)
+    assert [m["step"] for m in got] == [2]  # one writer, one line per logged step
+    assert abs(got[0]["loss"] - ref[1]["loss"]) <= 1e-5 * abs(ref[1]["loss"])
+    assert abs(got[0]["grad_norm"] - ref[1]["grad_norm"]) <= 1e-5 * abs(ref[1]["grad_norm"])
+    assert got[0]["moe/layer_1/tokens_per_expert"] == ref[1]["moe/layer_1/tokens_per_expert"]
+    assert (b / "checkpoints" / "step-2" / "complete").exists()
