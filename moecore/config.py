@@ -519,6 +519,9 @@ def validate_layout(cfg: Config, world_size: int) -> None:
     if world_size % expert:
         culprit = "ep" if p.ep > 1 else "etp" if p.etp > 1 else "pp"
         _fail(f"parallel.{culprit}", getattr(p, culprit), f"etp*ep*pp={expert} must divide the world size {world_size}")
+    from moecore.parallel.layout import check_layout  # what the parallel code implements (torch-free)
+
+    check_layout(cfg)
     dp = world_size // dense
     mb_total = cfg.train.micro_batch_size * dp
     if cfg.train.global_batch_size % mb_total:
