@@ -60,7 +60,6 @@ class Profiler:
         """Call at the end of each step; stops recording and writes the trace after step b."""
         if self._prof is None:
             return
-        self._prof.step()
         if step >= self.steps[1]:
             self._finish()
 
