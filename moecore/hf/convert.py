@@ -34,6 +34,7 @@ from moecore.hf.io import DEFAULT_MAX_SHARD_BYTES, SafetensorsReader, copy_token
 from moecore.hf.pretrained import (
     build_model_on_meta,
     checkpoint_dtype,
+    config_for_checkpoint,
     count_hf_tensors,
     load_weights,
     materialize_params,
@@ -125,8 +126,8 @@ def convert_from_hf(
     hf_dir, out = Path(hf_dir), Path(out)
     hf = read_config_json(hf_dir)
     family = get_family(hf.get("model_type"))
-    cfg = family.config_from_hf(hf)
     with SafetensorsReader(hf_dir) as reader:
+        cfg = config_for_checkpoint(family, hf, reader.names())
         model = build_model_on_meta(cfg)
         load_weights(model, family, cfg, reader, dtype or checkpoint_dtype(hf, reader), on_tensor)
     cfg.recipe = f"converted-{hf_dir.name}"
@@ -188,8 +189,8 @@ def _progress(total: int, description: str, enabled: bool):
 def _count_import(hf_dir: Path) -> int:
     hf = read_config_json(hf_dir)
     family = get_family(hf.get("model_type"))
-    cfg = family.config_from_hf(hf)
     with SafetensorsReader(hf_dir) as reader:
+        cfg = config_for_checkpoint(family, hf, reader.names())
         return sum(len(mp.hf_names()) for mp in family.tensor_maps(cfg, set(reader.names())))
 
 
