@@ -102,6 +102,7 @@ def test_wrong_shape(folder):
         (dict(mlp_only_layers=[5]), "mlp_only_layers=\\[5\\]"),
         (dict(norm_topk_prob="yes"), "norm_topk_prob='yes'"),
         (dict(num_experts_per_tok=9), "moe.router_topk=9"),
+        (dict(attention_dropout=0.1), "attention_dropout=0.1"),
     ],
 )
 def test_config_refused(folder, changes, match):
@@ -154,6 +155,11 @@ def test_cli_bad_input(tmp_path, capsys):
     assert len(err) == 1 and "is not a folder" in err[0]
     assert main(["--to-hf", str(tmp_path), str(tmp_path / "out"), "--no-progress"]) == 2
     assert "not a moecore checkpoint folder" in capsys.readouterr().err
+    # Through the top-level command line as well.
+    from moecore.cli import main as cli_main
+
+    assert cli_main(["convert", "--from-hf", str(tmp_path / "absent"), str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "is not a folder" in capsys.readouterr().err
 
 
 def test_corrupt_safetensors(folder):

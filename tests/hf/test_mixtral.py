@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -183,3 +185,13 @@ def test_real_size_recipes(recipe, hf_config):
 
 def test_tiny_recipe_exports():
     check_tiny_recipe_exports("tiny-mixtral", "mixtral")
+
+
+def test_router_jitter_refused(tmp_path):
+    """transformers jitters the experts' input as well as the router's; ours only the router's: refuse, don't guess."""
+    build_hf(mixtral_config()).save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["router_jitter_noise"] = 0.01
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="router_jitter_noise=0.01"):
+        load_pretrained(tmp_path)

@@ -143,6 +143,8 @@ def base_config(f: HFFields) -> Config:
     m.rope_theta, m.rope_scaling = rope_from_hf(f)
     m.tie_embeddings = bool(f.get("tie_word_embeddings", False))
     m.attention_dropout = float(f.get("attention_dropout", 0.0))
+    if m.attention_dropout > 0:
+        f.refuse("attention_dropout", m.attention_dropout, "our grouped-query attention has no dropout; only 0 imports")
     m.init_std = float(f.get("initializer_range", 0.02))
     e = cfg.moe
     e.router_score_function = "softmax"

@@ -1,8 +1,9 @@
 """Mixtral (model_type "mixtral"): Mixtral-8x7B, Mixtral-8x22B.
 
 Every layer is MoE: softmax over all experts, top-k, renormalised (norm_topk_prob is always on), no
-shared expert, no biases, optional sliding-window attention on every layer, optional multiplicative
-router input jitter during training (`router_jitter_noise` = our `moe.input_jitter_eps`).
+shared expert, no biases, optional sliding-window attention on every layer. `router_jitter_noise`
+(training-time noise on the MoE input, 0 in every released checkpoint) is refused on import: ours,
+`moe.input_jitter_eps`, jitters only the router's input.
 On disk each MoE block is `model.layers.i.block_sparse_moe` with a router `gate` and experts
 `experts.j.{w1 (gate), w3 (up), w2 (down)}`; transformers 5 renames the block to `mlp` in memory.
 """
@@ -61,8 +62,9 @@ def config_from_hf(hf: dict) -> Config:
     e.norm_topk_prob = True
     e.shared_expert_intermediate_size = None
     e.layer_freq = 1
-    jitter = float(f.get("router_jitter_noise"))
-    e.input_jitter_eps = jitter if jitter > 0 else None
+    jitter = f.get("router_jitter_noise")
+    if jitter:  # transformers jitters the experts' input too; ours (Megatron-Core's) only the router's
+        f.refuse("router_jitter_noise", jitter, "only 0 imports; set moe.input_jitter_eps for router-input jitter")
     window = f.get("sliding_window", None)
     m.sliding_window = None if window is None else f.integer("sliding_window")
     f.finish()
@@ -106,7 +108,7 @@ def config_to_hf(cfg: Config) -> dict:
         "num_local_experts": e.num_experts,
         "num_experts_per_tok": e.router_topk,
         "router_aux_loss_coef": aux_coef_to_hf(e),
-        "router_jitter_noise": e.input_jitter_eps or 0.0,
+        "router_jitter_noise": 0.0,  # training-time noise; transformers' differs from ours, so none is written
         "output_router_logits": False,
     }
 
