@@ -27,6 +27,11 @@ def check_layout(cfg: Config) -> None:
         raise ConfigError(f"parallel.ep={p.ep} does not divide moe.num_experts={e.num_experts}")
     if e.num_experts and e.ffn_hidden_size % p.etp:
         raise ConfigError(f"parallel.etp={p.etp} does not divide moe.ffn_hidden_size={e.ffn_hidden_size}")
+    if cfg.optim.name == "muon" and (p.tp > 1 or p.etp > 1):
+        # Newton-Schulz must see whole matrices; a TP/ETP shard is only part of one (EP keeps experts whole).
+        raise ConfigError(
+            f"optim.name='muon' is not supported with parallel.tp={p.tp}, parallel.etp={p.etp} yet; use adamw or tp = etp = 1"
+        )
     if p.tp == 1:
         return
     tp = p.tp
