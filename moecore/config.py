@@ -452,6 +452,7 @@ class LogConfig:
     wandb_project: str | None = None
     peak_tflops: float | None = None  # for MFU; None: measured or a table value on GPU
     progress: bool = True
+    oom_snapshot: bool = True  # on GPU: record allocations and write a memory snapshot on out-of-memory
 
     def validate(self) -> None:
         _check_range("log.interval", self.interval, 1)

@@ -146,6 +146,7 @@ class Trainer:
         n_mb_global = self.micro_batches_per_rank * rt.dp_size
         lm_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
         mtp_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
+        mtp_depth_sums: list[float] = []
         stats_per_mb = []
         self.optimizer.zero_grad(set_to_none=True)
         for i, b in enumerate(batches):
@@ -162,6 +163,10 @@ class Trainer:
             lm_sum += out.lm_loss_sum.detach().double()
             if out.mtp_loss is not None:
                 mtp_sum += out.mtp_loss.detach().double()
+                for d, v in enumerate(out.mtp_losses):
+                    if d == len(mtp_depth_sums):
+                        mtp_depth_sums.append(0.0)
+                    mtp_depth_sums[d] += float(v)
             stats_per_mb.append(out.moe_stats)
         rt.finish_grad_sync(model)
         grad_norm = rt.clip_grad_norm(model, cfg.optim.clip_grad)
@@ -176,6 +181,8 @@ class Trainer:
         metrics = {"loss": loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": int(global_tokens.item())}
         if self.model.mtp is not None:
             metrics["mtp_loss"] = rt.sum_over_dp(mtp_sum).item() / n_mb_global
+            for d, v in enumerate(mtp_depth_sums):  # unscaled loss of each prediction depth
+                metrics[f"mtp/depth_{d + 1}_loss"] = rt.mean_over_dp(v / self.micro_batches_per_rank)
         metrics.update(moe_metrics(stats_per_mb, rt))
         return metrics
 
@@ -205,14 +212,17 @@ class Trainer:
     def run(self) -> TrainResult:
         from moecore.train.logger import RunLogger
         from moecore.train.logger import flops_per_token as flops_per_token_of
-        from moecore.train.profiling import Profiler
+        from moecore.train.profiling import Profiler, enable_oom_snapshot
 
         cfg, rt = self.cfg, self.rt
         if rt.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
         rt.barrier()
-        logger = RunLogger(self.run_dir, cfg.log, rt.is_main, cfg.to_dict())
+        resumed = self.resume_from is not None
+        logger = RunLogger(self.run_dir, cfg.log, rt.is_main, cfg.to_dict(), resume_step=self.step if resumed else None)
+        if cfg.log.oom_snapshot and rt.device.type == "cuda":
+            enable_oom_snapshot(self.run_dir, rank=rt.dims.rank)
         result = TrainResult(run_dir=self.run_dir)
         stop = cfg.train.exit_interval or cfg.train.steps
         tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_length
@@ -220,7 +230,9 @@ class Trainer:
         progress = rt.progress(self.console, total=stop, start=self.step, enabled=cfg.log.progress)
         start_time = time.perf_counter()
         window_t, window_steps = time.perf_counter(), 0
-        profiler = Profiler(cfg.train.profile_steps, self.run_dir / "profile") if cfg.train.profile_steps else None
+        profiler = None
+        if cfg.train.profile_steps:
+            profiler = Profiler(cfg.train.profile_steps, self.run_dir / "profile", rank=rt.dims.rank)
         with progress:
             while self.step < stop:
                 if profiler is not None:
