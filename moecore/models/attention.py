@@ -57,7 +57,13 @@ def causal_mask(seq: int, window: int | None, device: torch.device) -> torch.Ten
 
 
 def attention_core(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None, backend: str, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None,
+    backend: str,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v with causal (optionally windowed) masking; q/k/v are [B, heads, S, D].
 
@@ -70,8 +76,8 @@ def attention_core(
     mask = causal_mask(q.shape[2], window, q.device)
     with sdpa_backends(backend, q.device):
         if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p)
 
 
 class Attention(nn.Module):
@@ -121,12 +127,13 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         cos, sin = self.rotary(position_ids, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        args = (q, k, v, self.cfg.sliding_window, self.cfg.attention_backend)
+        dropout = self.cfg.attention_dropout if self.training else 0.0
         if self.recompute_core and self.training:
-            out = torch.utils.checkpoint.checkpoint(
-                attention_core, q, k, v, self.cfg.sliding_window, self.cfg.attention_backend, use_reentrant=False
-            )
+            # checkpoint restores the RNG state, so recomputed dropout masks equal the original ones
+            out = torch.utils.checkpoint.checkpoint(attention_core, *args, None, dropout, use_reentrant=False)
         else:
-            out = attention_core(q, k, v, self.cfg.sliding_window, self.cfg.attention_backend)
+            out = attention_core(*args, dropout_p=dropout)
         out = out.transpose(1, 2).reshape(b, s, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
