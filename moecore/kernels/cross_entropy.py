@@ -11,7 +11,8 @@ for a 151936-word vocabulary and 8192 tokens that is 1.2 GB of bf16 per 4096-row
 
 Numerics follow the model's unfused path (`F.linear` in h's dtype, then `.float()` and
 `F.cross_entropy`): the same bf16 logits, an fp32 softmax, and the gradient rounded to h's dtype
-before the two GEMMs. Labels < 0 (e.g. -100) count as masked. The per-chunk cross-entropy runs as
+before the two GEMMs; under autocast h and W are first cast to the autocast dtype, as `F.linear`
+would. Labels < 0 (e.g. -100) count as masked. The per-chunk cross-entropy runs as
 a Triton kernel on GPU (`_ce_rows_kernel`, one program per row, two passes over the vocabulary:
 online max / sum of exponentials, then the gradient) and as `_ce_rows_reference` elsewhere.
 """
@@ -145,6 +146,14 @@ def linear_cross_entropy(
     """
     if chunk < 1:
         raise ValueError(f"chunk={chunk} is invalid: must be >= 1")
+    dev_type = h_NH.device.type
+    if torch.is_autocast_enabled(dev_type):
+        # Under autocast the unfused head (F.linear) runs in the autocast dtype; cast once here (the casts
+        # are differentiable, so fp32 master weights still get their gradient) and run the chunks with
+        # autocast off, so every GEMM and its `out=` buffer agree on one dtype.
+        dt = torch.get_autocast_dtype(dev_type)
+        with torch.autocast(dev_type, enabled=False):
+            return linear_cross_entropy(h_NH.to(dt), weight_VH.to(dt), labels_N, mask_N, chunk, impl)
     acc = torch.promote_types(h_NH.dtype, torch.float32)
     mask = torch.ones(h_NH.shape[0], device=h_NH.device, dtype=acc) if mask_N is None else mask_N.to(acc)
     mask = mask.contiguous()
