@@ -163,6 +163,25 @@ def _fla_chunk_fn():
     return chunk_gated_delta_rule
 
 
+def _fla_backward_ok(device: torch.device) -> bool:
+    """False where flash-linear-attention's chunked backward is known to refuse to run: Hopper GPUs with
+    Triton >= 3.4 and < 3.7.1 and no tilelang (its issue #640); backend auto then takes the PyTorch path."""
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return True
+    try:
+        import triton
+    except ImportError:
+        return True
+    version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:3] if p.isdigit())
+    if not (3, 4, 0) <= version < (3, 7, 1):
+        return True
+    try:
+        import tilelang  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -178,6 +197,8 @@ def gated_delta_rule(
     if backend not in ("auto", "fla", "torch"):
         raise ValueError(f"backend={backend!r} is invalid: allowed: auto | fla | torch")
     fla_fn = _fla_chunk_fn() if backend != "torch" and q.is_cuda else None
+    if backend == "auto" and fla_fn is not None and not _fla_backward_ok(q.device):
+        fla_fn = None
     if backend == "fla" and fla_fn is None:
         raise ValueError(
             "backend='fla' needs CUDA tensors and the flash-linear-attention package (pip install flash-linear-attention)"

@@ -41,7 +41,7 @@ def _inputs(seq: int, dtype=torch.float64, seed: int = 0, decay_scale: float = 1
 def _grads(fn, inputs, seed=1):
     """Outputs, final state and d(sum(o * w))/d(each input) for a fixed random w."""
     o, state = fn(*inputs)
-    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed), dtype=o.dtype)
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed), dtype=o.dtype).to(o.device)
     grads = torch.autograd.grad((o * w).sum() + state.sum(), inputs)
     return o, state, grads
 
@@ -211,3 +211,23 @@ def test_bad_head_counts_and_layouts_are_config_errors():
     cfg.linear_num_value_heads = 3
     with pytest.raises(ConfigError, match="model.linear_num_value_heads"):
         GatedDeltaNet(cfg, layer_idx=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_chunked_and_fla_match_float64_reference():
+    """On a GPU: the PyTorch chunked path in fp32 (outputs and gradients) and, where installed,
+    flash-linear-attention's forward (TF32 inside, so to 1e-2 relative) against the float64 loop."""
+    xs = [t.detach().cuda().requires_grad_() for t in _inputs(150)]
+    ref = _grads(gated_delta_rule_recurrent, xs)
+    xs32 = [t.detach().float().requires_grad_() for t in xs]
+    got = _grads(lambda *a: gated_delta_rule_chunked(*a, chunk_size=64), xs32)
+    assert (got[0].double() - ref[0]).abs().max() < 1e-5
+    for g_got, g_ref in zip(got[2], ref[2]):
+        assert (g_got.double() - g_ref).abs().max() < 1e-5 * max(1.0, g_ref.abs().max().item())
+    from moecore.models.linear_attention import _fla_chunk_fn
+
+    if _fla_chunk_fn() is not None:
+        with torch.no_grad():
+            o = gated_delta_rule(*xs32, backend="fla")
+        assert (o.double() - ref[0]).abs().max() < 1e-2 * ref[0].abs().max()
