@@ -4,8 +4,8 @@
 dense MLP on MoE layers (`MoEConfig.is_moe_layer`). `forward(x [B, S, H], loss_mask [B, S] | None)`
 returns `(y [B, S, H], MoELayerAux)`: `aux.loss` is the weighted sum of this layer's routing losses
 for this micro-batch (add it to the objective), `aux.stats` holds detached tensors for logging:
-`aux_loss`, `seq_aux_loss`, `global_aux_loss`, `z_loss` (each unweighted, computed whether or not it
-is in the objective), `tokens_per_expert` [E] (assignments that reached an expert, padding
+`aux_loss`, `seq_aux_loss`, `global_aux_loss` (each unweighted, present only when its coefficient is
+> 0, i.e. when it is in the objective), `z_loss` (when `moe.z_loss_coeff` is set), `tokens_per_expert` [E] (assignments that reached an expert, padding
 excluded), `imbalance` (max / mean of tokens_per_expert) and `dropped_fraction` (share of the
 non-padding assignments dropped by the capacity limit). Loss formulas: `moecore/moe/losses.py`.
 
@@ -151,27 +151,36 @@ class MoELayer(nn.Module):
     def _routing_losses(
         self, logits_TE: torch.Tensor, valid_T: torch.Tensor | None, B: int, S: int
     ) -> tuple[torch.Tensor, dict]:
-        """Every balancing loss and the z-loss; the enabled ones (coefficient > 0) form the returned loss."""
+        """The balancing losses with coefficient > 0 and the z-loss if its coefficient is set: their weighted sum
+        and their unweighted values (stats)."""
         K, E = self.topk, self.num_experts
-        scores_TE = scores_for_balancing(logits_TE, self.cfg.router_score_function)
-        if valid_T is not None:
-            scores_TE = scores_TE * valid_T.to(scores_TE.dtype).unsqueeze(-1)
-            num_tokens = valid_T.sum().to(scores_TE.dtype)
-        else:
-            num_tokens = torch.tensor(float(B * S), dtype=scores_TE.dtype, device=scores_TE.device)
-        counts_E = losses.topk_counts(scores_TE, K, valid_T)
-
-        values: dict[str, torch.Tensor] = {}
-        values["aux_loss"] = losses.switch_aux_loss(scores_TE, counts_E, num_tokens, K)
-        values["seq_aux_loss"] = losses.sequence_aux_loss(
-            scores_TE.view(B, S, E), K, None if valid_T is None else valid_T.view(B, S)
-        )
-        values["global_aux_loss"] = losses.switch_aux_loss(
-            scores_TE, self._global_counts(counts_E, self.training and torch.is_grad_enabled()), num_tokens, K
-        )
-        values["z_loss"] = losses.z_loss(logits_TE, valid_T)
-
         total = logits_TE.new_zeros(())
+        if not self.coeffs and not self.cfg.z_loss_coeff:
+            return total.float(), {}
+        values: dict[str, torch.Tensor] = {}
+        if self.coeffs:
+            scores_TE = scores_for_balancing(logits_TE, self.cfg.router_score_function)
+            if valid_T is not None:
+                scores_TE = scores_TE * valid_T.to(scores_TE.dtype).unsqueeze(-1)
+                num_tokens = valid_T.sum().to(scores_TE.dtype)
+            else:
+                num_tokens = torch.tensor(float(B * S), dtype=scores_TE.dtype, device=scores_TE.device)
+        # Only the losses in the objective are computed (each costs a top-k, a scatter and their backward:
+        # launch-bound at small expert sizes); the per-expert load statistics come from _load_stats.
+        if "aux_loss" in self.coeffs or "global_aux_loss" in self.coeffs:
+            counts_E = losses.topk_counts(scores_TE, K, valid_T)
+            if "aux_loss" in self.coeffs:
+                values["aux_loss"] = losses.switch_aux_loss(scores_TE, counts_E, num_tokens, K)
+            if "global_aux_loss" in self.coeffs:
+                training = self.training and torch.is_grad_enabled()
+                global_counts = self._global_counts(counts_E, training)
+                values["global_aux_loss"] = losses.switch_aux_loss(scores_TE, global_counts, num_tokens, K)
+        if "seq_aux_loss" in self.coeffs:
+            values["seq_aux_loss"] = losses.sequence_aux_loss(
+                scores_TE.view(B, S, E), K, None if valid_T is None else valid_T.view(B, S)
+            )
+        if self.cfg.z_loss_coeff:
+            values["z_loss"] = losses.z_loss(logits_TE, valid_T)
         for name, coeff in self.coeffs.items():
             total = total + coeff * values[name]
         if self.cfg.z_loss_coeff:

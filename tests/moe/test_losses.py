@@ -100,15 +100,25 @@ def test_layer_combines_losses_with_coefficients():
     per_seq = [_switch_by_definition(p.view(3, 7, 6)[b].tolist(), 2) for b in range(3)]
     assert s["seq_aux_loss"].item() == pytest.approx(sum(per_seq) / 3, rel=1e-6)
     assert s["z_loss"].item() == pytest.approx(torch.logsumexp(logits, -1).square().mean().item(), rel=1e-6)
-    # "none" puts nothing in the objective but still reports the stats
+    # "none" puts nothing in the objective and computes no loss; the load statistics stay
     _, aux = _layer(router_load_balancing_type="none", aux_loss_coeff=0.0)(x)
-    assert aux.loss.item() == 0.0 and aux.stats["aux_loss"] > 0
+    assert aux.loss.item() == 0.0
+    assert set(aux.stats) == {"tokens_per_expert", "imbalance", "dropped_fraction"}
+    assert aux.stats["tokens_per_expert"].sum().item() == 3 * 7 * 2
+    # only the configured loss is computed, with the same value as above
+    only_seq = _layer(router_load_balancing_type="seq_aux_loss", aux_loss_coeff=0.5)
+    only_seq.load_state_dict(layer.state_dict())
+    _, aux = only_seq(x)
+    assert "aux_loss" not in aux.stats and "z_loss" not in aux.stats
+    torch.testing.assert_close(aux.loss, 0.5 * s["seq_aux_loss"])
 
 
 def test_padding_tokens_do_not_count():
     """Losses and stats of a padded batch equal those of the valid tokens alone."""
     torch.manual_seed(5)
-    layer = _layer(router_load_balancing_type=["aux_loss", "seq_aux_loss"], aux_loss_coeff=[1.0, 1.0])
+    layer = _layer(
+        router_load_balancing_type=["aux_loss", "seq_aux_loss"], aux_loss_coeff=[1.0, 1.0], z_loss_coeff=1e-3
+    )
     x = torch.randn(1, 10, 12)
     mask = torch.zeros(1, 10)
     mask[0, :6] = 1
@@ -121,7 +131,8 @@ def test_padding_tokens_do_not_count():
 
 def test_global_aux_loss_accumulates_over_micro_batches_and_resets():
     torch.manual_seed(6)
-    layer = _layer(router_load_balancing_type="global_aux_loss", aux_loss_coeff=1.0)
+    # aux_loss in the objective too (only configured losses are computed): after a reset they must agree
+    layer = _layer(router_load_balancing_type=["global_aux_loss", "aux_loss"], aux_loss_coeff=[1.0, 1.0])
     xs = [torch.randn(2, 5, 12) for _ in range(3)]
     counts = torch.zeros(6, dtype=torch.float64)
     for n, x in enumerate(xs, start=1):
