@@ -74,7 +74,11 @@ class DecoderLayer(nn.Module):
         if self.is_moe:
             from moecore.moe.layer import MoELayer
 
-            self.mlp = MoELayer(cfg.moe, m.hidden_size, m.activation, m.init_std, dims)
+            rec = set(m.recompute_modules)
+            self.mlp = MoELayer(
+                cfg.moe, m.hidden_size, m.activation, m.init_std, dims,
+                recompute_act="moe_act" in rec, recompute_shared="shared_experts" in rec,
+            )  # fmt: skip
         else:
             self.mlp = MLP(m.hidden_size, m.ffn_hidden_size, m.activation, dims)
         rec = set(m.recompute_modules)

@@ -18,6 +18,12 @@ Three implementations of the same maths:
 - `experts_loop`: one matmul pair per expert over its contiguous rows (reads the counts on the host);
   the exact fallback everywhere else (fp64, older GPUs, odd sizes).
 - `experts_reference`: the textbook loop over experts on the unpermuted tokens, for tests.
+
+Recomputation (`model.recompute_modules` "moe_act", `GroupedExperts.recompute_act`): the first two
+paths checkpoint the activation (x probs), so autograd keeps only its input h instead of also the
+activation's intermediates (for SwiGLU silu(g) and silu(g) * u, two [N, F] tensors); the fused
+expert FFN (moecore/kernels/grouped_ffn.py) already keeps only x, h and p and recomputes the
+activation in its backward, with or without the option.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moecore.kernels.grouped_ffn import expert_ffn, fused_expert_ffn_available
 
@@ -39,6 +46,18 @@ def activation_fn(h: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "gelu":
         return F.gelu(h, approximate="tanh")
     raise ValueError(f"activation={activation!r} is invalid: allowed: swiglu | gelu")
+
+
+def _activate(h: torch.Tensor, activation: str, probs_N: torch.Tensor | None, recompute: bool) -> torch.Tensor:
+    """activation(h) (* probs per row); with `recompute`, checkpointed: recomputed from h in backward."""
+
+    def act(h: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
+        a = activation_fn(h, activation)
+        return a if p is None else a * p.to(a.dtype).unsqueeze(-1)
+
+    if recompute and torch.is_grad_enabled() and (h.requires_grad or (probs_N is not None and probs_N.requires_grad)):
+        return checkpoint(act, h, probs_N, use_reentrant=False)
+    return act(h, probs_N)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -72,14 +91,13 @@ def experts_grouped_mm(
     w2: torch.Tensor,
     activation: str,
     probs_N: torch.Tensor | None = None,
+    recompute_act: bool = False,
 ) -> torch.Tensor:
     """All experts in two grouped GEMMs; rows of expert e are x[offs[e-1]:offs[e]]."""
     offs = torch.cumsum(tokens_per_expert.to(x_NH.device), 0, dtype=torch.int32)
     x = x_NH.contiguous()
     h = _ContiguousGrad.apply(torch._grouped_mm(x, w13.to(x.dtype).transpose(-2, -1), offs=offs))
-    a = activation_fn(h, activation)
-    if probs_N is not None:
-        a = a * probs_N.to(a.dtype).unsqueeze(-1)
+    a = _activate(h, activation, probs_N, recompute_act)
     return _ContiguousGrad.apply(torch._grouped_mm(a, w2.to(x.dtype).transpose(-2, -1), offs=offs))
 
 
@@ -90,6 +108,7 @@ def experts_loop(
     w2: torch.Tensor,
     activation: str,
     probs_N: torch.Tensor | None = None,
+    recompute_act: bool = False,
 ) -> torch.Tensor:
     """Same result as `experts_grouped_mm`, one F.linear pair per expert with at least one row."""
     counts = tokens_per_expert.tolist()
@@ -99,9 +118,8 @@ def experts_loop(
         if n == 0:
             continue
         seg = x_NH[start : start + n]
-        a = activation_fn(F.linear(seg, w13[e].to(seg.dtype)), activation)
-        if probs_N is not None:
-            a = a * probs_N[start : start + n].to(a.dtype).unsqueeze(-1)
+        p = None if probs_N is None else probs_N[start : start + n]
+        a = _activate(F.linear(seg, w13[e].to(seg.dtype)), activation, p, recompute_act)
         outs.append(F.linear(a, w2[e].to(a.dtype)))
         start += n
     if not outs:
@@ -132,7 +150,8 @@ class GroupedExperts(nn.Module):
     """The routed experts of one MoE layer: parameters `w13` [E, 2F, H] (or [E, F, H] for GeLU), `w2` [E, H, F].
 
     forward(x [N, H] sorted by expert, tokens_per_expert [E], probs [N] | None) -> [N, H].
-    `grouped_gemm=False` forces the loop of GEMMs.
+    `grouped_gemm=False` forces the loop of GEMMs; `recompute_act` (set by MoELayer from
+    `model.recompute_modules` "moe_act") recomputes the activation in backward (module docstring).
     """
 
     def __init__(
@@ -152,6 +171,7 @@ class GroupedExperts(nn.Module):
         self.ffn_hidden_size = ffn_hidden_size
         self.activation = activation
         self.grouped_gemm = grouped_gemm
+        self.recompute_act = False
         rows = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         self.w13 = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
@@ -168,5 +188,7 @@ class GroupedExperts(nn.Module):
             # Fused expert FFN (moecore/kernels/grouped_ffn.py): GEMM per shape, fused SwiGLU * probs.
             return expert_ffn(x_NH, self.w13, self.w2, tokens_per_expert.to(x_NH.device), probs_N)
         if self.uses_grouped_mm(x_NH):
-            return experts_grouped_mm(x_NH, tokens_per_expert, self.w13, self.w2, self.activation, probs_N)
-        return experts_loop(x_NH, tokens_per_expert, self.w13, self.w2, self.activation, probs_N)
+            return experts_grouped_mm(
+                x_NH, tokens_per_expert, self.w13, self.w2, self.activation, probs_N, self.recompute_act
+            )
+        return experts_loop(x_NH, tokens_per_expert, self.w13, self.w2, self.activation, probs_N, self.recompute_act)

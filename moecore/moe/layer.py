@@ -13,6 +13,10 @@ Parameters: `router.weight` [E, H] (+ buffer `router.expert_bias` [E] fp32 with 
 `experts.w13` [E, 2F, H], `experts.w2` [E, H, F], `shared_experts.{gate,up,down}_proj.weight`,
 `shared_expert_gate.weight` [1, H].
 
+Recomputation (`model.recompute_modules`, passed by the decoder layer): `recompute_act` ("moe_act")
+recomputes the expert activation in backward (see moecore/moe/experts.py), `recompute_shared`
+("shared_experts") checkpoints the shared expert MLP (its input is kept, its hidden activations are not).
+
 Once per optimizer step the training loop calls `update_expert_bias()` (or `update_expert_biases(model)`
 for every layer): it moves the aux-loss-free expert bias from the counts accumulated since the last
 call and resets the global-batch counts of `global_aux_loss`.
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moecore.config import MoEConfig
 from moecore.moe import losses
@@ -72,7 +77,14 @@ class MoELayer(nn.Module):
     """Top-k routed experts (+ optional shared experts) replacing the dense MLP of a decoder layer."""
 
     def __init__(
-        self, cfg: MoEConfig, hidden_size: int, activation: str = "swiglu", init_std: float = 0.02, dims=None
+        self,
+        cfg: MoEConfig,
+        hidden_size: int,
+        activation: str = "swiglu",
+        init_std: float = 0.02,
+        dims=None,
+        recompute_act: bool = False,
+        recompute_shared: bool = False,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -86,6 +98,8 @@ class MoELayer(nn.Module):
         ep_util.shard_expert_params(
             self.experts.w13, self.experts.w2, cfg.num_experts, cfg.ffn_hidden_size, activation == "swiglu", dims
         )
+        self.experts.recompute_act = recompute_act
+        self.recompute_shared = recompute_shared
         self.dispatcher = build_dispatcher(cfg.num_experts, cfg.apply_probs_on_input, dims, cfg.token_dispatcher_type)
         self.shared_experts = None
         self.shared_expert_gate = None
@@ -135,7 +149,10 @@ class MoELayer(nn.Module):
 
         # 6. shared experts
         if self.shared_experts is not None:
-            shared = self.shared_experts(x_TH)
+            if self.recompute_shared and self.training and torch.is_grad_enabled():
+                shared = checkpoint(self.shared_experts, x_TH, use_reentrant=False)
+            else:
+                shared = self.shared_experts(x_TH)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x_TH)) * shared
             y_TH = y_TH + shared
