@@ -41,7 +41,7 @@ def _inputs(seq: int, dtype=torch.float64, seed: int = 0, decay_scale: float = 1
 def _grads(fn, inputs, seed=1):
     """Outputs, final state and d(sum(o * w))/d(each input) for a fixed random w."""
     o, state = fn(*inputs)
-    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed), dtype=o.dtype).to(o.device)
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(o.device, o.dtype)
     grads = torch.autograd.grad((o * w).sum() + state.sum(), inputs)
     return o, state, grads
 
