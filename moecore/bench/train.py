@@ -46,7 +46,7 @@ def _hf_model(layers: int, seq: int):
     return model
 
 
-def _moecore_model(layers: int, seq: int):
+def _moecore_model(layers: int, seq: int, recompute_modules: tuple = (), granularity: str = "none"):
     from moecore.config import Config
     from moecore.models.transformer import MoETransformer
 
@@ -60,6 +60,7 @@ def _moecore_model(layers: int, seq: int):
     moe.router_pre_softmax, moe.norm_topk_prob = True, True
     moe.router_load_balancing_type, moe.aux_loss_coeff = "aux_loss", 1e-3
     moe.apply_probs_on_input = True
+    m.recompute_modules, m.recompute_granularity = list(recompute_modules), granularity
     cfg.train.seq_length = seq
     cfg.validate()
     return MoETransformer(cfg)
