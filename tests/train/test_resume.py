@@ -41,10 +41,14 @@ def test_exit_and_resume_is_bit_exact(tmp_path):
     assert full.last_step == 60
 
     part_dir = tmp_path / "part"
-    first = train(load_config("tiny-moe", TINY + ["train.steps=60", "train.exit_interval=30", f"train.run_dir={part_dir}"]))
+    first = train(
+        load_config("tiny-moe", TINY + ["train.steps=60", "train.exit_interval=30", f"train.run_dir={part_dir}"])
+    )
     assert first.last_step == 30
     assert (part_dir / "checkpoints" / "step-30" / "complete").exists()
-    second = train(load_config("tiny-moe", TINY + ["train.steps=60", "checkpoint.resume=true", f"train.run_dir={part_dir}"]))
+    second = train(
+        load_config("tiny-moe", TINY + ["train.steps=60", "checkpoint.resume=true", f"train.run_dir={part_dir}"])
+    )
     assert second.last_step == 60
 
     want = dict(full.losses)
