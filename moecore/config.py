@@ -301,8 +301,6 @@ class ParallelConfig:
     ep: int = 1
     etp: int = 1
     sequence_parallel: bool = True  # with tp > 1, shard activations along the sequence outside TP regions
-    virtual_pp: int | None = None
-    pp_layout: list | None = None  # layers per stage, optional
     distributed_optimizer: bool = False
     fsdp: bool = False
     grad_bucket_mb: float = 25.0
@@ -357,7 +355,6 @@ class DataConfig:
     split: str = "98,2,0"  # train,valid,test proportions
     tokenizer: str | None = None  # folder with tokenizer.json; None: the embedded tokenizer
     cache_dir: str | None = None  # index caches; None: next to the data
-    num_workers: int = 0
 
     def validate(self) -> None:
         if not isinstance(self.paths, list):
@@ -377,7 +374,6 @@ class DataConfig:
             nums = []
         if len(nums) != 3 or any(n < 0 for n in nums) or sum(nums) <= 0:
             _fail("data.split", self.split, "three non-negative numbers 'train,valid,test', e.g. 98,2,0")
-        _check_range("data.num_workers", self.num_workers, 0)
 
 
 @dataclass
@@ -431,7 +427,6 @@ class CheckpointConfig:
     resume: bool = False  # continue the run in train.run_dir from its latest checkpoint
     load: str | None = None  # start from this checkpoint (weights only unless resume)
     keep_last: int | None = None
-    async_save: bool = False
 
     def validate(self) -> None:
         _check_range("checkpoint.interval", self.interval, 0)
