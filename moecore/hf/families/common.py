@@ -22,7 +22,7 @@ when it saves, and so do checkpoints on the Hub. We write per-expert tensors and
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterable
 
 from moecore.config import Config, ModelConfig, MoEConfig
 from moecore.hf.families import TensorMap
@@ -115,6 +115,13 @@ def refuse_export(model_type: str, field: str, value, why: str) -> None:
     raise ValueError(f"{field}={value!r} cannot be exported as {model_type}: {why}")
 
 
+def refuse_export_unless(model_type: str, checks: Iterable[tuple[str, object, bool, str]]) -> None:
+    """Refuse the first (our field, its value, ok, why) whose `ok` is false."""
+    for field, value, ok, why in checks:
+        if not ok:
+            refuse_export(model_type, field, value, why)
+
+
 # --------------------------------------------------------------------------------------------------
 # Config pieces
 # --------------------------------------------------------------------------------------------------
@@ -155,6 +162,26 @@ def base_config(f: HFFields) -> Config:
     e.aux_loss_coeff = float(f.get("router_aux_loss_coef", 0.001))
     e.router_topk = f.integer("num_experts_per_tok")
     return cfg
+
+
+def base_to_hf(m: ModelConfig) -> dict:
+    """The Llama-style config.json fields every family writes (the `model` part of `base_config`, reversed)."""
+    return {
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.ffn_hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.kv_heads,
+        "head_dim": m.resolved_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": m.max_position_embeddings,
+        "initializer_range": m.init_std,
+        "rms_norm_eps": m.norm_eps,
+        **rope_to_hf(m),
+        "attention_dropout": m.attention_dropout,
+        "tie_word_embeddings": m.tie_embeddings,
+    }
 
 
 def num_experts(f: HFFields, key: str, alias: str) -> int:
@@ -235,6 +262,30 @@ def moe_pattern_from_hf(f: HFFields, num_layers: int, num_experts: int) -> list[
     return [int(num_experts > 0 and i not in dense and (i + 1) % step == 0) for i in range(num_layers)]
 
 
+def qwen_experts_from_hf(f: HFFields, cfg: Config, num_experts: int) -> None:
+    """Routed experts and the dense/MoE layout as Qwen2-MoE and Qwen3-MoE write them."""
+    e = cfg.moe
+    e.num_experts = num_experts
+    e.ffn_hidden_size = f.integer("moe_intermediate_size")
+    e.norm_topk_prob = f.expect("norm_topk_prob", (True, False))
+    pattern = moe_pattern_from_hf(f, cfg.model.num_layers, e.num_experts)
+    e.layer_freq = 1 if all(pattern) else pattern
+
+
+def qwen_experts_to_hf(cfg: Config) -> dict:
+    """The reverse of `qwen_experts_from_hf`, with the router's top-k and aux-loss coefficient."""
+    e = cfg.moe
+    return {
+        "num_experts": e.num_experts,
+        "num_experts_per_tok": e.router_topk,
+        "moe_intermediate_size": e.ffn_hidden_size,
+        "norm_topk_prob": renormalises(e),
+        **moe_pattern_to_hf(cfg),
+        "router_aux_loss_coef": aux_coef_to_hf(e),
+        "output_router_logits": False,
+    }
+
+
 def moe_pattern(cfg: Config) -> list[int]:
     return [int(cfg.moe.is_moe_layer(i, cfg.model.num_layers)) for i in range(cfg.model.num_layers)]
 
@@ -249,31 +300,43 @@ def moe_pattern_to_hf(cfg: Config) -> dict:
     return {"decoder_sparse_step": 1, "mlp_only_layers": [i for i, p in enumerate(pattern) if not p]}
 
 
+def softmax_router_checks(e: MoEConfig) -> list[tuple[str, object, bool, str]]:
+    """The router options no family with a plain softmax router can express (for `refuse_export_unless`)."""
+    return [
+        ("moe.router_score_function", e.router_score_function, e.router_score_function == "softmax", "softmax only"),
+        ("moe.router_enable_expert_bias", True, not e.router_enable_expert_bias, "no expert bias"),
+        (
+            "moe.router_topk_scaling_factor",
+            e.router_topk_scaling_factor,
+            e.router_topk_scaling_factor in (None, 1.0),
+            "no scaling",
+        ),
+        ("moe.router_num_groups", e.router_num_groups, e.router_num_groups is None, "no group-limited routing"),
+    ]
+
+
 def check_exportable(cfg: Config, model_type: str) -> None:
-    """Refuse our options that no family here can express in config.json (shared by the three families)."""
+    """Refuse our options that no Llama-style family here can express in config.json (Mixtral, Qwen2/3-MoE)."""
     m, e = cfg.model, cfg.moe
-
-    def need(cond: bool, field: str, value, why: str) -> None:
-        if not cond:
-            refuse_export(model_type, field, value, why)
-
-    need(m.attention_type == "gqa", "model.attention_type", m.attention_type, "only gqa attention")
-    need(m.layer_types is None, "model.layer_types", m.layer_types, "no linear-attention layers")
-    need(not m.attn_output_gate, "model.attn_output_gate", m.attn_output_gate, "no attention output gate")
-    need(not m.norm_zero_centered, "model.norm_zero_centered", m.norm_zero_centered, "plain RMSNorm only")
-    need(m.partial_rotary_factor == 1.0, "model.partial_rotary_factor", m.partial_rotary_factor, "full rotary only")
-    need(m.activation == "swiglu", "model.activation", m.activation, "SwiGLU only")
-    need(m.mtp_num_layers == 0, "model.mtp_num_layers", m.mtp_num_layers, "no multi-token prediction")
-    need(e.num_experts > 0, "moe.num_experts", e.num_experts, "needs routed experts")
-    need(e.router_score_function == "softmax", "moe.router_score_function", e.router_score_function, "softmax only")
-    need(not e.router_enable_expert_bias, "moe.router_enable_expert_bias", True, "no expert bias")
-    need(
-        e.router_topk_scaling_factor in (None, 1.0),
-        "moe.router_topk_scaling_factor",
-        e.router_topk_scaling_factor,
-        "no scaling",
+    refuse_export_unless(
+        model_type,
+        [
+            ("model.attention_type", m.attention_type, m.attention_type == "gqa", "only gqa attention"),
+            ("model.layer_types", m.layer_types, m.layer_types is None, "no linear-attention layers"),
+            ("model.attn_output_gate", m.attn_output_gate, not m.attn_output_gate, "no attention output gate"),
+            ("model.norm_zero_centered", m.norm_zero_centered, not m.norm_zero_centered, "plain RMSNorm only"),
+            (
+                "model.partial_rotary_factor",
+                m.partial_rotary_factor,
+                m.partial_rotary_factor == 1.0,
+                "full rotary only",
+            ),
+            ("model.activation", m.activation, m.activation == "swiglu", "SwiGLU only"),
+            ("model.mtp_num_layers", m.mtp_num_layers, m.mtp_num_layers == 0, "no multi-token prediction"),
+            ("moe.num_experts", e.num_experts, e.num_experts > 0, "needs routed experts"),
+            *softmax_router_checks(e),
+        ],
     )
-    need(e.router_num_groups is None, "moe.router_num_groups", e.router_num_groups, "no group-limited routing")
 
 
 def renormalises(e: MoEConfig) -> bool:
@@ -296,12 +359,17 @@ def embed_maps(m: ModelConfig) -> list[TensorMap]:
     return maps
 
 
-def attention_maps(i: int, m: ModelConfig) -> list[TensorMap]:
-    ours, hf = f"layers.{i}", f"model.layers.{i}"
-    maps = [
+def norm_maps(ours: str, hf: str) -> list[TensorMap]:
+    """The two RMSNorms of one decoder layer (`ours` / `hf`: the layer prefixes)."""
+    return [
         TensorMap.copy(f"{ours}.attn_norm.weight", f"{hf}.input_layernorm.weight"),
         TensorMap.copy(f"{ours}.mlp_norm.weight", f"{hf}.post_attention_layernorm.weight"),
     ]
+
+
+def attention_maps(i: int, m: ModelConfig) -> list[TensorMap]:
+    ours, hf = f"layers.{i}", f"model.layers.{i}"
+    maps = norm_maps(ours, hf)
     for p in ("q", "k", "v", "o"):
         maps.append(TensorMap.copy(f"{ours}.attn.{p}_proj.weight", f"{hf}.self_attn.{p}_proj.weight"))
         if (m.qkv_bias and p != "o") or (m.attn_out_bias and p == "o"):
@@ -314,6 +382,33 @@ def attention_maps(i: int, m: ModelConfig) -> list[TensorMap]:
 
 def dense_mlp_maps(ours: str, hf: str) -> list[TensorMap]:
     return [TensorMap.copy(f"{ours}.{p}_proj.weight", f"{hf}.{p}_proj.weight") for p in ("gate", "up", "down")]
+
+
+def holds_fused_experts(hf_moe: str, available: Collection[str] | None) -> bool:
+    """Whether the checkpoint holds transformers' in-memory layout of the experts under `hf_moe`."""
+    return available is not None and f"{hf_moe}.experts.gate_up_proj" in available
+
+
+def grouped_expert_maps(
+    ours: str,
+    hf_moe: str,
+    num_experts: int,
+    fused: bool,
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+) -> list[TensorMap]:
+    """Our `{ours}.experts.w13` / `.w2`: transformers' fused `{hf_moe}.experts.gate_up_proj` / `.down_proj`
+    when `fused`, else per-expert tensors `{hf_moe}.experts.{j}.{gate,up,down}.weight` (names[0..2]) stacked."""
+    if fused:
+        return [
+            TensorMap.copy(f"{ours}.experts.w13", f"{hf_moe}.experts.gate_up_proj"),
+            TensorMap.copy(f"{ours}.experts.w2", f"{hf_moe}.experts.down_proj"),
+        ]
+    gate, up, down = names
+    ex = [f"{hf_moe}.experts.{j}" for j in range(num_experts)]
+    return [
+        TensorMap.stack(f"{ours}.experts.w13", [[f"{x}.{gate}.weight", f"{x}.{up}.weight"] for x in ex]),
+        TensorMap.stack(f"{ours}.experts.w2", [[f"{x}.{down}.weight"] for x in ex]),
+    ]
 
 
 def expert_maps(
@@ -331,18 +426,10 @@ def expert_maps(
     """
     ours = f"layers.{i}.mlp"
     fused_moe = fused_moe or hf_moe
-    if available is not None and f"{fused_moe}.experts.gate_up_proj" in available:
-        return [
-            TensorMap.copy(f"{ours}.router.weight", f"{fused_moe}.gate.weight"),
-            TensorMap.copy(f"{ours}.experts.w13", f"{fused_moe}.experts.gate_up_proj"),
-            TensorMap.copy(f"{ours}.experts.w2", f"{fused_moe}.experts.down_proj"),
-        ]
-    gate, up, down = names
-    ex = [f"{hf_moe}.experts.{j}" for j in range(num_experts)]
-    maps = [TensorMap.copy(f"{ours}.router.weight", f"{hf_moe}.gate.weight")]
-    maps.append(TensorMap.stack(f"{ours}.experts.w13", [[f"{x}.{gate}.weight", f"{x}.{up}.weight"] for x in ex]))
-    maps.append(TensorMap.stack(f"{ours}.experts.w2", [[f"{x}.{down}.weight"] for x in ex]))
-    return maps
+    fused = holds_fused_experts(fused_moe, available)
+    hf_moe = fused_moe if fused else hf_moe
+    router = TensorMap.copy(f"{ours}.router.weight", f"{hf_moe}.gate.weight")
+    return [router, *grouped_expert_maps(ours, hf_moe, num_experts, fused, names)]
 
 
 def shared_expert_maps(i: int, hf_moe: str, gated: bool) -> list[TensorMap]:
@@ -350,4 +437,26 @@ def shared_expert_maps(i: int, hf_moe: str, gated: bool) -> list[TensorMap]:
     maps = dense_mlp_maps(f"{ours}.shared_experts", f"{hf_moe}.shared_expert")
     if gated:
         maps.append(TensorMap.copy(f"{ours}.shared_expert_gate.weight", f"{hf_moe}.shared_expert_gate.weight"))
+    return maps
+
+
+def qwen_tensor_maps(
+    cfg: Config,
+    available: Collection[str] | None,
+    shared_expert: bool,
+    attention: Callable[[int, ModelConfig], list[TensorMap]] = attention_maps,
+) -> list[TensorMap]:
+    """Every tensor in the Qwen layout: `attention(i, m)` of each layer, then `model.layers.i.mlp` holding a
+    dense SwiGLU or the router and experts (and, with `shared_expert`, the sigmoid-gated shared expert)."""
+    m, e = cfg.model, cfg.moe
+    maps = embed_maps(m)
+    for i, is_moe in enumerate(moe_pattern(cfg)):
+        maps += attention(i, m)
+        hf = f"model.layers.{i}.mlp"
+        if not is_moe:
+            maps += dense_mlp_maps(f"layers.{i}.mlp", hf)
+            continue
+        maps += expert_maps(i, e.num_experts, hf, available=available)
+        if shared_expert:
+            maps += shared_expert_maps(i, hf, gated=True)
     return maps

@@ -19,14 +19,14 @@ from moecore.hf.families.common import (
     attention_maps,
     aux_coef_to_hf,
     base_config,
+    base_to_hf,
     check_exportable,
     embed_maps,
     expert_maps,
     moe_pattern,
     num_experts,
-    refuse_export,
+    refuse_export_unless,
     renormalises,
-    rope_to_hf,
     validated,
 )
 
@@ -74,37 +74,22 @@ def config_from_hf(hf: dict) -> Config:
 def config_to_hf(cfg: Config) -> dict:
     m, e = cfg.model, cfg.moe
     check_exportable(cfg, MODEL_TYPE)
-    for field, value, ok, why in (
-        ("model.qkv_bias", m.qkv_bias, not m.qkv_bias, "Mixtral has no attention biases"),
-        ("model.attn_out_bias", m.attn_out_bias, not m.attn_out_bias, "Mixtral has no attention biases"),
-        ("model.qk_norm", m.qk_norm, not m.qk_norm, "Mixtral has no q/k norm"),
-        (
-            "moe.shared_expert_intermediate_size",
-            e.shared_expert_intermediate_size,
-            not e.shared_expert_intermediate_size,
-            "Mixtral has no shared expert",
-        ),
-        ("moe.layer_freq", e.layer_freq, all(moe_pattern(cfg)), "every Mixtral layer is MoE"),
-        ("moe.norm_topk_prob", e.norm_topk_prob, renormalises(e), "Mixtral renormalises the top-k weights"),
-    ):
-        if not ok:
-            refuse_export(MODEL_TYPE, field, value, why)
+    shared = e.shared_expert_intermediate_size
+    refuse_export_unless(
+        MODEL_TYPE,
+        [
+            ("model.qkv_bias", m.qkv_bias, not m.qkv_bias, "Mixtral has no attention biases"),
+            ("model.attn_out_bias", m.attn_out_bias, not m.attn_out_bias, "Mixtral has no attention biases"),
+            ("model.qk_norm", m.qk_norm, not m.qk_norm, "Mixtral has no q/k norm"),
+            ("moe.shared_expert_intermediate_size", shared, not shared, "Mixtral has no shared expert"),
+            ("moe.layer_freq", e.layer_freq, all(moe_pattern(cfg)), "every Mixtral layer is MoE"),
+            ("moe.norm_topk_prob", e.norm_topk_prob, renormalises(e), "Mixtral renormalises the top-k weights"),
+        ],
+    )
     return {
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.hidden_size,
-        "intermediate_size": e.ffn_hidden_size,
-        "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_attention_heads,
-        "num_key_value_heads": m.kv_heads,
-        "head_dim": m.resolved_head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": m.max_position_embeddings,
-        "initializer_range": m.init_std,
-        "rms_norm_eps": m.norm_eps,
-        **rope_to_hf(m),
+        **base_to_hf(m),
+        "intermediate_size": e.ffn_hidden_size,  # Mixtral's only MLP is the experts'
         "sliding_window": m.sliding_window,
-        "attention_dropout": m.attention_dropout,
-        "tie_word_embeddings": m.tie_embeddings,
         "num_local_experts": e.num_experts,
         "num_experts_per_tok": e.router_topk,
         "router_aux_loss_coef": aux_coef_to_hf(e),

@@ -16,20 +16,13 @@ from moecore.config import Config
 from moecore.hf.families import TensorMap
 from moecore.hf.families.common import (
     HFFields,
-    attention_maps,
-    aux_coef_to_hf,
     base_config,
+    base_to_hf,
     check_exportable,
-    dense_mlp_maps,
-    embed_maps,
-    expert_maps,
-    moe_pattern,
-    moe_pattern_from_hf,
-    moe_pattern_to_hf,
-    refuse_export,
-    renormalises,
-    rope_to_hf,
-    shared_expert_maps,
+    qwen_experts_from_hf,
+    qwen_experts_to_hf,
+    qwen_tensor_maps,
+    refuse_export_unless,
     validated,
 )
 
@@ -102,9 +95,7 @@ def config_from_hf(hf: dict) -> Config:
     m, e = cfg.model, cfg.moe
     m.qkv_bias = f.expect("qkv_bias", (True, False))
     m.sliding_window = sliding_window_from_hf(f, m.num_layers, derive_types=True)
-    e.num_experts = f.integer("num_experts", lo=1)
-    e.ffn_hidden_size = f.integer("moe_intermediate_size")
-    e.norm_topk_prob = f.expect("norm_topk_prob", (True, False))
+    qwen_experts_from_hf(f, cfg, f.integer("num_experts", lo=1))
     shared = f.get("shared_expert_intermediate_size")
     if isinstance(shared, bool) or not isinstance(shared, int) or shared < 1:
         f.refuse(
@@ -114,8 +105,6 @@ def config_from_hf(hf: dict) -> Config:
         )
     e.shared_expert_intermediate_size = shared
     e.shared_expert_gate = True
-    pattern = moe_pattern_from_hf(f, m.num_layers, e.num_experts)
-    e.layer_freq = 1 if all(pattern) else pattern
     f.finish()
     return validated(cfg)
 
@@ -123,51 +112,29 @@ def config_from_hf(hf: dict) -> Config:
 def config_to_hf(cfg: Config) -> dict:
     m, e = cfg.model, cfg.moe
     check_exportable(cfg, MODEL_TYPE)
-    for field, value, ok, why in (
-        ("model.attn_out_bias", m.attn_out_bias, not m.attn_out_bias, "Qwen2-MoE has no o_proj bias"),
-        ("model.qk_norm", m.qk_norm, not m.qk_norm, "Qwen2-MoE has no q/k norm"),
-        (
-            "moe.shared_expert_intermediate_size",
-            e.shared_expert_intermediate_size,
-            bool(e.shared_expert_intermediate_size),
-            "Qwen2-MoE needs a shared expert",
-        ),
-        (
-            "moe.shared_expert_gate",
-            e.shared_expert_gate,
-            e.shared_expert_gate,
-            "Qwen2-MoE always gates its shared expert",
-        ),
-    ):
-        if not ok:
-            refuse_export(MODEL_TYPE, field, value, why)
+    shared = e.shared_expert_intermediate_size
+    refuse_export_unless(
+        MODEL_TYPE,
+        [
+            ("model.attn_out_bias", m.attn_out_bias, not m.attn_out_bias, "Qwen2-MoE has no o_proj bias"),
+            ("model.qk_norm", m.qk_norm, not m.qk_norm, "Qwen2-MoE has no q/k norm"),
+            ("moe.shared_expert_intermediate_size", shared, bool(shared), "Qwen2-MoE needs a shared expert"),
+            (
+                "moe.shared_expert_gate",
+                e.shared_expert_gate,
+                e.shared_expert_gate,
+                "Qwen2-MoE always gates its shared expert",
+            ),
+        ],
+    )
     out = {
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.hidden_size,
-        "intermediate_size": m.ffn_hidden_size,
-        "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_attention_heads,
-        "num_key_value_heads": m.kv_heads,
-        "head_dim": m.resolved_head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": m.max_position_embeddings,
-        "initializer_range": m.init_std,
-        "rms_norm_eps": m.norm_eps,
-        **rope_to_hf(m),
+        **base_to_hf(m),
         "qkv_bias": m.qkv_bias,
         "use_sliding_window": m.sliding_window is not None,
         "sliding_window": m.sliding_window,
         "max_window_layers": m.num_layers,
-        "attention_dropout": m.attention_dropout,
-        "tie_word_embeddings": m.tie_embeddings,
-        "num_experts": e.num_experts,
-        "num_experts_per_tok": e.router_topk,
-        "moe_intermediate_size": e.ffn_hidden_size,
-        "shared_expert_intermediate_size": e.shared_expert_intermediate_size,
-        "norm_topk_prob": renormalises(e),
-        **moe_pattern_to_hf(cfg),
-        "router_aux_loss_coef": aux_coef_to_hf(e),
-        "output_router_logits": False,
+        **qwen_experts_to_hf(cfg),
+        "shared_expert_intermediate_size": shared,
     }
     if m.sliding_window is not None:
         out["layer_types"] = ["sliding_attention"] * m.num_layers
@@ -175,14 +142,4 @@ def config_to_hf(cfg: Config) -> dict:
 
 
 def tensor_maps(cfg: Config, available: Collection[str] | None) -> list[TensorMap]:
-    m, e = cfg.model, cfg.moe
-    maps = embed_maps(m)
-    for i, is_moe in enumerate(moe_pattern(cfg)):
-        maps += attention_maps(i, m)
-        hf = f"model.layers.{i}.mlp"
-        if is_moe:
-            maps += expert_maps(i, e.num_experts, hf, available=available)
-            maps += shared_expert_maps(i, hf, gated=True)
-        else:
-            maps += dense_mlp_maps(f"layers.{i}.mlp", hf)
-    return maps
+    return qwen_tensor_maps(cfg, available, shared_expert=True)
