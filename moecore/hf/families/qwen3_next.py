@@ -19,21 +19,20 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from moecore.config import Config
+from moecore.config import Config, ModelConfig
 from moecore.hf.families import TensorMap
 from moecore.hf.families.common import (
     HFFields,
+    attention_maps,
     base_config,
-    dense_mlp_maps,
-    embed_maps,
-    expert_maps,
-    moe_pattern,
+    base_to_hf,
     moe_pattern_from_hf,
     moe_pattern_to_hf,
-    refuse_export,
+    norm_maps,
+    qwen_tensor_maps,
+    refuse_export_unless,
     renormalises,
-    rope_to_hf,
-    shared_expert_maps,
+    softmax_router_checks,
     validated,
 )
 
@@ -172,64 +171,39 @@ def config_from_hf(hf: dict) -> Config:
 def config_to_hf(cfg: Config) -> dict:
     """Our Config -> config.json, refusing options Qwen3NextForCausalLM cannot express."""
     m, e = cfg.model, cfg.moe
-
-    def need(cond: bool, field: str, value, why: str) -> None:
-        if not cond:
-            refuse_export(MODEL_TYPE, field, value, why)
-
-    need(m.attention_type == "gqa", "model.attention_type", m.attention_type, "only gqa attention")
-    need(m.qk_norm, "model.qk_norm", m.qk_norm, "Qwen3-Next always normalises q and k")
-    need(m.attn_output_gate, "model.attn_output_gate", m.attn_output_gate, "Qwen3-Next always gates attention")
-    need(m.norm_zero_centered, "model.norm_zero_centered", m.norm_zero_centered, "Qwen3-Next norms are zero-centred")
-    need(
-        m.qkv_bias == m.attn_out_bias,
-        "model.attn_out_bias",
-        m.attn_out_bias,
-        "attention_bias covers q, k, v and o alike",
-    )
-    need(m.activation == "swiglu", "model.activation", m.activation, "SwiGLU only")
-    need(m.sliding_window is None, "model.sliding_window", m.sliding_window, "no sliding window")
-    need(m.mtp_num_layers == 0, "model.mtp_num_layers", m.mtp_num_layers, "no multi-token prediction")
+    checks = [
+        ("model.attention_type", m.attention_type, m.attention_type == "gqa", "only gqa attention"),
+        ("model.qk_norm", m.qk_norm, m.qk_norm, "Qwen3-Next always normalises q and k"),
+        ("model.attn_output_gate", m.attn_output_gate, m.attn_output_gate, "Qwen3-Next always gates attention"),
+        ("model.norm_zero_centered", m.norm_zero_centered, m.norm_zero_centered, "Qwen3-Next norms are zero-centred"),
+        (
+            "model.attn_out_bias",
+            m.attn_out_bias,
+            m.qkv_bias == m.attn_out_bias,
+            "attention_bias covers q, k, v and o alike",
+        ),
+        ("model.activation", m.activation, m.activation == "swiglu", "SwiGLU only"),
+        ("model.sliding_window", m.sliding_window, m.sliding_window is None, "no sliding window"),
+        ("model.mtp_num_layers", m.mtp_num_layers, m.mtp_num_layers == 0, "no multi-token prediction"),
+    ]
     if e.num_experts:
-        need(e.router_score_function == "softmax", "moe.router_score_function", e.router_score_function, "softmax only")
-        need(
-            e.router_pre_softmax or renormalises(e),
-            "moe.norm_topk_prob",
-            e.norm_topk_prob,
-            "top-k softmax renormalises",
-        )
-        need(not e.router_enable_expert_bias, "moe.router_enable_expert_bias", True, "no expert bias")
-        need(
-            e.router_topk_scaling_factor in (None, 1.0),
-            "moe.router_topk_scaling_factor",
-            e.router_topk_scaling_factor,
-            "no scaling",
-        )
-        need(e.router_num_groups is None, "moe.router_num_groups", e.router_num_groups, "no group-limited routing")
-        need(
-            bool(e.shared_expert_intermediate_size),
-            "moe.shared_expert_intermediate_size",
-            e.shared_expert_intermediate_size,
-            "Qwen3-Next always has a shared expert",
-        )
-        need(e.shared_expert_gate, "moe.shared_expert_gate", e.shared_expert_gate, "the shared expert is always gated")
+        shared = e.shared_expert_intermediate_size
+        checks += [
+            *softmax_router_checks(e),
+            (
+                "moe.norm_topk_prob",
+                e.norm_topk_prob,
+                e.router_pre_softmax or renormalises(e),
+                "top-k softmax renormalises",
+            ),
+            ("moe.shared_expert_intermediate_size", shared, bool(shared), "Qwen3-Next always has a shared expert"),
+            ("moe.shared_expert_gate", e.shared_expert_gate, e.shared_expert_gate, "the shared expert is always gated"),
+        ]
+    refuse_export_unless(MODEL_TYPE, checks)
     layer_types = list(m.layer_types or ["full_attention"] * m.num_layers)
     out = {
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.hidden_size,
-        "intermediate_size": m.ffn_hidden_size,
-        "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_attention_heads,
-        "num_key_value_heads": m.kv_heads,
-        "head_dim": m.resolved_head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": m.max_position_embeddings,
-        "initializer_range": m.init_std,
-        "rms_norm_eps": m.norm_eps,
-        "tie_word_embeddings": m.tie_embeddings,
+        **base_to_hf(m),
         "attention_bias": m.qkv_bias,
-        "attention_dropout": m.attention_dropout,
-        **rope_to_hf(m),
         "partial_rotary_factor": m.partial_rotary_factor,
         "layer_types": layer_types,
         **{theirs: getattr(m, ours) for ours, theirs in _LINEAR_FIELDS},
@@ -252,27 +226,16 @@ def config_to_hf(cfg: Config) -> dict:
     return out
 
 
+def _attention_maps(i: int, m: ModelConfig) -> list[TensorMap]:
+    """Norms and gated DeltaNet (by prefix) or gated full attention (the Llama-style names) of layer i."""
+    if m.layer_types is None or m.layer_types[i] != "linear_attention":
+        return attention_maps(i, m)
+    ours, hf = f"layers.{i}", f"model.layers.{i}"
+    return norm_maps(ours, hf) + [
+        TensorMap.copy(f"{ours}.attn.{t}", f"{hf}.linear_attn.{t}") for t in _DELTANET_TENSORS
+    ]
+
+
 def tensor_maps(cfg: Config, available: Collection[str] | None = None) -> list[TensorMap]:
     """Every parameter of our model and the checkpoint tensors it is made of."""
-    m, e = cfg.model, cfg.moe
-    maps = embed_maps(m)
-    pattern = moe_pattern(cfg)
-    for i in range(m.num_layers):
-        ours, hf = f"layers.{i}", f"model.layers.{i}"
-        maps.append(TensorMap.copy(f"{ours}.attn_norm.weight", f"{hf}.input_layernorm.weight"))
-        maps.append(TensorMap.copy(f"{ours}.mlp_norm.weight", f"{hf}.post_attention_layernorm.weight"))
-        if m.layer_types is not None and m.layer_types[i] == "linear_attention":
-            maps += [TensorMap.copy(f"{ours}.attn.{t}", f"{hf}.linear_attn.{t}") for t in _DELTANET_TENSORS]
-        else:
-            for p in ("q", "k", "v", "o"):
-                maps.append(TensorMap.copy(f"{ours}.attn.{p}_proj.weight", f"{hf}.self_attn.{p}_proj.weight"))
-                if m.qkv_bias:
-                    maps.append(TensorMap.copy(f"{ours}.attn.{p}_proj.bias", f"{hf}.self_attn.{p}_proj.bias"))
-            for p in ("q", "k"):
-                maps.append(TensorMap.copy(f"{ours}.attn.{p}_norm.weight", f"{hf}.self_attn.{p}_norm.weight"))
-        if pattern[i]:
-            maps += expert_maps(i, e.num_experts, f"{hf}.mlp", available=available)
-            maps += shared_expert_maps(i, f"{hf}.mlp", gated=True)
-        else:
-            maps += dense_mlp_maps(f"{ours}.mlp", f"{hf}.mlp")
-    return maps
+    return qwen_tensor_maps(cfg, available, shared_expert=True, attention=_attention_maps)
