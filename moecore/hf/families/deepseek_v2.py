@@ -31,10 +31,14 @@ from moecore.hf.families import TensorMap
 from moecore.hf.families.common import (
     HFFields,
     base_config,
+    base_to_hf,
     dense_mlp_maps,
     embed_maps,
+    grouped_expert_maps,
+    holds_fused_experts,
+    norm_maps,
     refuse_export,
-    rope_to_hf,
+    refuse_export_unless,
     validated,
 )
 
@@ -168,7 +172,7 @@ def check_deepseek_exportable(cfg: Config, model_type: str) -> None:
     """Refuse our options that a DeepSeek config.json cannot express (shared by V2 and V3)."""
     m, e = cfg.model, cfg.moe
     shared = e.shared_expert_intermediate_size or 0
-    for field, value, ok, why in (
+    checks = (
         ("model.attention_type", m.attention_type, m.attention_type == "mla", "DeepSeek uses multi-latent attention"),
         ("model.layer_types", m.layer_types, m.layer_types is None, "no linear-attention layers"),
         ("model.qk_norm", m.qk_norm, not m.qk_norm, "no q/k norm"),
@@ -186,9 +190,8 @@ def check_deepseek_exportable(cfg: Config, model_type: str) -> None:
             shared % e.ffn_hidden_size == 0,
             "a multiple of moe.ffn_hidden_size",
         ),
-    ):
-        if not ok:
-            refuse_export(model_type, field, value, why)
+    )
+    refuse_export_unless(model_type, checks)
 
 
 def _layout_ok(cfg: Config) -> bool:
@@ -210,21 +213,10 @@ def _balancing_to_hf(cfg: Config, model_type: str) -> dict:
 
 def deepseek_base_to_hf(cfg: Config, model_type: str) -> dict:
     m, e = cfg.model, cfg.moe
-    return {
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.hidden_size,
-        "intermediate_size": m.ffn_hidden_size,
-        "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_attention_heads,
+    out = {
+        **base_to_hf(m),
         "num_key_value_heads": m.num_attention_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": m.max_position_embeddings,
-        "initializer_range": m.init_std,
-        "rms_norm_eps": m.norm_eps,
-        **rope_to_hf(m),
         "attention_bias": False,
-        "attention_dropout": m.attention_dropout,
-        "tie_word_embeddings": m.tie_embeddings,
         "q_lora_rank": m.q_lora_rank,
         "kv_lora_rank": m.kv_lora_rank,
         "qk_nope_head_dim": m.qk_nope_head_dim,
@@ -239,12 +231,14 @@ def deepseek_base_to_hf(cfg: Config, model_type: str) -> dict:
         "routed_scaling_factor": e.router_topk_scaling_factor or 1.0,
         **_balancing_to_hf(cfg, model_type),
     }
+    del out["head_dim"]  # MLA's head sizes are the qk_*_head_dim / v_head_dim fields
+    return out
 
 
 def config_to_hf(cfg: Config) -> dict:
     m, e = cfg.model, cfg.moe
     check_deepseek_exportable(cfg, MODEL_TYPE)
-    for field, value, ok, why in (
+    checks = (
         ("model.rope_interleave", m.rope_interleave, m.rope_interleave, "DeepSeek-V2 stores RoPE channels interleaved"),
         (
             "model.mtp_num_layers",
@@ -261,9 +255,8 @@ def config_to_hf(cfg: Config) -> dict:
             not e.router_enable_expert_bias,
             "no expert bias",
         ),
-    ):
-        if not ok:
-            refuse_export(MODEL_TYPE, field, value, why)
+    )
+    refuse_export_unless(MODEL_TYPE, checks)
     grouped = e.router_num_groups is not None and e.router_num_groups > 1
     if grouped and e.router_group_score != "max":
         refuse_export(
@@ -286,14 +279,11 @@ def config_to_hf(cfg: Config) -> dict:
 
 def mla_maps(ours: str, hf: str, m: ModelConfig) -> list[TensorMap]:
     """Norms and multi-latent attention of one decoder layer (`ours` / `hf`: the layer prefixes)."""
-    maps = [
-        TensorMap.copy(f"{ours}.attn_norm.weight", f"{hf}.input_layernorm.weight"),
-        TensorMap.copy(f"{ours}.mlp_norm.weight", f"{hf}.post_attention_layernorm.weight"),
-    ]
     names = ["q_proj"] if m.q_lora_rank is None else ["q_a_proj", "q_a_layernorm", "q_b_proj"]
     names += ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
-    maps += [TensorMap.copy(f"{ours}.attn.{n}.weight", f"{hf}.self_attn.{n}.weight") for n in names]
-    return maps
+    return norm_maps(ours, hf) + [
+        TensorMap.copy(f"{ours}.attn.{n}.weight", f"{hf}.self_attn.{n}.weight") for n in names
+    ]
 
 
 def moe_maps(ours: str, hf: str, cfg: Config, available: Collection[str] | None) -> list[TensorMap]:
@@ -302,15 +292,7 @@ def moe_maps(ours: str, hf: str, cfg: Config, available: Collection[str] | None)
     maps = [TensorMap.copy(f"{ours}.router.weight", f"{hf}.gate.weight")]
     if e.router_enable_expert_bias:
         maps.append(TensorMap.copy(f"{ours}.router.expert_bias", f"{hf}.gate.e_score_correction_bias"))
-    if available is not None and f"{hf}.experts.gate_up_proj" in available:  # transformers' in-memory layout
-        maps.append(TensorMap.copy(f"{ours}.experts.w13", f"{hf}.experts.gate_up_proj"))
-        maps.append(TensorMap.copy(f"{ours}.experts.w2", f"{hf}.experts.down_proj"))
-    else:
-        ex = [f"{hf}.experts.{j}" for j in range(e.num_experts)]
-        maps.append(
-            TensorMap.stack(f"{ours}.experts.w13", [[f"{x}.gate_proj.weight", f"{x}.up_proj.weight"] for x in ex])
-        )
-        maps.append(TensorMap.stack(f"{ours}.experts.w2", [[f"{x}.down_proj.weight"] for x in ex]))
+    maps += grouped_expert_maps(ours, hf, e.num_experts, holds_fused_experts(hf, available))
     if e.shared_expert_intermediate_size:
         maps += dense_mlp_maps(f"{ours}.shared_experts", f"{hf}.shared_experts")
     return maps

@@ -24,7 +24,7 @@ from collections.abc import Collection
 
 from moecore.config import Config
 from moecore.hf.families import TensorMap
-from moecore.hf.families.common import HFFields, refuse_export, validated
+from moecore.hf.families.common import HFFields, refuse_export, refuse_export_unless, validated
 from moecore.hf.families.deepseek_v2 import (
     check_deepseek_exportable,
     decoder_layer_maps,
@@ -116,17 +116,14 @@ def config_from_checkpoint(hf: dict, available: Collection[str]) -> Config:
 def config_to_hf(cfg: Config) -> dict:
     m, e = cfg.model, cfg.moe
     check_deepseek_exportable(cfg, MODEL_TYPE)
-    for field, value, ok, why in (
-        ("moe.router_score_function", e.router_score_function, e.router_score_function == "sigmoid", "sigmoid"),
-        (
-            "moe.router_enable_expert_bias",
-            e.router_enable_expert_bias,
-            e.router_enable_expert_bias,
-            "needs the expert bias",
-        ),
-    ):
-        if not ok:
-            refuse_export(MODEL_TYPE, field, value, why)
+    bias = e.router_enable_expert_bias
+    refuse_export_unless(
+        MODEL_TYPE,
+        [
+            ("moe.router_score_function", e.router_score_function, e.router_score_function == "sigmoid", "sigmoid"),
+            ("moe.router_enable_expert_bias", bias, bias, "needs the expert bias"),
+        ],
+    )
     grouped = e.router_num_groups is not None and e.router_num_groups > 1
     if grouped and e.router_group_score != "top2_sum":
         refuse_export(
