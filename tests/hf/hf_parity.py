@@ -40,6 +40,17 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+# The tiny grouped-query decoder of the Mixtral and Qwen-MoE tests; each family adds its own fields.
+TINY_GQA = dict(
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2
+)
+
+
+def tiny_config(config_class, fields: dict, over: dict | None = None):
+    """A transformers config: TINY_GQA, then the family's `fields`, then a test's `over` (later ones win)."""
+    return config_class(**{**TINY_GQA, **fields, **(over or {})})
+
+
 def build_hf(config, seed: int = 0) -> torch.nn.Module:
     config._attn_implementation = "eager"
     torch.manual_seed(seed)

@@ -72,6 +72,16 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 b.copy_(torch.randn(b.shape, generator=g) * 0.05)
 
 
+def _save_random(model_class, cfg, tmp_path):
+    """A randomised transformers model of `cfg` (eager attention), saved to tmp_path/hf."""
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    ref = model_class(cfg).eval()
+    _randomize(ref, 1)
+    ref.save_pretrained(tmp_path / "hf")
+    return ref
+
+
 def _v2(tmp_path, q_lora_rank, topk_method, rope, **over):
     grouped = topk_method == "group_limited_greedy"
     cfg = transformers.DeepseekV2Config(
@@ -84,12 +94,7 @@ def _v2(tmp_path, q_lora_rank, topk_method, rope, **over):
         routed_scaling_factor=2.0,
         rope_parameters=rope,
     )
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    ref = transformers.DeepseekV2ForCausalLM(cfg).eval()
-    _randomize(ref, 1)
-    ref.save_pretrained(tmp_path / "hf")
-    return ref
+    return _save_random(transformers.DeepseekV2ForCausalLM, cfg, tmp_path)
 
 
 def _v3(tmp_path, rope, mtp_layers=1, rope_interleave=True, norm_topk_prob=True):
@@ -105,12 +110,7 @@ def _v3(tmp_path, rope, mtp_layers=1, rope_interleave=True, norm_topk_prob=True)
         rope_parameters=rope,
         num_mtp_layers=mtp_layers,
     )
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    ref = transformers.DeepseekV3ForCausalLM(cfg).eval()
-    _randomize(ref, 1)
-    ref.save_pretrained(tmp_path / "hf")
-    return ref
+    return _save_random(transformers.DeepseekV3ForCausalLM, cfg, tmp_path)
 
 
 def _add_mtp_layers(ref, folder, count: int) -> torch.nn.ModuleList:

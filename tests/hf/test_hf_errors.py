@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_parity import build_hf  # noqa: E402
+from hf_parity import build_hf, tiny_config  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import Qwen2MoeConfig, Qwen3MoeConfig  # noqa: E402
 
@@ -19,20 +19,13 @@ from moecore.hf import load_pretrained, save_pretrained  # noqa: E402
 from moecore.hf.convert import main  # noqa: E402
 from moecore.models.transformer import MoETransformer  # noqa: E402
 
+# Qwen2/3-MoE fields on top of hf_parity.TINY_GQA.
+_FIELDS = dict(vocab_size=64, intermediate_size=40, num_experts=4, moe_intermediate_size=16)
+
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory):
-    cfg = Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-    )
+    cfg = tiny_config(Qwen3MoeConfig, _FIELDS)
     path = tmp_path_factory.mktemp("qwen3")
     build_hf(cfg).save_pretrained(path)
     return path
@@ -113,20 +106,8 @@ def test_config_refused(folder, changes, match):
 
 def test_qwen2_mixed_sliding_layers_refused(tmp_path):
     """transformers' default Qwen2-MoE window pattern (every other layer) cannot be expressed; refuse it."""
-    cfg = Qwen2MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        use_sliding_window=True,
-        sliding_window=4,
-    )
+    over = dict(shared_expert_intermediate_size=16, use_sliding_window=True, sliding_window=4)
+    cfg = tiny_config(Qwen2MoeConfig, _FIELDS, over)
     build_hf(cfg).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="layer_types=.*mixed across layers"):
         load_pretrained(tmp_path)

@@ -15,6 +15,7 @@ from hf_parity import (  # noqa: E402
     check_real_size_recipe,
     check_tiny_recipe_exports,
     import_export_parity,
+    tiny_config,
     tokens,
     train_step_parity,
 )
@@ -25,20 +26,10 @@ from moecore.hf import load_pretrained  # noqa: E402
 
 
 def mixtral_config(**over) -> MixtralConfig:
-    kw = dict(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
+    fields = dict(
+        vocab_size=96, intermediate_size=24, num_local_experts=4, max_position_embeddings=64, rope_theta=10000.0
     )
-    kw.update(over)
-    return MixtralConfig(**kw)
+    return tiny_config(MixtralConfig, fields, over)
 
 
 def test_import_export_sharded(tmp_path):

@@ -14,6 +14,7 @@ from hf_parity import (  # noqa: E402
     check_real_size_recipe,
     check_tiny_recipe_exports,
     import_export_parity,
+    tiny_config,
     train_step_parity,
 )
 from transformers import Qwen2MoeConfig  # noqa: E402
@@ -22,21 +23,16 @@ from moecore.hf import load_pretrained  # noqa: E402
 
 
 def qwen2_config(**over) -> Qwen2MoeConfig:
-    kw = dict(
+    fields = dict(
         vocab_size=96,
-        hidden_size=32,
         intermediate_size=40,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         num_experts=4,
-        num_experts_per_tok=2,
         moe_intermediate_size=16,
         shared_expert_intermediate_size=24,
         max_position_embeddings=64,
     )
-    kw.update(over)
-    return Qwen2MoeConfig(**kw)
+    return tiny_config(Qwen2MoeConfig, fields, over)
 
 
 @pytest.mark.parametrize(

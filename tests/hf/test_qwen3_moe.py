@@ -17,6 +17,7 @@ from hf_parity import (  # noqa: E402
     check_real_size_recipe,
     check_tiny_recipe_exports,
     import_export_parity,
+    tiny_config,
     tokens,
     train_step_parity,
 )
@@ -27,22 +28,16 @@ from moecore.hf.convert import load_model_checkpoint, main  # noqa: E402
 
 
 def qwen3_config(**over) -> Qwen3MoeConfig:
-    kw = dict(
+    fields = dict(
         vocab_size=96,
-        hidden_size=32,
         intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
         num_experts=6,
-        num_experts_per_tok=2,
         moe_intermediate_size=16,
         norm_topk_prob=True,
         max_position_embeddings=64,
     )
-    kw.update(over)
-    return Qwen3MoeConfig(**kw)
+    return tiny_config(Qwen3MoeConfig, fields, over)
 
 
 def test_import_export_defaults(tmp_path):

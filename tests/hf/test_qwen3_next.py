@@ -26,6 +26,14 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf  # noqa: E4
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 4, 2, 16, 97
 LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+# Gated DeltaNet shape: the same field names in transformers' config and ours.
+LINEAR = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
 
 
 def _close(ours: torch.Tensor, ref: torch.Tensor) -> None:
@@ -44,11 +52,7 @@ def _hf_config(**over) -> transformers.Qwen3NextConfig:
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
+        **LINEAR,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         rms_norm_eps=1e-6,
         max_position_embeddings=256,
@@ -72,11 +76,7 @@ def _model_config(**over) -> ModelConfig:
         num_attention_heads=HEADS,
         num_kv_heads=KV_HEADS,
         head_dim=HEAD_DIM,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
+        **LINEAR,
         linear_chunk_size=16,
         partial_rotary_factor=0.25,
         rope_theta=10000.0,
