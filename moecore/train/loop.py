@@ -136,7 +136,9 @@ class Trainer:
             load_model_weights(Path(cfg.checkpoint.load), self.model)
 
     # ------------------------------------------------------------------ one step
-    def train_step(self) -> dict:
+    def train_step(self, with_moe_metrics: bool = True) -> dict:
+        """One optimizer step. `with_moe_metrics`: aggregate the per-layer MoE statistics (host syncs;
+        the loop asks for them only on steps it logs)."""
         cfg, rt = self.cfg, self.rt
         model = self.model
         model.train()
@@ -183,7 +185,8 @@ class Trainer:
             metrics["mtp_loss"] = rt.sum_over_dp(mtp_sum).item() / n_mb_global
             for d, v in enumerate(mtp_depth_sums):  # unscaled loss of each prediction depth
                 metrics[f"mtp/depth_{d + 1}_loss"] = rt.mean_over_dp(v / self.micro_batches_per_rank)
-        metrics.update(moe_metrics(stats_per_mb, rt))
+        if with_moe_metrics:
+            metrics.update(moe_metrics(stats_per_mb, rt))
         return metrics
 
     @torch.no_grad()
@@ -237,7 +240,12 @@ class Trainer:
             while self.step < stop:
                 if profiler is not None:
                     profiler.step_begin(self.step + 1)
-                metrics = self.train_step()
+                next_step = self.step + 1
+                log_now = next_step % cfg.log.interval == 0 or next_step == stop or next_step == 1
+                evaluate_now = bool(cfg.train.eval_interval) and (
+                    next_step % cfg.train.eval_interval == 0 or next_step == stop
+                )
+                metrics = self.train_step(with_moe_metrics=log_now or evaluate_now)
                 if profiler is not None:
                     profiler.step_end(self.step)
                 window_steps += 1
@@ -246,8 +254,7 @@ class Trainer:
                     result.first_loss = metrics["loss"]
                 if not math.isfinite(metrics["loss"]):
                     raise FloatingPointError(f"loss became {metrics['loss']} at step {self.step}")
-                log_now = self.step % cfg.log.interval == 0 or self.step == stop or self.step == 1
-                if cfg.train.eval_interval and (self.step % cfg.train.eval_interval == 0 or self.step == stop):
+                if evaluate_now:
                     val = self.evaluate()
                     metrics["val_loss"] = val
                     result.val_losses.append((self.step, val))
