@@ -238,6 +238,7 @@ def deepseek_base_to_hf(cfg: Config, model_type: str) -> dict:
 def config_to_hf(cfg: Config) -> dict:
     m, e = cfg.model, cfg.moe
     check_deepseek_exportable(cfg, MODEL_TYPE)
+    grouped, score = e.router_num_groups is not None and e.router_num_groups > 1, e.router_group_score
     checks = (
         ("model.rope_interleave", m.rope_interleave, m.rope_interleave, "DeepSeek-V2 stores RoPE channels interleaved"),
         (
@@ -255,13 +256,9 @@ def config_to_hf(cfg: Config) -> dict:
             not e.router_enable_expert_bias,
             "no expert bias",
         ),
+        ("moe.router_group_score", score, not grouped or score == "max", "DeepSeek-V2 scores a group by its max"),
     )
     refuse_export_unless(MODEL_TYPE, checks)
-    grouped = e.router_num_groups is not None and e.router_num_groups > 1
-    if grouped and e.router_group_score != "max":
-        refuse_export(
-            MODEL_TYPE, "moe.router_group_score", e.router_group_score, "DeepSeek-V2 scores a group by its max"
-        )
     return {
         **deepseek_base_to_hf(cfg, MODEL_TYPE),
         "scoring_func": "softmax",

@@ -24,7 +24,7 @@ from collections.abc import Collection
 
 from moecore.config import Config
 from moecore.hf.families import TensorMap
-from moecore.hf.families.common import HFFields, refuse_export, refuse_export_unless, validated
+from moecore.hf.families.common import HFFields, refuse_export_unless, validated
 from moecore.hf.families.deepseek_v2 import (
     check_deepseek_exportable,
     decoder_layer_maps,
@@ -117,18 +117,20 @@ def config_to_hf(cfg: Config) -> dict:
     m, e = cfg.model, cfg.moe
     check_deepseek_exportable(cfg, MODEL_TYPE)
     bias = e.router_enable_expert_bias
+    grouped, score = e.router_num_groups is not None and e.router_num_groups > 1, e.router_group_score
     refuse_export_unless(
         MODEL_TYPE,
         [
             ("moe.router_score_function", e.router_score_function, e.router_score_function == "sigmoid", "sigmoid"),
             ("moe.router_enable_expert_bias", bias, bias, "needs the expert bias"),
+            (
+                "moe.router_group_score",
+                score,
+                not grouped or score == "top2_sum",
+                "DeepSeek-V3 scores a group by its top-2 sum",
+            ),
         ],
     )
-    grouped = e.router_num_groups is not None and e.router_num_groups > 1
-    if grouped and e.router_group_score != "top2_sum":
-        refuse_export(
-            MODEL_TYPE, "moe.router_group_score", e.router_group_score, "DeepSeek-V3 scores a group by its top-2 sum"
-        )
     return {
         **deepseek_base_to_hf(cfg, MODEL_TYPE),
         "scoring_func": "sigmoid",
