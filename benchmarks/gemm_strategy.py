@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
+from moecore.bench.common import cuda_time_ms as bench
 from moecore.kernels.grouped_ffn import GemmPlan, _bounds, default_plan, expert_ffn, gemm_nn, gemm_nt, gemm_tn
 from moecore.kernels.permute import make_permutation, permute, unpermute
 from moecore.kernels.swiglu import swiglu, swiglu_backward
@@ -26,22 +26,6 @@ SHAPES = {  # hidden, ffn, experts, top-k, tokens
     "deepseek_v3": (7168, 2048, 256, 8, 8192),
     "qwen3_next_80b": (2048, 512, 512, 10, 16384),
 }
-
-
-def bench(fn, warmup: int = 3, iters: int = 10) -> float:
-    """Median milliseconds of fn over `iters` timed runs (CUDA events, one pair per run)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
 
 
 def run_shape(name: str, out: list) -> None:
