@@ -196,7 +196,9 @@ class MoEConfig:
     layer_freq: Any = 1  # int N: every N-th layer is MoE; or a list of 0/1 per layer
     first_k_dense_replace: int = 0  # the first k layers are dense (DeepSeek)
     token_dispatcher_type: str = "alltoall"  # allgather | alltoall
-    grouped_gemm: bool = True  # grouped GEMM where it runs (fused expert FFN kernels on CUDA); a loop of GEMMs otherwise
+    grouped_gemm: bool = (
+        True  # grouped GEMM where it runs (fused expert FFN kernels on CUDA); a loop of GEMMs otherwise
+    )
     apply_probs_on_input: bool = False  # multiply routing probs inside the activation instead of at combine
 
     BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")

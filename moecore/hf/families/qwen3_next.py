@@ -24,6 +24,7 @@ from moecore.hf.families import TensorMap
 from moecore.hf.families.common import (
     HFFields,
     attention_maps,
+    aux_coef_to_hf,
     base_config,
     base_to_hf,
     moe_pattern_from_hf,
@@ -220,7 +221,7 @@ def config_to_hf(cfg: Config) -> dict:
             moe_intermediate_size=e.ffn_hidden_size,
             shared_expert_intermediate_size=e.shared_expert_intermediate_size,
             norm_topk_prob=renormalises(e),
-            router_aux_loss_coef=e.aux_loss_coeffs[0] if e.aux_loss_coeffs else 0.0,
+            router_aux_loss_coef=aux_coef_to_hf(e),
             **moe_pattern_to_hf(cfg),
         )
     return out
