@@ -38,6 +38,7 @@ from moecore.moe.experts import GroupedExperts
 from moecore.moe.permute import capacity_keep, expert_capacity
 from moecore.moe.router import TopKRouter, scores_for_balancing
 from moecore.parallel import expert_parallel as ep_util
+from moecore.train.profiling import nvtx_range
 
 
 @dataclass
@@ -127,10 +128,13 @@ class MoELayer(nn.Module):
         valid_T = None if loss_mask is None else (loss_mask.reshape(B * S) > 0)
 
         # 1. route (the balancing losses see the whole micro-batch, also under tensor parallel)
-        r = self.router(x_TH)
-        idx_TK, weight_TK = r.topk_idx_TK, r.topk_weight_TK
-        loss_logits, loss_valid, loss_S = ep_util.router_logits_for_losses(r.logits_TE, B, full_loss_mask, self.dims)
-        loss, stats = self._routing_losses(loss_logits, loss_valid, B, loss_S)
+        with nvtx_range("moe/route"):
+            r = self.router(x_TH)
+            idx_TK, weight_TK = r.topk_idx_TK, r.topk_weight_TK
+            loss_logits, loss_valid, loss_S = ep_util.router_logits_for_losses(
+                r.logits_TE, B, full_loss_mask, self.dims
+            )
+            loss, stats = self._routing_losses(loss_logits, loss_valid, B, loss_S)
 
         # 2. capacity (optional): which assignments fit
         keep_TK, pad = None, None
@@ -143,22 +147,30 @@ class MoELayer(nn.Module):
                 pad = capacity
 
         # 3. permute + dispatch, 4. experts, 5. combine + unpermute
-        expert_in, counts, probs, ctx = self.dispatcher.token_dispatch(x_TH, idx_TK, weight_TK, keep_TK, pad)
-        expert_out = self.experts(expert_in, counts, probs)
-        y_TH = self.dispatcher.token_combine(expert_out, ctx)
+        with nvtx_range("moe/dispatch"):
+            expert_in, counts, probs, ctx = self.dispatcher.token_dispatch(x_TH, idx_TK, weight_TK, keep_TK, pad)
+        with nvtx_range("moe/experts"):
+            expert_out = self.experts(expert_in, counts, probs)
+        with nvtx_range("moe/combine"):
+            y_TH = self.dispatcher.token_combine(expert_out, ctx)
 
         # 6. shared experts
         if self.shared_experts is not None:
-            if self.recompute_shared and self.training and torch.is_grad_enabled():
-                shared = checkpoint(self.shared_experts, x_TH, use_reentrant=False)
-            else:
-                shared = self.shared_experts(x_TH)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x_TH)) * shared
-            y_TH = y_TH + shared
+            with nvtx_range("moe/shared_experts"):
+                y_TH = y_TH + self._shared_expert_output(x_TH)
 
         stats.update(self._load_stats(idx_TK, keep_TK, valid_T, count=self._counting()))
         return ep_util.moe_tokens_exit(y_TH.view(B, S, H), self.dims), MoELayerAux(loss=loss, stats=stats)
+
+    def _shared_expert_output(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output, sigmoid-gated when moe.shared_expert_gate (Qwen2-MoE)."""
+        if self.recompute_shared and self.training and torch.is_grad_enabled():
+            shared = checkpoint(self.shared_experts, x_TH, use_reentrant=False)
+        else:
+            shared = self.shared_experts(x_TH)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x_TH)) * shared
+        return shared
 
     # ------------------------------------------------------------------ losses and statistics
     def _counting(self) -> bool:
