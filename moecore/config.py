@@ -395,6 +395,7 @@ class TrainConfig:
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16
     device: str = "auto"  # auto | cpu | cuda
     deterministic: bool = False
+    cpu_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (one per core)
     compile: bool = False
 
     def validate(self) -> None:
@@ -419,6 +420,8 @@ class TrainConfig:
                 _fail("train.profile_steps", self.profile_steps, "two step numbers [a,b] with a <= b")
         _check_choice("train.precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         _check_choice("train.device", self.device, ("auto", "cpu", "cuda"))
+        if self.cpu_threads is not None:
+            _check_range("train.cpu_threads", self.cpu_threads, 1)
 
 
 @dataclass

@@ -163,6 +163,8 @@ def setup_runtime(cfg: Config) -> Runtime:
         vocab_size=cfg.model.vocab_size or None,
     )
     device = _pick_device(cfg, dims)
+    if cfg.train.cpu_threads is not None:
+        torch.set_num_threads(cfg.train.cpu_threads)
     precision = cfg.train.precision
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
