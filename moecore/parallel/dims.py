@@ -240,6 +240,15 @@ def init_distributed(
     dev = torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1)) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(dev)
+    if backend == "nccl":
+        # NVLink multicast (NVLS) is left off unless the user turned it on: on shared hosts it can take
+        # the GPUs out of service, and MoE training gains little from it.
+        for var, value in (
+            ("NCCL_NVLS_ENABLE", "0"),
+            ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+            ("NVSHMEM_DISABLE_NVLS", "1"),
+        ):
+            os.environ.setdefault(var, value)
     if world_size > 1 and not dist.is_initialized():
         kwargs = {"device_id": dev} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
