@@ -13,6 +13,7 @@ beyond reading YAML, so validation runs before any work starts.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +24,19 @@ import yaml
 
 RECIPE_DIR = Path(__file__).parent / "recipes"
 DEFAULT_RECIPE = "tiny-moe"
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that also reads `1e-5` as a number: YAML 1.1 (PyYAML) wants `1.0e-5`, YAML 1.2 not."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$"), list("-+.0123456789")
+)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)
 
 
 class ConfigError(ValueError):
@@ -651,7 +665,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
             f"{section!r} in override {text!r} is not a config section; sections: {', '.join(Config.SECTIONS)}"
         )
     try:
-        value = yaml.safe_load(raw) if raw.strip() != "" else None
+        value = _yaml_load(raw) if raw.strip() != "" else None
     except yaml.YAMLError:
         value = raw  # fall back to the raw string; the field's type check decides
     if isinstance(value, list):
@@ -665,7 +679,7 @@ def load_config(recipe: str | None = None, overrides: list[str] | tuple = ()) ->
     name = recipe or DEFAULT_RECIPE
     path = recipe_path(name)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = _yaml_load(path.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
