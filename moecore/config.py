@@ -272,6 +272,12 @@ class MoEConfig:
             _check_range("moe.aux_loss_coeff", c, 0.0)
         if self.router_pre_softmax and self.router_score_function != "softmax":
             _fail("moe.router_pre_softmax", True, "only applies with moe.router_score_function=softmax")
+        if self.router_score_function == "softmax" and not self.router_pre_softmax and not self.norm_topk_prob:
+            _fail(
+                "moe.norm_topk_prob",
+                False,
+                "a softmax over the top-k always sums to one; with moe.router_pre_softmax=false keep it true",
+            )
         if (self.router_num_groups is None) != (self.router_group_topk is None):
             _fail(
                 "moe.router_group_topk",
