@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         msg = str(e) if isinstance(e, ConfigError) else f"{e.filename or e}: {e.strerror or 'not found'}"
-        print(f"moecore: error: {msg}", file=sys.stderr)
+        if _is_main_process():  # under torchrun every rank fails alike; one line is enough
+            print(f"moecore: error: {msg}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("moecore: interrupted", file=sys.stderr)

@@ -13,9 +13,12 @@ half-written folder that looks complete.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +42,14 @@ def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """Silence dcp's warning that no process group exists: one process is our normal case, not a mistake."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _barrier() -> None:
@@ -88,7 +99,8 @@ def save_training_state(
     model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
     # Sharded (TP / EP) tensors are saved as chunks of their global tensors: layout-free files.
     model_sd, optim_sd = wrap_for_checkpoint(model, model_sd, optim_sd)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    with _quiet_single_process():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     torch.save({**extra, "rng": rng_state()}, tmp / f"rank-{_rank()}.pt")
     _barrier()
     if _rank() == 0:
@@ -114,7 +126,8 @@ def load_training_state(path: Path, model: torch.nn.Module, optimizer) -> dict:
     """Load model + optimizer from `path`, restore RNG; returns this rank's extra state."""
     path = _check_folder(path)
     model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
-    dcp.load(dict(zip(("model", "optim"), wrap_for_checkpoint(model, model_sd, optim_sd))), checkpoint_id=str(path))
+    with _quiet_single_process():
+        dcp.load(dict(zip(("model", "optim"), wrap_for_checkpoint(model, model_sd, optim_sd))), checkpoint_id=str(path))
     state = {"model": model_sd, "optim": optim_sd}  # the wrapped shards were loaded in place
     set_state_dict(model, _optimizers(optimizer), model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank_file = path / f"rank-{_rank()}.pt"
@@ -129,5 +142,6 @@ def load_model_weights(path: Path, model: torch.nn.Module) -> None:
     """Load only the model's tensors from a checkpoint folder (fine-tuning start, conversion)."""
     path = _check_folder(path)
     state = {"model": get_model_state_dict(model)}
-    dcp.load({"model": wrap_for_checkpoint(model, state["model"])[0]}, checkpoint_id=str(path))
+    with _quiet_single_process():
+        dcp.load({"model": wrap_for_checkpoint(model, state["model"])[0]}, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
