@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 
@@ -126,8 +127,23 @@ def main() -> None:
         run_shape(name, out)
         torch.cuda.empty_cache()
     if args.json:
+        env = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump([contract_record(r, env) for r in out], f, indent=1)
+
+
+def contract_record(rec: dict, env: dict) -> dict:
+    """A record in the benchmarks/results format: shape, impl, tflops, ms, peak_mem_gb, date, gpu, torch.
+
+    `what` is `<measurement>[/<impl>]` (e.g. `wgrad_w13/grouped`); the measurement goes to `measure`.
+    """
+    rec = dict(rec)
+    measure, _, impl = rec.pop("what").partition("/")
+    out = {"shape": rec.pop("shape", "dense_8192^3"), "measure": measure, "impl": impl or "torch"}
+    out.update(tflops=rec.pop("tflops", None), ms=rec.pop("ms"), peak_mem_gb=None)
+    out.update(rec)
+    out.update(env)
+    return out
 
 
 if __name__ == "__main__":
