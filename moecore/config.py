@@ -214,6 +214,8 @@ class MoEConfig:
         True  # grouped GEMM where it runs (fused expert FFN kernels on CUDA); a loop of GEMMs otherwise
     )
     apply_probs_on_input: bool = False  # multiply routing probs inside the activation instead of at combine
+    router_replay_mode: str = "none"  # none | record | replay: save / reuse every forward's top-k experts (RL)
+    router_replay_path: str | None = None  # the file recorded to (record) or read from (replay)
 
     BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
@@ -239,6 +241,14 @@ class MoEConfig:
 
     def validate(self, num_layers: int | None = None) -> None:
         _check_range("moe.num_experts", self.num_experts, 0)
+        _check_choice("moe.router_replay_mode", self.router_replay_mode, ("none", "record", "replay"))
+        if self.router_replay_mode != "none" and self.num_experts == 0:
+            _fail("moe.router_replay_mode", self.router_replay_mode, "needs moe.num_experts > 0 (a dense model)")
+        if self.router_replay_mode != "none" and not self.router_replay_path:
+            _fail("moe.router_replay_path", self.router_replay_path, f"set a file path with {self.router_replay_mode}")
+        replay_files = (Path(str(self.router_replay_path)), Path(f"{self.router_replay_path}.rank-0"))
+        if self.router_replay_mode == "replay" and not any(f.is_file() for f in replay_files):
+            _fail("moe.router_replay_path", self.router_replay_path, "no such file to replay (record it first)")
         if self.num_experts == 0:
             return
         _check_range("moe.router_topk", self.router_topk, 1, self.num_experts)
@@ -452,6 +462,7 @@ class CheckpointConfig:
     resume: bool = False  # continue the run in train.run_dir from its latest checkpoint
     load: str | None = None  # start from this checkpoint (weights only unless resume)
     keep_last: int | None = None
+    upcycle_from: str | None = None  # a dense moecore checkpoint folder (moe.num_experts=0): experts start from it
 
     def validate(self) -> None:
         _check_range("checkpoint.interval", self.interval, 0)
@@ -459,6 +470,11 @@ class CheckpointConfig:
             _check_range("checkpoint.keep_last", self.keep_last, 1)
         if self.load is not None and not Path(self.load).exists():
             _fail("checkpoint.load", self.load, "no such checkpoint folder")
+        if self.upcycle_from is not None:
+            if not Path(self.upcycle_from).is_dir():
+                _fail("checkpoint.upcycle_from", self.upcycle_from, "no such checkpoint folder")
+            if self.load is not None:
+                _fail("checkpoint.upcycle_from", self.upcycle_from, "set checkpoint.upcycle_from or checkpoint.load")
 
 
 @dataclass
@@ -513,6 +529,12 @@ class Config:
             _fail("optim.min_lr", self.optim.min_lr, f"must be <= optim.lr={self.optim.lr}")
         if m.vocab_size and m.vocab_size % p.tp:
             _fail("model.vocab_size", m.vocab_size, f"must be a multiple of parallel.tp={p.tp}")
+        if self.checkpoint.upcycle_from is not None and not e.num_experts:
+            _fail("checkpoint.upcycle_from", self.checkpoint.upcycle_from, "needs moe.num_experts > 0 (an MoE model)")
+        if self.checkpoint.upcycle_from is not None and max(p.tp, p.ep, p.etp, p.pp) > 1:
+            _fail(
+                "checkpoint.upcycle_from", self.checkpoint.upcycle_from, "needs parallel.tp, ep, etp and pp = 1 for now"
+            )
         if self.train.exit_interval is not None and self.train.exit_interval > self.train.steps:
             _fail("train.exit_interval", self.train.exit_interval, f"must be <= train.steps={self.train.steps}")
         if world_size is not None:

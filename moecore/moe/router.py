@@ -71,6 +71,26 @@ def group_limited_mask(select_TE: torch.Tensor, num_groups: int, group_topk: int
     return select_TE.masked_fill(~keep_TE, float("-inf"))
 
 
+def _select_topk(
+    scores_TE: torch.Tensor,
+    topk: int,
+    score_function: str,
+    num_groups: int | None,
+    group_topk: int | None,
+    group_score: str,
+    expert_bias_E: torch.Tensor | None,
+) -> torch.Tensor:
+    """Steps 3-5: the [T, K] int64 indices of the chosen experts (call under no_grad)."""
+    select_TE = scores_TE.detach()
+    if expert_bias_E is not None:
+        select_TE = select_TE + expert_bias_E.to(select_TE.dtype)
+    if num_groups is not None and group_topk is not None and num_groups > 1:
+        select_TE = group_limited_mask(select_TE, num_groups, group_topk, group_score)
+    # Sorted for softmax (Mixtral / Qwen), unsorted for sigmoid (DeepSeek-V3): the renormalising sum
+    # in topk_routing then adds the K weights in the same order as those references, bit for bit.
+    return select_TE.topk(topk, dim=-1, sorted=score_function == "softmax").indices
+
+
 def topk_routing(
     logits_TE: torch.Tensor,
     topk: int,
@@ -82,9 +102,12 @@ def topk_routing(
     group_topk: int | None = None,
     group_score: str = "max",
     expert_bias_E: torch.Tensor | None = None,
+    forced_idx_TK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick `topk` experts per token and their weights; see the module docstring for the steps.
 
+    `forced_idx_TK` (router replay): use these experts instead of steps 3-5; the weights are still
+    gathered from the current scores at those indices and normalised as configured (step 6-7).
     Returns (weights [T, K] in the logits' dtype, indices [T, K] int64).
     """
     if score_function == "softmax":
@@ -93,15 +116,11 @@ def topk_routing(
         scores_TE = torch.sigmoid(logits_TE)
     else:
         raise ValueError(f"moe.router_score_function={score_function!r} is invalid: allowed: softmax | sigmoid")
-    with torch.no_grad():
-        select_TE = scores_TE.detach()
-        if expert_bias_E is not None:
-            select_TE = select_TE + expert_bias_E.to(select_TE.dtype)
-        if num_groups is not None and group_topk is not None and num_groups > 1:
-            select_TE = group_limited_mask(select_TE, num_groups, group_topk, group_score)
-        # Sorted for softmax (Mixtral / Qwen), unsorted for sigmoid (DeepSeek-V3): the renormalising sum
-        # below then adds the K weights in the same order as those references, bit for bit.
-        idx_TK = select_TE.topk(topk, dim=-1, sorted=score_function == "softmax").indices
+    if forced_idx_TK is not None:
+        idx_TK = forced_idx_TK.to(device=logits_TE.device, dtype=torch.int64)
+    else:
+        with torch.no_grad():
+            idx_TK = _select_topk(scores_TE, topk, score_function, num_groups, group_topk, group_score, expert_bias_E)
     picked_TK = scores_TE.gather(1, idx_TK)
     if score_function == "softmax" and not pre_softmax:
         weight_TK = torch.softmax(picked_TK, dim=-1)
@@ -155,6 +174,9 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = None
             self.local_tokens_per_expert = None
+        # Router replay (moecore/moe/router_replay.py): the run's RouterReplay store and this router's key.
+        self.replay = None
+        self.replay_key = ""
 
     def _apply(self, fn, recurse: bool = True):
         # Keep the expert bias in fp32 through `.to(dtype)` / `.bfloat16()`: its updates (1e-3) are
@@ -173,6 +195,7 @@ class TopKRouter(nn.Module):
             eps = cfg.input_jitter_eps
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
         logits_TE = F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype))
+        forced = self.replay.replayed(self.replay_key, logits_TE.shape[0]) if self.replay is not None else None
         weight_TK, idx_TK = topk_routing(
             logits_TE,
             self.topk,
@@ -184,7 +207,10 @@ class TopKRouter(nn.Module):
             group_topk=cfg.router_group_topk,
             group_score=cfg.router_group_score,
             expert_bias_E=self.expert_bias,
+            forced_idx_TK=forced,
         )
+        if self.replay is not None:
+            self.replay.recorded(self.replay_key, idx_TK)
         return RouterOutput(logits_TE=logits_TE, topk_idx_TK=idx_TK, topk_weight_TK=weight_TK)
 
     @torch.no_grad()

@@ -134,6 +134,13 @@ class Trainer:
             self.data.train.load_state_dict(extra["data"])
         elif cfg.checkpoint.load and not cfg.checkpoint.resume:
             load_model_weights(Path(cfg.checkpoint.load), self.model)
+        elif cfg.checkpoint.upcycle_from:  # a fresh start only: a resumed run has its MoE weights already
+            from moecore.moe.upcycle import upcycle_from_checkpoint
+
+            upcycle_from_checkpoint(self.model, cfg.checkpoint.upcycle_from, cfg)
+        from moecore.moe.router_replay import setup_router_replay
+
+        self.router_replay = setup_router_replay(self.model, cfg.moe, self.rt.dims.rank, self.rt.world_size)
 
     # ------------------------------------------------------------------ one step
     def train_step(self, with_moe_metrics: bool = True) -> dict:
@@ -273,6 +280,10 @@ class Trainer:
                 if (interval and self.step % interval == 0) or self.step == stop:
                     self.save()
         logger.close()
+        if self.router_replay is not None and self.router_replay.mode == "record":
+            from moecore.moe.router_replay import rank_path
+
+            self.router_replay.save(rank_path(cfg.moe.router_replay_path, rt.dims.rank, rt.world_size))
         result.last_step = self.step
         result.final_loss = result.losses[-1][1] if result.losses else None
         result.seconds = time.perf_counter() - start_time
