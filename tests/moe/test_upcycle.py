@@ -179,7 +179,9 @@ def test_trainer_upcycles_at_start_not_on_resume(tmp_path):
     ids = torch.randint(0, dense_t.cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     dense_t.model.eval(), moe_t.model.eval()
     with torch.no_grad():
-        torch.testing.assert_close(moe_t.model(ids).logits, dense_t.model(ids).logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            moe_t.model(ids).logits, dense_t.model(ids).logits, rtol=1e-5, atol=1e-6
+        )  # measured 6e-8 in fp32
     moe_t.run()
     # resuming the MoE run must not upcycle again: its weights are the trained ones
     resumed = Trainer(
