@@ -426,7 +426,6 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     deterministic: bool = False
     cpu_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (one per core)
-    compile: bool = False
 
     def validate(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "seq_length", "eval_iters"):
