@@ -4,6 +4,8 @@ Layout of `checkpoints/step-N/` (or any folder given to `checkpoint.load`):
 - `*.distcp` + `.metadata`: model and optimizer tensors through torch.distributed.checkpoint, keyed
   by parameter name (fully qualified), so that the files do not depend on how the run was laid out;
 - `rank-R.pt`: per-rank state that is not a tensor of the model: step, data position, RNG states;
+- `optim-rank-R.pt` instead of the optimizer's dcp tensors under `parallel.distributed_optimizer`:
+  each rank's AdamW shard state with its layout (resumable under the same layout only);
 - `config.yaml`: the resolved config of the run that wrote it;
 - `complete`: written last; a folder without it is an interrupted save and is never resumed from.
 
@@ -34,6 +36,11 @@ from torch.distributed.checkpoint.state_dict import (
 
 from moecore.config import ConfigError
 from moecore.parallel.sharding import wrap_for_checkpoint
+
+
+def _sharded(optimizer) -> bool:
+    """A distributed optimizer (moecore.parallel.distributed_optimizer) saves its shards per rank."""
+    return hasattr(optimizer, "layout_signature")
 
 
 def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -96,11 +103,16 @@ def save_training_state(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True, exist_ok=True)
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
-    # Sharded (TP / EP) tensors are saved as chunks of their global tensors: layout-free files.
-    model_sd, optim_sd = wrap_for_checkpoint(model, model_sd, optim_sd)
-    with _quiet_single_process():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    if _sharded(optimizer):
+        # The model stays layout-free; each rank's AdamW shard goes to its own file.
+        dcp.save({"model": wrap_for_checkpoint(model, get_model_state_dict(model))[0]}, checkpoint_id=str(tmp))
+        torch.save(optimizer.state_dict(), tmp / f"optim-rank-{_rank()}.pt")
+    else:
+        model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
+        # Sharded (TP / EP) tensors are saved as chunks of their global tensors: layout-free files.
+        model_sd, optim_sd = wrap_for_checkpoint(model, model_sd, optim_sd)
+        with _quiet_single_process():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     torch.save({**extra, "rng": rng_state()}, tmp / f"rank-{_rank()}.pt")
     _barrier()
     if _rank() == 0:
@@ -125,11 +137,25 @@ def _check_folder(path: Path) -> Path:
 def load_training_state(path: Path, model: torch.nn.Module, optimizer) -> dict:
     """Load model + optimizer from `path`, restore RNG; returns this rank's extra state."""
     path = _check_folder(path)
-    model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
-    with _quiet_single_process():
-        dcp.load(dict(zip(("model", "optim"), wrap_for_checkpoint(model, model_sd, optim_sd))), checkpoint_id=str(path))
-    state = {"model": model_sd, "optim": optim_sd}  # the wrapped shards were loaded in place
-    set_state_dict(model, _optimizers(optimizer), model_state_dict=state["model"], optim_state_dict=state["optim"])
+    has_shards = (path / "optim-rank-0.pt").exists()
+    if _sharded(optimizer) or has_shards:
+        optim_file = path / f"optim-rank-{_rank()}.pt"
+        if not (_sharded(optimizer) and optim_file.exists()):
+            mine, saved = str(_sharded(optimizer)).lower(), str(has_shards).lower()
+            why = "by fewer ranks" if mine == saved else f"with parallel.distributed_optimizer={saved}"
+            raise ConfigError(
+                f"parallel.distributed_optimizer={mine} cannot resume {str(path)!r}: its optimizer state was saved "
+                f"{why}; resume with the setting and layout it was saved under (or load its weights: checkpoint.load)"
+            )
+        load_model_weights(path, model)
+        optimizer.load_state_dict(torch.load(optim_file, weights_only=False))
+    else:
+        model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
+        with _quiet_single_process():
+            wrapped = wrap_for_checkpoint(model, model_sd, optim_sd)
+            dcp.load(dict(zip(("model", "optim"), wrapped)), checkpoint_id=str(path))
+        state = {"model": model_sd, "optim": optim_sd}  # the wrapped shards were loaded in place
+        set_state_dict(model, _optimizers(optimizer), model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank_file = path / f"rank-{_rank()}.pt"
     if not rank_file.exists():
         rank_file = path / "rank-0.pt"

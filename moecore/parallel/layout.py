@@ -18,9 +18,16 @@ def check_layout(cfg: Config) -> None:
         raise ConfigError(f"parallel.pp={p.pp} is not supported yet: pipeline parallel is not implemented; use 1")
     if p.cp > 1:
         raise ConfigError(f"parallel.cp={p.cp} is not supported yet: context parallel is not implemented; use 1")
-    for name in ("distributed_optimizer", "fsdp"):
-        if getattr(p, name):
-            raise ConfigError(f"parallel.{name}=True is not supported yet; use false")
+    if p.fsdp:
+        raise ConfigError("parallel.fsdp=True is not supported yet; use false")
+    if p.distributed_optimizer and cfg.optim.name != "adamw":
+        raise ConfigError(
+            f"optim.name={cfg.optim.name!r} is not supported with parallel.distributed_optimizer=true; use adamw"
+        )
+    if p.distributed_optimizer and cfg.train.precision == "fp16":
+        raise ConfigError(
+            "train.precision='fp16' is not supported with parallel.distributed_optimizer=true; use bf16 or fp32"
+        )
     if (p.ep > 1 or p.etp > 1) and not e.num_experts:
         raise ConfigError(f"parallel.ep={p.ep}, parallel.etp={p.etp} need MoE layers (moe.num_experts > 0); use 1")
     if e.num_experts and e.num_experts % p.ep:

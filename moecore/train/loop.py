@@ -123,7 +123,7 @@ class Trainer:
         with torch.device(self.rt.device):
             self.model = MoETransformer(cfg, self.rt.dims)
         self.model = self.rt.wrap_model(self.model)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.optimizer = self.rt.wrap_optimizer(self.model, build_optimizer(self.model, cfg.optim), cfg)
         self.rt.attach_optimizer(self.optimizer)
         self.step = 0
         t = cfg.train

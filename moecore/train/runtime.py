@@ -81,6 +81,14 @@ class Runtime:
             return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
 
+    def wrap_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Config):
+        """The distributed optimizer (AdamW state sharded over data parallel) when asked for and world > 1."""
+        if not cfg.parallel.distributed_optimizer or self.world_size == 1:
+            return optimizer
+        from moecore.parallel.distributed_optimizer import DistributedOptimizer
+
+        return DistributedOptimizer(model, optimizer, self.dims)
+
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer
 
