@@ -159,16 +159,18 @@ class Trainer:
         stats_per_mb = []
         self.optimizer.zero_grad(set_to_none=True)
         for i, b in enumerate(batches):
-            with rt.grad_sync_context(model, last=i == len(batches) - 1), autocast_context(rt):
-                out = model(b["input_ids"], labels=b["labels"], loss_mask=b["loss_mask"])
-                # Data-parallel gradient reduction averages over dp ranks, hence the factor dp_size:
-                # sum over ranks of (dp * grad_r / dp) == gradient of the global-batch objective.
-                objective = out.lm_loss_sum / global_tokens.to(out.lm_loss_sum.dtype) * rt.dp_size
-                if out.aux_loss is not None:
-                    objective = objective + out.aux_loss * (rt.dp_size / n_mb_global)
-                if out.mtp_loss is not None:
-                    objective = objective + out.mtp_loss * (rt.dp_size / n_mb_global)
-            rt.backward(objective)
+            # Only the last micro-batch's backward reduces gradients over the data-parallel ranks.
+            with rt.grad_sync_context(model, last=i == len(batches) - 1):
+                with autocast_context(rt):
+                    out = model(b["input_ids"], labels=b["labels"], loss_mask=b["loss_mask"])
+                    # Data-parallel gradient reduction averages over dp ranks, hence the factor dp_size:
+                    # sum over ranks of (dp * grad_r / dp) == gradient of the global-batch objective.
+                    objective = out.lm_loss_sum / global_tokens.to(out.lm_loss_sum.dtype) * rt.dp_size
+                    if out.aux_loss is not None:
+                        objective = objective + out.aux_loss * (rt.dp_size / n_mb_global)
+                    if out.mtp_loss is not None:
+                        objective = objective + out.mtp_loss * (rt.dp_size / n_mb_global)
+                rt.backward(objective)
             lm_sum += out.lm_loss_sum.detach().double()
             if out.mtp_loss is not None:
                 mtp_sum += out.mtp_loss.detach().double()
