@@ -64,3 +64,21 @@ def test_torchrun_resumes_one_process_checkpoint_with_expert_parallel(tmp_path):
     assert abs(got[0]["grad_norm"] - ref[1]["grad_norm"]) <= 1e-5 * abs(ref[1]["grad_norm"])
     assert got[0]["moe/layer_1/tokens_per_expert"] == ref[1]["moe/layer_1/tokens_per_expert"]
     assert (b / "checkpoints" / "step-2" / "complete").exists()
+
+
+def test_torchrun_data_parallel_with_gradient_accumulation_equals_one_process(tmp_path):
+    """dp2 with two micro-batches per rank: the deferred gradient reduction must see every micro-batch once."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    accum = [*COMMON, "train.steps=3", "train.global_batch_size=8", "checkpoint.interval=0"]
+    _run([sys.executable, "-m", "moecore", "train", *accum, f"train.run_dir={a}"])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moecore", "train"]
+    _run([*torchrun, *accum, f"train.run_dir={b}"])
+    ref, got = _metrics(a), _metrics(b)
+    assert [m["step"] for m in got] == [1, 2, 3]
+    for r, g in zip(ref, got):
+        assert abs(g["loss"] - r["loss"]) <= 1e-5 * abs(r["loss"]), (r["step"], r["loss"], g["loss"])
+        assert abs(g["grad_norm"] - r["grad_norm"]) <= 1e-5 * abs(r["grad_norm"]), (
+            r["step"],
+            r["grad_norm"],
+            g["grad_norm"],
+        )
