@@ -232,12 +232,15 @@ class MoELayer(nn.Module):
                 return self._global_counts_used.pop(0)
             return counts_E
         counts = counts_E.float()
-        if "global_aux_loss" in self.coeffs:
+        micro_batches = 1  # how many micro-batches `counts` covers
+        if "global_aux_loss" in self.coeffs and self.dims is not None:
             # only communicate when the loss is in the objective; counts_E are the whole micro-batch's
-            # (the same on every TP rank), so they are summed over the data-parallel replicas only
-            counts = self.dims.all_reduce_dp(counts) if self.dims is not None else counts
+            # (the same on every TP rank), so they are summed over the data-parallel replicas only, and
+            # the average below divides by every replica's micro-batch
+            counts = self.dims.all_reduce_dp(counts)
+            micro_batches = self.dims.dp_cp_group.size
         self.global_tokens_per_expert += counts
-        self.global_steps += 1
+        self.global_steps += micro_batches
         avg = (self.global_tokens_per_expert / self.global_steps).to(counts_E.dtype)
         if "global_aux_loss" in self.coeffs:
             self._global_counts_used.append(avg)
