@@ -82,3 +82,21 @@ def test_torchrun_data_parallel_with_gradient_accumulation_equals_one_process(tm
             r["grad_norm"],
             g["grad_norm"],
         )
+
+
+def test_torchrun_global_aux_loss_with_one_micro_batch_per_replica_equals_one_process(tmp_path):
+    """global_aux_loss with the global batch in one micro-batch (1 process) or split over 2 replicas: equal."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    # (the per-micro-batch aux_loss is a product of averages, so it depends on the split: left out here)
+    loss = ["moe.router_load_balancing_type=global_aux_loss", "moe.aux_loss_coeff=1.0"]
+    run = [*COMMON, *loss, "train.steps=3", "train.global_batch_size=8", "checkpoint.interval=0"]
+    _run([sys.executable, "-m", "moecore", "train", *run, "train.micro_batch_size=8", f"train.run_dir={a}"])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moecore", "train"]
+    _run([*torchrun, *run, "train.micro_batch_size=4", f"train.run_dir={b}"])
+    for r, g in zip(_metrics(a), _metrics(b)):
+        assert abs(g["moe/layer_1/global_aux_loss"] / r["moe/layer_1/global_aux_loss"] - 1) <= 1e-5
+        assert abs(g["grad_norm"] - r["grad_norm"]) <= 1e-5 * abs(r["grad_norm"]), (
+            r["step"],
+            r["grad_norm"],
+            g["grad_norm"],
+        )
