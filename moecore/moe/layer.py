@@ -273,18 +273,8 @@ class MoELayer(nn.Module):
 
     # ------------------------------------------------------------------ once per optimizer step
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum counts over the data-parallel (and context/tensor-parallel) ranks; identity on one process."""
-        if self.dims is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
-            return t
-        if torch.distributed.get_world_size() == 1:
-            return t
-        reduce = getattr(self.dims, "all_reduce_moe_counts", None)
-        if reduce is None:
-            raise NotImplementedError(
-                "expert bias / global_aux_loss with several ranks needs ParallelDims.all_reduce_moe_counts "
-                "(sum over the dp x cp x tp ranks)"
-            )
-        return reduce(t)
+        """Sum counts over every rank that routes distinct tokens (dp x cp x tp); identity on one process."""
+        return t if self.dims is None else self.dims.all_reduce_moe_counts(t)
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:
