@@ -1,0 +1,118 @@
+"""Fused router: the reference against the router and losses it replaces, the kernel against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moecore.kernels.router import RouterSpec, fused_router, fused_router_reference, router_linear
+from moecore.moe import losses
+from moecore.moe.router import scores_for_balancing, topk_routing
+from tests.kernels.conftest import rel_err, setup
+
+SPECS = {
+    "softmax_renorm": RouterSpec(topk=4, need_sums=True, need_z=True),
+    "softmax_no_renorm_scaled": RouterSpec(topk=3, norm_topk_prob=False, scaling_factor=2.5, need_sums=True),
+    "softmax_after_topk": RouterSpec(topk=2, pre_softmax=False, need_z=True),
+    "sigmoid_bias": RouterSpec(topk=4, score_function="sigmoid", scaling_factor=2.5, need_sums=True, need_z=True),
+    "sigmoid_no_renorm": RouterSpec(topk=2, score_function="sigmoid", norm_topk_prob=False),
+}
+
+
+def _inputs(T, E, dtype=torch.float64, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g, dtype=torch.float64) * 2
+    bias = torch.randn(E, generator=g, dtype=torch.float64) * 0.1
+    valid = torch.rand(T, generator=g) > 0.25
+    return logits.to(device, dtype), bias.to(device, torch.float32), valid.to(device)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_reference_matches_router_and_losses(name):
+    spec = SPECS[name]
+    T, E, B = 24, 10, 3
+    logits, bias, valid = _inputs(T, E)
+    bias = bias if name == "sigmoid_bias" else None
+    out = fused_router_reference(logits, spec, bias, valid, segment=T // B)
+    w, idx = topk_routing(
+        logits, spec.topk, spec.score_function, spec.pre_softmax, spec.norm_topk_prob, spec.scaling_factor,
+        expert_bias_E=bias,
+    )  # fmt: skip
+    assert torch.equal(out.idx_TK.sort(1).values, idx.sort(1).values)
+    order = out.idx_TK.argsort(1)
+    assert torch.allclose(out.weight_TK.gather(1, order), w.gather(1, idx.argsort(1)), rtol=1e-12)
+    hot = torch.zeros(T, E, dtype=torch.float64).scatter_(1, idx, 1.0) * valid[:, None]
+    assert torch.equal(out.counts_GE, hot.view(B, -1, E).sum(1).float())
+    bal = scores_for_balancing(logits, spec.score_function) * valid[:, None]
+    assert torch.allclose(out.psum_GE, bal.view(B, -1, E).sum(1))
+    plain_counts = losses.topk_counts(bal, spec.topk, valid)
+    assert torch.equal(out.aux_counts_GE.sum(0).double(), plain_counts)
+    z_mean = losses.z_loss(logits, valid)
+    assert torch.allclose(out.zsum_G.sum() / valid.sum(), z_mean)
+
+
+def _loss(out, gw, gp, gz):
+    return (out.weight_TK * gw).sum() + (out.psum_GE * gp).sum() + (out.zsum_G * gz).sum()
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("T, E, segments", [(64, 16, 1), (48, 20, 4), (37, 8, 1)])
+def test_kernel_matches_reference(backend, name, T, E, segments):
+    dev, _ = setup(backend)
+    spec = SPECS[name]
+    logits, bias, valid = _inputs(T, E, torch.float32, dev, seed=T + E)
+    bias = bias if name == "sigmoid_bias" else None
+    seg = T // segments
+    g = torch.Generator().manual_seed(7)
+    gw = torch.randn(T, spec.topk, generator=g).to(dev)
+    gp = torch.randn(segments, E, generator=g).to(dev)
+    gz = torch.randn(segments, generator=g).to(dev)
+
+    lr = logits.double().requires_grad_()
+    ref = fused_router_reference(lr, spec, bias, valid, seg)
+    _loss(ref, gw.double(), gp.double(), gz.double()).backward()
+    lk = logits.clone().requires_grad_()
+    out = fused_router(lk, spec, bias, valid, seg, impl="triton")
+    _loss(out, gw, gp, gz).backward()
+
+    # slots come in descending selection order from the kernel; compare per expert id
+    assert torch.equal(out.idx_TK.sort(1).values, ref.idx_TK.sort(1).values)
+    wk = out.weight_TK.gather(1, out.idx_TK.argsort(1))
+    wr = ref.weight_TK.gather(1, ref.idx_TK.argsort(1))
+    assert rel_err(wk, wr) < 1e-5
+    assert torch.equal(out.counts_GE.cpu(), ref.counts_GE.cpu())
+    assert torch.equal(out.aux_counts_GE.cpu(), ref.aux_counts_GE.cpu())
+    if spec.need_sums:
+        assert rel_err(out.psum_GE, ref.psum_GE) < 1e-5
+    if spec.need_z:
+        assert rel_err(out.zsum_G, ref.zsum_G) < 1e-5
+    # the reference's gradient also flows through unneeded sums; drop them the same way
+    if not spec.need_sums or not spec.need_z:
+        lr.grad = None
+        ref = fused_router_reference(lr, spec, bias, valid, seg)
+        gp_r = gp.double() if spec.need_sums else torch.zeros_like(gp.double())
+        gz_r = gz.double() if spec.need_z else torch.zeros_like(gz.double())
+        _loss(ref, gw.double(), gp_r, gz_r).backward()
+    assert rel_err(lk.grad, lr.grad) < 1e-5
+
+
+def test_segment_must_divide_tokens():
+    with pytest.raises(ValueError, match="segment=5"):
+        fused_router(torch.randn(12, 4), RouterSpec(topk=2), segment=5)
+
+
+def test_router_linear_equals_autograd_through_casts():
+    torch.manual_seed(0)
+    x = torch.randn(9, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(6, 16, requires_grad=True)
+    gl = torch.randn(9, 6)
+    out = router_linear(x, w, torch.float32)
+    out.backward(gl)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = torch.nn.functional.linear(x2.float(), w2.float())
+    ref.backward(gl)
+    assert out.dtype == torch.float32 and torch.equal(out, ref)
+    assert torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)
+    # autocast does not lower the router's precision
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert router_linear(x, w, torch.float32).dtype == torch.float32
