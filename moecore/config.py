@@ -197,6 +197,7 @@ class MoEConfig:
     router_enable_expert_bias: bool = False  # aux-loss-free balancing bias, used for selection only
     router_bias_update_rate: float = 1e-3
     router_dtype: str = "fp32"  # fp32 | fp64
+    router_fusion: bool = True  # one Triton kernel for scores, top-k, weights and loss sums (CUDA; see docs/moe.md)
     input_jitter_eps: float | None = None
     router_load_balancing_type: Any = "aux_loss"  # aux_loss | seq_aux_loss | global_aux_loss | none, or a list
     aux_loss_coeff: Any = 1e-2  # one float, or a list with one coefficient per balancing type

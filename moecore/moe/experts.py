@@ -172,6 +172,7 @@ class GroupedExperts(nn.Module):
         self.activation = activation
         self.grouped_gemm = grouped_gemm
         self.recompute_act = False
+        self.gemm_plan = None  # GemmPlan for the fused expert FFN; None: default_plan per shape (benchmarks)
         rows = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         self.w13 = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
@@ -186,7 +187,8 @@ class GroupedExperts(nn.Module):
     ) -> torch.Tensor:
         if self.activation == "swiglu" and fused_expert_ffn_available(x_NH) and self.uses_grouped_mm(x_NH):
             # Fused expert FFN (moecore/kernels/grouped_ffn.py): GEMM per shape, fused SwiGLU * probs.
-            return expert_ffn(x_NH, self.w13, self.w2, tokens_per_expert.to(x_NH.device), probs_N)
+            counts = tokens_per_expert.to(x_NH.device)
+            return expert_ffn(x_NH, self.w13, self.w2, counts, probs_N, plan=self.gemm_plan)
         if self.uses_grouped_mm(x_NH):
             return experts_grouped_mm(
                 x_NH, tokens_per_expert, self.w13, self.w2, self.activation, probs_N, self.recompute_act

@@ -32,6 +32,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moecore.config import MoEConfig
+from moecore.kernels._triton import use_triton
+from moecore.kernels.router import FusedRouting
 from moecore.moe import losses
 from moecore.moe.dispatch import build_dispatcher
 from moecore.moe.experts import GroupedExperts
@@ -118,6 +120,9 @@ class MoELayer(nn.Module):
         self.register_buffer("global_steps", torch.zeros(()), persistent=False)
         # Averaged counts used by each forward this step, replayed when a checkpointed layer recomputes.
         self._global_counts_used: list[torch.Tensor] = []
+        # "auto": the fused router where its kernel launches; "torch" / "triton" force the fused path with
+        # that implementation (tests: the reference on CPU, the Triton interpreter).
+        self.fused_router_impl = "auto"
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, MoELayerAux]:
@@ -129,12 +134,20 @@ class MoELayer(nn.Module):
 
         # 1. route (the balancing losses see the whole micro-batch, also under tensor parallel)
         with nvtx_range("moe/route"):
-            r = self.router(x_TH)
+            routed_counts_E = None  # this rank's routed counts when the fused router summed them
+            if self._use_fused_router(x_TH):
+                need_sums, need_z = bool(self.coeffs), bool(self.cfg.z_loss_coeff)
+                segment = S if "seq_aux_loss" in self.coeffs else B * S
+                r, sums = self.router.forward_fused(x_TH, valid_T, segment, need_sums, need_z, self.fused_router_impl)
+                loss, stats = self._routing_losses_from_sums(sums)
+                routed_counts_E = sums.counts_GE.sum(0)
+            else:
+                r = self.router(x_TH)
+                loss_logits, loss_valid, loss_S = ep_util.router_logits_for_losses(
+                    r.logits_TE, B, full_loss_mask, self.dims
+                )
+                loss, stats = self._routing_losses(loss_logits, loss_valid, B, loss_S)
             idx_TK, weight_TK = r.topk_idx_TK, r.topk_weight_TK
-            loss_logits, loss_valid, loss_S = ep_util.router_logits_for_losses(
-                r.logits_TE, B, full_loss_mask, self.dims
-            )
-            loss, stats = self._routing_losses(loss_logits, loss_valid, B, loss_S)
 
         # 2. capacity (optional): which assignments fit
         keep_TK, pad = None, None
@@ -159,8 +172,19 @@ class MoELayer(nn.Module):
             with nvtx_range("moe/shared_experts"):
                 y_TH = y_TH + self._shared_expert_output(x_TH)
 
-        stats.update(self._load_stats(idx_TK, keep_TK, valid_T, count=self._counting()))
+        if keep_TK is not None:
+            routed_counts_E = None  # capacity drops: count what was kept
+        stats.update(self._load_stats(idx_TK, keep_TK, valid_T, count=self._counting(), tpe=routed_counts_E))
         return ep_util.moe_tokens_exit(y_TH.view(B, S, H), self.dims), MoELayerAux(loss=loss, stats=stats)
+
+    def _use_fused_router(self, x_TH: torch.Tensor) -> bool:
+        """The fused router kernel where it launches (CUDA + triton) and covers the options; every rank
+        routes the whole micro-batch's losses itself (no tensor-parallel token split)."""
+        if not self.router.fusable() or ep_util.splits_tokens_over_tp(self.dims):
+            return False
+        if self.fused_router_impl != "auto":
+            return True
+        return use_triton("auto", x_TH) and self.router.router_dtype == torch.float32
 
     def _shared_expert_output(self, x_TH: torch.Tensor) -> torch.Tensor:
         """The shared experts' output, sigmoid-gated when moe.shared_expert_gate (Qwen2-MoE)."""
@@ -210,12 +234,37 @@ class MoELayer(nn.Module):
             )
         if self.cfg.z_loss_coeff:
             values["z_loss"] = losses.z_loss(logits_TE, valid_T)
+        return self._weighted_total(values), {k: v.detach().float() for k, v in values.items()}
+
+    def _routing_losses_from_sums(self, sums: FusedRouting) -> tuple[torch.Tensor, dict]:
+        """`_routing_losses` from the fused router's per-segment sums (the same losses and values)."""
+        K = self.topk
+        total = sums.psum_GE.new_zeros(())
+        if not self.coeffs and not self.cfg.z_loss_coeff:
+            return total.float(), {}
+        tokens_G = sums.counts_GE.sum(1) / K  # every valid token routes to exactly K experts
+        num_tokens = tokens_G.sum().to(sums.psum_GE.dtype)
+        psum_E, aux_counts_E = sums.psum_GE.sum(0), sums.aux_counts_GE.sum(0).to(sums.psum_GE.dtype)
+        values: dict[str, torch.Tensor] = {}
+        if "aux_loss" in self.coeffs:
+            values["aux_loss"] = losses.aux_loss_from_sums(psum_E, aux_counts_E, num_tokens, K)
+        if "global_aux_loss" in self.coeffs:
+            global_counts = self._global_counts(aux_counts_E, self.training and torch.is_grad_enabled())
+            values["global_aux_loss"] = losses.aux_loss_from_sums(psum_E, global_counts, num_tokens, K)
+        if "seq_aux_loss" in self.coeffs:
+            values["seq_aux_loss"] = losses.sequence_aux_loss_from_sums(sums.psum_GE, sums.aux_counts_GE, tokens_G, K)
+        if self.cfg.z_loss_coeff:
+            values["z_loss"] = sums.zsum_G.sum() / num_tokens.clamp(min=1.0)
+        return self._weighted_total(values), {k: v.detach().float() for k, v in values.items()}
+
+    def _weighted_total(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """sum of coefficient * loss over the enabled routing losses (fp32 scalar)."""
+        total = next(iter(values.values())).new_zeros(())
         for name, coeff in self.coeffs.items():
             total = total + coeff * values[name]
         if self.cfg.z_loss_coeff:
             total = total + self.cfg.z_loss_coeff * values["z_loss"]
-        stats = {k: v.detach().float() for k, v in values.items()}
-        return total.float(), stats
+        return total.float()
 
     @torch.no_grad()
     def _global_counts(self, counts_E: torch.Tensor, training: bool) -> torch.Tensor:
@@ -248,16 +297,28 @@ class MoELayer(nn.Module):
 
     @torch.no_grad()
     def _load_stats(
-        self, idx_TK: torch.Tensor, keep_TK: torch.Tensor | None, valid_T: torch.Tensor | None, count: bool
+        self,
+        idx_TK: torch.Tensor,
+        keep_TK: torch.Tensor | None,
+        valid_T: torch.Tensor | None,
+        count: bool,
+        tpe: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        """tokens_per_expert / imbalance / dropped_fraction; `count`: add the counts to the expert-bias tally."""
-        w = torch.ones(idx_TK.shape, dtype=torch.float32, device=idx_TK.device)
-        if valid_T is not None:
-            w = w * valid_T.float().unsqueeze(-1)
-        assigned = w.sum()
-        if keep_TK is not None:
-            w = w * keep_TK.float()
-        tpe = torch.zeros(self.num_experts, device=idx_TK.device).scatter_add_(0, idx_TK.reshape(-1), w.reshape(-1))
+        """tokens_per_expert / imbalance / dropped_fraction; `count`: add the counts to the expert-bias tally.
+
+        `tpe`: this rank's routed counts of valid tokens when already known (the fused router; no drops).
+        """
+        if tpe is not None:
+            assigned = tpe.sum()
+        else:
+            w = torch.ones(idx_TK.shape, dtype=torch.float32, device=idx_TK.device)
+            if valid_T is not None:
+                w = w * valid_T.float().unsqueeze(-1)
+            assigned = w.sum()
+            if keep_TK is not None:
+                w = w * keep_TK.float()
+            tpe = torch.zeros(self.num_experts, device=idx_TK.device)
+            tpe = tpe.scatter_add_(0, idx_TK.reshape(-1), w.reshape(-1))
         if count:
             self.router.accumulate_tokens_per_expert(tpe)
         # statistics of the whole micro-batch (this rank routed one sequence chunk under tensor parallel)

@@ -52,13 +52,20 @@ def topk_counts(scores_TE: torch.Tensor, topk: int, valid_T: torch.Tensor | None
         )
 
 
+def aux_loss_from_sums(
+    psum_E: torch.Tensor, counts_E: torch.Tensor, num_tokens: torch.Tensor | float, topk: int
+) -> torch.Tensor:
+    """E / (K T^2) * sum_i P_i * c_i from the per-expert sums P_i = sum_t p_{t,i} (valid tokens) and counts c_i."""
+    E = psum_E.shape[-1]
+    T = torch.as_tensor(num_tokens, dtype=psum_E.dtype, device=psum_E.device).clamp(min=1.0)
+    return (psum_E * counts_E.to(psum_E.dtype)).sum() * E / (topk * T * T)
+
+
 def switch_aux_loss(
     scores_TE: torch.Tensor, counts_E: torch.Tensor, num_tokens: torch.Tensor | float, topk: int
 ) -> torch.Tensor:
     """E / (K T^2) * sum_i (sum_t p_{t,i}) * c_i; rows of padding tokens in `scores_TE` must be zero."""
-    E = scores_TE.shape[-1]
-    T = torch.as_tensor(num_tokens, dtype=scores_TE.dtype, device=scores_TE.device).clamp(min=1.0)
-    return (scores_TE.sum(dim=0) * counts_E.to(scores_TE.dtype)).sum() * E / (topk * T * T)
+    return aux_loss_from_sums(scores_TE.sum(dim=0), counts_E, num_tokens, topk)
 
 
 def sequence_aux_loss(scores_BSE: torch.Tensor, topk: int, valid_BS: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,8 +79,17 @@ def sequence_aux_loss(scores_BSE: torch.Tensor, topk: int, valid_BS: torch.Tenso
         counts_BE = torch.zeros(B, E, dtype=scores_BSE.dtype, device=scores_BSE.device)
         counts_BE.scatter_add_(1, idx.reshape(B, -1), w.reshape(B, -1))
         tokens_B = w[..., 0].sum(dim=1)
-        has_tokens_B = tokens_B > 0
-    per_seq = (scores_BSE.sum(dim=1) * counts_BE).sum(dim=1) * E / (topk * tokens_B.clamp(min=1.0) ** 2)
+    return sequence_aux_loss_from_sums(scores_BSE.sum(dim=1), counts_BE, tokens_B, topk)
+
+
+def sequence_aux_loss_from_sums(
+    psum_BE: torch.Tensor, counts_BE: torch.Tensor, tokens_B: torch.Tensor, topk: int
+) -> torch.Tensor:
+    """Mean over the sequences with valid tokens of E / (K T_b^2) * sum_i P_{b,i} c_{b,i} (per-sequence sums)."""
+    E = psum_BE.shape[-1]
+    tokens_B = tokens_B.to(psum_BE.dtype)
+    has_tokens_B = tokens_B > 0
+    per_seq = (psum_BE * counts_BE.to(psum_BE.dtype)).sum(dim=1) * E / (topk * tokens_B.clamp(min=1.0) ** 2)
     n_seq = has_tokens_B.sum().clamp(min=1)
     return (per_seq * has_tokens_B).sum() / n_seq
 

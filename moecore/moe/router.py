@@ -34,10 +34,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moecore.config import MoEConfig
+from moecore.kernels.router import FusedRouting, RouterSpec, fused_router, router_linear
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -187,14 +187,18 @@ class TopKRouter(nn.Module):
             self._buffers["expert_bias"] = bias.to(device=self._buffers["expert_bias"].device, dtype=torch.float32)
         return out
 
+    def router_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """Step 1: logits [T, E] in `moe.router_dtype`, also under autocast (with input jitter when training)."""
+        x = x_TH
+        eps = self.cfg.input_jitter_eps
+        if self.training and eps:
+            # Switch Transformer input jitter: multiply the router input by U(1 - eps, 1 + eps).
+            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+        return router_linear(x, self.weight, self.router_dtype)
+
     def forward(self, x_TH: torch.Tensor) -> RouterOutput:
         cfg = self.cfg
-        x = x_TH
-        if self.training and cfg.input_jitter_eps:
-            # Switch Transformer input jitter: multiply the router input by U(1 - eps, 1 + eps).
-            eps = cfg.input_jitter_eps
-            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
-        logits_TE = F.linear(x.to(self.router_dtype), self.weight.to(self.router_dtype))
+        logits_TE = self.router_logits(x_TH)
         forced = self.replay.replayed(self.replay_key, logits_TE.shape[0]) if self.replay is not None else None
         weight_TK, idx_TK = topk_routing(
             logits_TE,
@@ -212,6 +216,40 @@ class TopKRouter(nn.Module):
         if self.replay is not None:
             self.replay.recorded(self.replay_key, idx_TK)
         return RouterOutput(logits_TE=logits_TE, topk_idx_TK=idx_TK, topk_weight_TK=weight_TK)
+
+    def fusable(self) -> bool:
+        """Whether the fused kernel (moecore/kernels/router.py) covers this router's options: fp32 logits,
+        no group-limited routing, no router replay, and `moe.router_fusion` on."""
+        cfg = self.cfg
+        grouped = bool(cfg.router_num_groups and cfg.router_num_groups > 1 and cfg.router_group_topk)
+        return cfg.router_fusion and self.router_dtype == torch.float32 and self.replay is None and not grouped
+
+    def forward_fused(
+        self,
+        x_TH: torch.Tensor,
+        valid_T: torch.Tensor | None,
+        segment: int,
+        need_sums: bool,
+        need_z: bool,
+        impl: str = "auto",
+    ) -> tuple[RouterOutput, FusedRouting]:
+        """Route and sum the balancing statistics per `segment` tokens in one kernel (call when `fusable()`).
+
+        Same experts and weights as `forward`; see moecore/kernels/router.py for the sums.
+        """
+        cfg = self.cfg
+        logits_TE = self.router_logits(x_TH)
+        spec = RouterSpec(
+            topk=self.topk,
+            score_function=cfg.router_score_function,
+            pre_softmax=cfg.router_pre_softmax,
+            norm_topk_prob=cfg.norm_topk_prob,
+            scaling_factor=cfg.router_topk_scaling_factor,
+            need_sums=need_sums,
+            need_z=need_z,
+        )
+        out = fused_router(logits_TE, spec, self.expert_bias, valid_T, segment, impl=impl)
+        return RouterOutput(logits_TE=logits_TE, topk_idx_TK=out.idx_TK, topk_weight_TK=out.weight_TK), out
 
     @torch.no_grad()
     def accumulate_tokens_per_expert(self, counts_E: torch.Tensor) -> None:

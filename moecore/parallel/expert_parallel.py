@@ -271,6 +271,11 @@ def moe_tokens_exit(y: torch.Tensor, dims: ParallelDims | None) -> torch.Tensor:
     return comm.gather_from_region(y, tp, dim=1)
 
 
+def splits_tokens_over_tp(dims: ParallelDims | None) -> bool:
+    """True when tensor parallelism splits an MoE layer's tokens over ranks (tp > 1)."""
+    return _tp(dims) is not None
+
+
 def router_logits_for_losses(
     logits_TE: torch.Tensor, batch: int, full_loss_mask: torch.Tensor | None, dims: ParallelDims | None
 ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
