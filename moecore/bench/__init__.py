@@ -26,6 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None, help="train: decoder layers (default 8)")
     p.add_argument("--seq", type=int, default=None, help="train: sequence length (default 4096)")
     p.add_argument("--no-eager", action="store_true", help="moe-layer: skip transformers' eager experts")
+    p.add_argument(
+        "--variants",
+        default="moecore",
+        help="moe-layer: comma-separated moecore variants to time: moecore, moecore-unfused-router, moecore-all-grouped",
+    )
     p.add_argument("--phases", action="store_true", help="moe-layer: add a GPU-time breakdown by phase (profiler)")
     return p
 
@@ -51,8 +56,24 @@ def main(argv: list[str] | None = None) -> int:
                 f"moecore bench: error: --shapes {bad[0]!r} is unknown; allowed: {', '.join(SHAPES)}", file=sys.stderr
             )
             return 2
+        from moecore.bench.moe_layer import VARIANTS
+
+        variants = tuple(args.variants.split(","))
+        bad = [v for v in variants if v not in VARIANTS]
+        if bad:
+            print(
+                f"moecore bench: error: --variants {bad[0]!r} is unknown; allowed: {', '.join(VARIANTS)}",
+                file=sys.stderr,
+            )
+            return 2
         records = run(
-            shapes, args.compare == "hf", args.warmup, args.iters, eager=not args.no_eager, phases=args.phases
+            shapes,
+            args.compare == "hf",
+            args.warmup,
+            args.iters,
+            eager=not args.no_eager,
+            phases=args.phases,
+            variants=variants,
         )
     else:
         from moecore.bench.train import run

@@ -43,8 +43,16 @@ def _hf_block(h: int, f: int, e: int, k: int, impl: str):
     return Qwen3MoeSparseMoeBlock(cfg)
 
 
-def _moecore_layer(h: int, f: int, e: int, k: int):
+VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore")
+    "moecore": "fused router, GEMM plan per shape (default_plan)",
+    "moecore-unfused-router": "moe.router_fusion=false: routing through separate torch ops",
+    "moecore-all-grouped": "every expert GEMM through torch._grouped_mm (no host sync, one launch each)",
+}
+
+
+def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore"):
     from moecore.config import MoEConfig
+    from moecore.kernels.grouped_ffn import GemmPlan
     from moecore.moe.layer import MoELayer
 
     cfg = MoEConfig(
@@ -56,9 +64,13 @@ def _moecore_layer(h: int, f: int, e: int, k: int):
         router_load_balancing_type="none",  # transformers' block computes no balancing loss either
         aux_loss_coeff=0.0,
         apply_probs_on_input=True,  # weights inside the SwiGLU (Megatron-Core's fused weighted SwiGLU)
+        router_fusion=variant != "moecore-unfused-router",
     )
     cfg.validate()
-    return MoELayer(cfg, h)
+    layer = MoELayer(cfg, h)
+    if variant == "moecore-all-grouped":
+        layer.experts.gemm_plan = GemmPlan.uniform("grouped")
+    return layer
 
 
 def _copy_hf_to_moecore(hf_state: dict, layer) -> None:
@@ -138,7 +150,13 @@ def profile_phases(module, x: torch.Tensor, g: torch.Tensor, steps: int = 3) -> 
 
 
 def run_shape(
-    name: str, compare_hf: bool, warmup: int, iters: int, eager: bool = True, phases: bool = False
+    name: str,
+    compare_hf: bool,
+    warmup: int,
+    iters: int,
+    eager: bool = True,
+    phases: bool = False,
+    variants: tuple[str, ...] = ("moecore",),
 ) -> list[dict]:
     h, f, e, k, t = SHAPES[name]
     flops = moe_flops(h, f, e, k, t)
@@ -152,7 +170,7 @@ def run_shape(
         impls.append("transformers-grouped_mm")
         if eager and e <= 128:  # eager on DeepSeek-V3's 256 experts takes minutes; the reference run skipped it too
             impls.append("transformers-eager")
-    impls.append("moecore")
+    impls.extend(variants)
     for impl in impls:
         mod = None
         try:
@@ -160,7 +178,7 @@ def run_shape(
                 mod = (
                     _hf_block(h, f, e, k, impl.split("-", 1)[1])
                     if impl.startswith("transformers")
-                    else _moecore_layer(h, f, e, k)
+                    else _moecore_layer(h, f, e, k, impl)
                 )
             mod = mod.to(dt)
             state = _weights(h, f, e, dev, dt)
@@ -182,9 +200,15 @@ def run_shape(
 
 
 def run(
-    shapes: list[str], compare_hf: bool, warmup: int, iters: int, eager: bool = True, phases: bool = False
+    shapes: list[str],
+    compare_hf: bool,
+    warmup: int,
+    iters: int,
+    eager: bool = True,
+    phases: bool = False,
+    variants: tuple[str, ...] = ("moecore",),
 ) -> list[dict]:
     out = []
     for name in shapes:
-        out.extend(run_shape(name, compare_hf, warmup, iters, eager, phases))
+        out.extend(run_shape(name, compare_hf, warmup, iters, eager, phases, variants))
     return out
