@@ -29,9 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--variants",
         default="moecore",
-        help="moe-layer: comma-separated moecore variants to time: moecore, moecore-unfused-router, moecore-all-grouped",
+        help="comma-separated moecore variants to time: moecore, moecore-unfused-router (both benches), "
+        "moecore-all-grouped (moe-layer)",
     )
-    p.add_argument("--phases", action="store_true", help="moe-layer: add a GPU-time breakdown by phase (profiler)")
+    p.add_argument("--phases", action="store_true", help="add a GPU-time breakdown by phase (torch.profiler)")
     return p
 
 
@@ -41,31 +42,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.iters < 1 or args.warmup < 0:
         print("moecore bench: error: --iters must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
+    if args.what == "moe-layer":
+        from moecore.bench.moe_layer import SHAPES, VARIANTS
+    else:
+        from moecore.bench.train import VARIANTS
+
+        if args.shapes:
+            print("moecore bench: error: --shapes applies to moe-layer only (train has one shape)", file=sys.stderr)
+            return 2
+        SHAPES = {}
+    shapes = args.shapes.split(",") if args.shapes else list(SHAPES)
+    variants = tuple(args.variants.split(","))
+    for flag, given, allowed in (("--shapes", shapes, SHAPES), ("--variants", variants, VARIANTS)):
+        bad = [v for v in given if v not in allowed]
+        if bad:
+            print(f"moecore bench: error: {flag} {bad[0]!r} is unknown; allowed: {', '.join(allowed)}", file=sys.stderr)
+            return 2
     import torch
 
     if not torch.cuda.is_available():
         print("moecore bench: error: needs a CUDA GPU (none is visible)", file=sys.stderr)
         return 2
     if args.what == "moe-layer":
-        from moecore.bench.moe_layer import SHAPES, run
+        from moecore.bench.moe_layer import run
 
-        shapes = args.shapes.split(",") if args.shapes else list(SHAPES)
-        bad = [s for s in shapes if s not in SHAPES]
-        if bad:
-            print(
-                f"moecore bench: error: --shapes {bad[0]!r} is unknown; allowed: {', '.join(SHAPES)}", file=sys.stderr
-            )
-            return 2
-        from moecore.bench.moe_layer import VARIANTS
-
-        variants = tuple(args.variants.split(","))
-        bad = [v for v in variants if v not in VARIANTS]
-        if bad:
-            print(
-                f"moecore bench: error: --variants {bad[0]!r} is unknown; allowed: {', '.join(VARIANTS)}",
-                file=sys.stderr,
-            )
-            return 2
         records = run(
             shapes,
             args.compare == "hf",
@@ -78,7 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from moecore.bench.train import run
 
-        records = run(args.compare == "hf", args.warmup, args.iters, args.batch, args.layers, args.seq)
+        records = run(
+            args.compare == "hf",
+            args.warmup,
+            args.iters,
+            args.batch,
+            args.layers,
+            args.seq,
+            variants=variants,
+            phases=args.phases,
+        )
     print_table(records)
     if args.json:
         with open(args.json, "w") as f:

@@ -49,10 +49,44 @@ def record(shape: str, impl: str, ms: float | None, flops: float | None, peak_gb
         if flops:
             rec["tflops"] = round(flops / ms / 1e9, 1)
     if peak_gb is not None:
-        rec["peak_mem_gb"] = round(peak_gb, 2)
+        rec["peak_mem_gb"] = round(peak_gb, 3)
     rec.update(extra)
     rec.update(env())
     return rec
+
+
+def profile_gpu_ms(step: Callable[[], object], phases: tuple, steps: int = 3) -> dict:
+    """GPU milliseconds per call of `step`, summed by phase over the CUDA kernels (torch.profiler).
+
+    `phases`: ((phase, substrings of lower-cased kernel names), ...), first match wins; the rest is
+    "other". Adds "wall" (CUDA-event time per step) and "GPU idle" (wall minus the summed kernel time:
+    launch overhead and host syncs).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if not us:
+            continue
+        name = ev.key.lower()
+        phase = next((ph for ph, keys in phases if any(k in name for k in keys)), "other")
+        out[phase] = out.get(phase, 0.0) + us / 1e3 / steps
+    wall = start.elapsed_time(end) / steps
+    busy = sum(out.values())
+    out = {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+    out["wall"] = round(wall, 3)
+    out["GPU idle"] = round(max(wall - busy, 0.0), 3)
+    return out
 
 
 def print_table(records: list[dict]) -> None:

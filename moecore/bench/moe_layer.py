@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from moecore.bench.common import cuda_time_ms, record
+from moecore.bench.common import cuda_time_ms, profile_gpu_ms, record
 
 SHAPES = {  # hidden, expert ffn, experts, top-k, tokens
     "qwen3_30b_a3b": (2048, 768, 128, 8, 16384),
@@ -117,13 +117,13 @@ PHASES = (  # (phase, substrings of CUDA kernel names), first match wins
     ("expert GEMMs", ("gemm", "cutlass", "nvjet", "xmma", "sm90", "grouped")),
     ("SwiGLU", ("swiglu", "silu", "glu")),
     ("permute/unpermute", ("_gather", "index", "scatter")),
+    ("router", ("_router_", "softmax", "topk")),
     ("sort/count", ("sort", "bincount", "histc", "cumsum", "radix")),
 )
 
 
 def profile_phases(module, x: torch.Tensor, g: torch.Tensor, steps: int = 3) -> dict:
-    """GPU milliseconds per forward + backward, summed by phase over the CUDA kernels (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
+    """GPU milliseconds per forward + backward by phase (see `profile_gpu_ms`)."""
 
     def step():
         x.grad = None
@@ -132,21 +132,7 @@ def profile_phases(module, x: torch.Tensor, g: torch.Tensor, steps: int = 3) -> 
         out = module(x)
         (out[0] if isinstance(out, tuple) else out).backward(g)
 
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    phases: dict[str, float] = {}
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if not us:
-            continue
-        name = ev.key.lower()
-        phase = next((ph for ph, keys in PHASES if any(k in name for k in keys)), "other (router, elementwise, copies)")
-        phases[phase] = phases.get(phase, 0.0) + us / 1e3 / steps
-    return {k: round(v, 3) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])}
+    return profile_gpu_ms(step, PHASES, steps)
 
 
 def run_shape(

@@ -20,7 +20,7 @@ import json
 
 import torch
 
-from moecore.bench.common import cuda_time_ms, dense_bf16_tflops, record
+from moecore.bench.common import cuda_time_ms, dense_bf16_tflops, profile_gpu_ms, record
 
 H, HEADS, KV, HD, E, K, F, V = 2048, 32, 4, 128, 128, 8, 768, 151936
 
@@ -46,7 +46,28 @@ def _hf_model(layers: int, seq: int):
     return model
 
 
-def _moecore_model(layers: int, seq: int, recompute_modules: tuple = (), granularity: str = "none"):
+VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore")
+    "moecore": "all fused kernels (the CUDA defaults)",
+    "moecore-unfused-router": "moe.router_fusion=false: routing and its aux loss through separate torch ops",
+}
+
+PHASES = (  # (phase, substrings of CUDA kernel names), first match wins
+    ("attention", ("flash", "fmha", "cudnn", "attention")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("GEMMs (dense + expert)", ("gemm", "cutlass", "nvjet", "xmma", "sm90", "grouped")),
+    ("cross-entropy", ("_ce_", "cross_entropy", "log_softmax", "logsumexp")),
+    ("SwiGLU", ("swiglu", "silu")),
+    ("permute/unpermute", ("_gather", "index", "scatter")),
+    ("router", ("_router_", "softmax", "topk")),
+    ("RMSNorm / RoPE", ("_rms", "_rope")),
+    ("sort/count", ("sort", "bincount", "histc", "cumsum", "radix")),
+    ("elementwise / copies", ("elementwise", "copy", "fill", "reduce")),
+)
+
+
+def _moecore_model(
+    layers: int, seq: int, recompute_modules: tuple = (), granularity: str = "none", router_fusion: bool = True
+):
     from moecore.config import Config
     from moecore.models.transformer import MoETransformer
 
@@ -60,13 +81,15 @@ def _moecore_model(layers: int, seq: int, recompute_modules: tuple = (), granula
     moe.router_pre_softmax, moe.norm_topk_prob = True, True
     moe.router_load_balancing_type, moe.aux_loss_coeff = "aux_loss", 1e-3
     moe.apply_probs_on_input = True
+    moe.router_fusion = router_fusion
     m.recompute_modules, m.recompute_granularity = list(recompute_modules), granularity
     cfg.train.seq_length = seq
     cfg.validate()
     return MoETransformer(cfg)
 
 
-def _time_train(model, ids: torch.Tensor, labels: torch.Tensor, hf: bool, warmup: int, iters: int):
+def _train_step(model, ids: torch.Tensor, labels: torch.Tensor):
+    """One optimizer step on (ids, labels) as a closure, with its own fused AdamW."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step():
@@ -75,6 +98,11 @@ def _time_train(model, ids: torch.Tensor, labels: torch.Tensor, hf: bool, warmup
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step
+
+
+def _time_train(model, ids: torch.Tensor, labels: torch.Tensor, hf: bool, warmup: int, iters: int):
+    step = _train_step(model, ids, labels)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     ms = cuda_time_ms(step, warmup, iters)
@@ -82,7 +110,14 @@ def _time_train(model, ids: torch.Tensor, labels: torch.Tensor, hf: bool, warmup
 
 
 def run(
-    compare_hf: bool, warmup: int, iters: int, batch: int | None, layers: int | None, seq: int | None
+    compare_hf: bool,
+    warmup: int,
+    iters: int,
+    batch: int | None,
+    layers: int | None,
+    seq: int | None,
+    variants: tuple[str, ...] = ("moecore",),
+    phases: bool = False,
 ) -> list[dict]:
     batch, layers, seq = batch or 2, layers or 8, seq or 4096
     dense = dense_bf16_tflops()
@@ -92,20 +127,22 @@ def run(
     torch.manual_seed(0)
     ids = torch.randint(0, V, (batch, seq), device="cuda")
     records = []
-    impls = (["transformers-grouped_mm"] if compare_hf else []) + ["moecore"]
+    impls = (["transformers-grouped_mm"] if compare_hf else []) + list(variants)
     for impl in impls:
         model = None
         try:
             torch.manual_seed(1)
             hf = impl.startswith("transformers")
             with torch.device("cuda"):  # initialise on the GPU: a CPU init of 5.5B parameters takes minutes
-                model = _hf_model(layers, seq) if hf else _moecore_model(layers, seq)
+                fused = impl != "moecore-unfused-router"
+                model = _hf_model(layers, seq) if hf else _moecore_model(layers, seq, router_fusion=fused)
             model = model.to(torch.bfloat16)
             model.train()
             # transformers shifts labels inside the model; moecore takes them already shifted.
             labels = ids if hf else torch.roll(ids, -1, dims=1)
             ms, peak = _time_train(model, ids, labels, hf, warmup, iters)
             tflops = flops / ms / 1e9
+            extra = {"phases_ms": profile_gpu_ms(_train_step(model, ids, labels), PHASES, 2)} if phases else {}
             records.append(
                 record(
                     shape,
@@ -116,6 +153,7 @@ def run(
                     tokens_per_s=round(tokens / ms * 1e3),
                     mfu=round(tflops / dense, 3),
                     dense_tflops=round(dense, 1),
+                    **extra,
                 )
             )
         except Exception as ex:
