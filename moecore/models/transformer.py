@@ -26,6 +26,7 @@ from moecore.kernels.cross_entropy import linear_cross_entropy
 from moecore.models.attention import Attention
 from moecore.models.mlp import MLP
 from moecore.models.norms import RMSNorm
+from moecore.models.recompute import recompute_output
 from moecore.parallel import tensor_parallel as tpl
 
 
@@ -90,14 +91,23 @@ class DecoderLayer(nn.Module):
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
 
+    def _norm_then(self, norm: nn.Module, x: torch.Tensor, consumer):
+        """consumer(norm(x)); with "norm" recomputation the norm output is not kept for backward
+        (moecore/models/recompute.py: the consumer's saved copies of it are recomputed from x)."""
+        if self.recompute_norm and self.training and torch.is_grad_enabled():
+            return recompute_output(norm, x, consumer)
+        return consumer(norm(x))
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, loss_mask: torch.Tensor | None):
-        h = self._maybe_checkpoint(self.recompute_norm, self.attn_norm, x)
-        x = x + self.attn(h, position_ids)
-        h = self._maybe_checkpoint(self.recompute_norm, self.mlp_norm, x)
+        x = x + self._norm_then(self.attn_norm, x, lambda h: self.attn(h, position_ids))
         if self.is_moe:
-            out, aux = self._maybe_checkpoint(self.recompute_mlp, self.mlp, h, loss_mask)
+            out, aux = self._norm_then(
+                self.mlp_norm, x, lambda h: self._maybe_checkpoint(self.recompute_mlp, self.mlp, h, loss_mask)
+            )
             return x + out, aux
-        return x + self._maybe_checkpoint(self.recompute_mlp, self.mlp, h), None
+        return x + self._norm_then(
+            self.mlp_norm, x, lambda h: self._maybe_checkpoint(self.recompute_mlp, self.mlp, h)
+        ), None
 
 
 class MoETransformer(nn.Module):
