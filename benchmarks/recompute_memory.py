@@ -20,6 +20,8 @@ from moecore.bench.train import V, _moecore_model, _time_train
 
 OPTIONS = {
     "none": ((), "none"),
+    "core_attn": (("core_attn",), "selective"),
+    "norm": (("norm",), "selective"),
     "moe_act": (("moe_act",), "selective"),
     "shared_experts": (("shared_experts",), "selective"),
     "moe_act+norm": (("moe_act", "norm"), "selective"),

@@ -15,6 +15,8 @@ From router logits [T, E] (fp32 or fp64 in the reference, fp32 in the kernel) on
                                   divided by its row sum)                                   (differentiable)
                zsum [G]           sum over valid tokens of logsumexp(logits)^2 (router z-loss) (differentiable)
 and one backward launch turns d weight, d psum and d zsum into d logits, recomputing the scores.
+The kernel computes psum and aux_counts only with `RouterSpec.need_sums` and zsum only with `need_z`
+(otherwise psum / zsum come back empty and aux_counts is counts).
 The per-segment sums are written per block of tokens and reduced by the caller: deterministic, no atomics.
 
 Backward formulas (c = scaling factor, g = d weight, s = scores at the K picks, S = their sum):
@@ -356,8 +358,9 @@ class _FusedRouterFn(torch.autograd.Function):
 
         counts_GE = per_segment(counts)
         aux_GE = per_segment(aux) if has_bias_sums else counts_GE
-        psum_GE = per_segment(psum).to(logits.dtype) if spec.need_sums else logits.new_zeros(G, E)
-        zsum_G = per_segment(zsum).to(logits.dtype) if spec.need_z else logits.new_zeros(G)
+        # sums that were not asked for come back empty (no fill kernel: this path is launch-bound)
+        psum_GE = per_segment(psum).to(logits.dtype) if spec.need_sums else logits.new_empty(0)
+        zsum_G = per_segment(zsum).to(logits.dtype) if spec.need_z else logits.new_empty(0)
         ctx.save_for_backward(logits, idx, valid)
         ctx.spec, ctx.segment = spec, segment
         ctx.mark_non_differentiable(idx, counts_GE, aux_GE)
