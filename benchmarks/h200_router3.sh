@@ -10,3 +10,6 @@ timeout 100 python -m moecore.cli bench moe-layer --compare hf --no-eager --shap
 echo "== recompute memory"
 timeout 200 python benchmarks/recompute_memory.py --json $O/h200-recompute.json 2>&1 | tail -9
 echo "== end"
+echo "== swiglu tuning (Mixtral rows), current: fwd block 2x1024 w4, bwd 4x256 w4"
+timeout 120 python benchmarks/swiglu_tune.py --json $O/h200-swiglu-tune.json 2>&1 | tail -9
+echo "== end2"
