@@ -36,13 +36,21 @@ def main() -> None:
     fwd_bytes = (M * 2 * F + M * F) * 2
     for bm, bf, w in itertools.product((1, 2, 4, 8), (512, 1024, 2048), (4, 8)):
         grid = (triton.cdiv(M, bm), triton.cdiv(F, bf))
-        ms = cuda_time_ms(lambda: _swiglu_fwd_kernel[grid](h, p, out, M, F, True, bm, bf, num_warps=w), 3, 10)
+        ms = cuda_time_ms(
+            lambda grid=grid, bm=bm, bf=bf, w=w: _swiglu_fwd_kernel[grid](h, p, out, M, F, True, bm, bf, num_warps=w),
+            3,
+            10,
+        )
         rows.append({"kernel": "fwd", "block_m": bm, "block_f": bf, "warps": w, "ms": ms, "GBps": fwd_bytes / ms / 1e6})
     bwd_bytes = (M * 2 * F + M * F + M * 2 * F + M * F) * 2
     for bm, bf, w in itertools.product((1, 2, 4, 8), (128, 256, 512, 1024), (4, 8)):
         grid = (triton.cdiv(M, bm),)
         ms = cuda_time_ms(
-            lambda: _swiglu_bwd_kernel[grid](h, p, do, dh, dp, act, M, F, True, True, bm, bf, num_warps=w), 3, 10
+            lambda grid=grid, bm=bm, bf=bf, w=w: _swiglu_bwd_kernel[grid](
+                h, p, do, dh, dp, act, M, F, True, True, bm, bf, num_warps=w
+            ),
+            3,
+            10,
         )
         rows.append({"kernel": "bwd", "block_m": bm, "block_f": bf, "warps": w, "ms": ms, "GBps": bwd_bytes / ms / 1e6})
     for kind in ("fwd", "bwd"):
