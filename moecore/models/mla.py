@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from moecore.config import ModelConfig
 from moecore.models.attention import sdpa_backends
 from moecore.models.norms import RMSNorm
+from moecore.models.recompute import recompute_output
 from moecore.models.rope import RotaryEmbedding, apply_rotary
 
 LATENT_NORM_EPS = 1e-6
@@ -127,16 +128,23 @@ class MLAttention(nn.Module):
         k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin, interleaved=self.rope_interleave)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, self.num_heads, -1, -1)), dim=-1)
+        if self.backend == "flash" and self.v_dim != self.qk_head_dim:
+            # Flash kernels need one head size for q, k and v: pad v with zeros (the padding of the output
+            # is dropped in _core_attention). Padded here so that mla_up_proj recomputes the padded copy too.
+            v = F.pad(v, (0, self.qk_head_dim - self.v_dim))
         return q, k, v
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         dropout = self.dropout if self.training else 0.0
-        dv = v.shape[-1]
-        if self.backend == "flash" and dv != q.shape[-1]:
-            # Flash kernels need one head size for q, k and v: pad v with zeros, drop the padding after.
-            v = F.pad(v, (0, q.shape[-1] - dv))
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=self.softmax_scale)
-        return out[..., :dv]
+        return out[..., : self.v_dim]
+
+    def _attend(self, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: bool) -> torch.Tensor:
+        q, k, v = qkv
+        with sdpa_backends(self.backend, q.device):
+            if self.recompute_core_attn and grad:
+                return checkpoint(self._core_attention, q, k, v, use_reentrant=False)
+            return self._core_attention(q, k, v)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -144,12 +152,9 @@ class MLAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         grad = self.training and torch.is_grad_enabled()
         if self.recompute_up_proj and grad:
-            q, k, v = checkpoint(self._up_project, x, latent, k_rope, cos, sin, use_reentrant=False)
+            # q, k, v are not kept for the attention's backward: recomputed from x and the latent
+            # (moecore/models/recompute.py), as Megatron-Core's mla_up_proj recomputation.
+            out = recompute_output(self._up_project, (x, latent, k_rope, cos, sin), lambda qkv: self._attend(qkv, grad))
         else:
-            q, k, v = self._up_project(x, latent, k_rope, cos, sin)
-        with sdpa_backends(self.backend, q.device):
-            if self.recompute_core_attn and grad:
-                out = checkpoint(self._core_attention, q, k, v, use_reentrant=False)
-            else:
-                out = self._core_attention(q, k, v)
+            out = self._attend(self._up_project(x, latent, k_rope, cos, sin), grad)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.v_dim))

@@ -95,7 +95,7 @@ class DecoderLayer(nn.Module):
         """consumer(norm(x)); with "norm" recomputation the norm output is not kept for backward
         (moecore/models/recompute.py: the consumer's saved copies of it are recomputed from x)."""
         if self.recompute_norm and self.training and torch.is_grad_enabled():
-            return recompute_output(norm, x, consumer)
+            return recompute_output(norm, (x,), consumer)
         return consumer(norm(x))
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, loss_mask: torch.Tensor | None):

@@ -131,17 +131,37 @@ def test_softmax_scale_includes_mscale_all_dim():
     assert mla_softmax_scale(192, {"type": "yarn", "factor": 40}) == pytest.approx(192**-0.5, rel=1e-12)
 
 
-def test_recompute_gives_same_gradients():
+@pytest.mark.parametrize("modules", [["mla_up_proj"], ["mla_up_proj", "core_attn"], ["core_attn"]])
+def test_recompute_gives_same_gradients_and_drops_qkv(modules):
+    import copy
+    import gc
+    import weakref
+
     cfg, _ = _configs(3, 24, YARN)
     torch.manual_seed(0)
     plain = MLAttention(cfg, 0)
-    cfg.recompute_modules = ["mla_up_proj", "core_attn"]
+    cfg = copy.deepcopy(cfg)
+    cfg.recompute_modules = modules
     recomputed = MLAttention(cfg, 0)
     recomputed.load_state_dict(plain.state_dict())
     x = torch.randn(2, 16, HIDDEN)
     pos = torch.arange(16)
     plain.train(), recomputed.train()
     plain(x, pos).square().sum().backward()
-    recomputed(x, pos).square().sum().backward()
+    kept = []  # weak references to the q, k, v of the recomputed module's forward
+    real = recomputed._up_project
+
+    def watched(*args):
+        out = real(*args)
+        if torch.is_grad_enabled():
+            kept.extend(weakref.ref(t) for t in out)
+        return out
+
+    recomputed._up_project = watched
+    y = recomputed(x, pos)
+    gc.collect()
+    alive = sum(r() is not None for r in kept)
+    y.square().sum().backward()
+    assert alive == (0 if "mla_up_proj" in modules else 3)
     for (name, a), b in zip(plain.named_parameters(), recomputed.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=name)

@@ -24,9 +24,9 @@ OVERRIDES = [
 ]
 
 
-def _run(rec: list[str], granularity: str = "selective"):
+def _run(rec: list[str], granularity: str = "selective", recipe: str = "tiny-moe"):
     cfg = load_config(
-        "tiny-moe",
+        recipe,
         OVERRIDES + [f"model.recompute_modules=[{','.join(rec)}]", f"model.recompute_granularity={granularity}"],
     )
     torch.manual_seed(1)
@@ -56,6 +56,17 @@ def test_norm_outputs_are_not_kept_and_gradients_match(extra):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_nested_in_mla_up_proj_recompute():
+    # MLA's up-projection recomputation runs inside the attention norm's consumer: its input (the norm
+    # output) is saved through the norm's hooks, so neither is kept
+    alive_ref, grads_ref, loss_ref = _run(["mla_up_proj"], recipe="tiny-deepseek-v2")
+    alive, grads, loss = _run(["norm", "mla_up_proj", "core_attn"], recipe="tiny-deepseek-v2")
+    assert alive_ref == 4 and alive == 0
+    assert torch.equal(loss, loss_ref)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_with_full_layer_recompute_gradients_match():
     _, grads_ref, _ = _run([], "full")
     _, grads, _ = _run(["norm"], "full")
@@ -70,7 +81,7 @@ def test_views_of_the_output_are_rebuilt():
     def consumer(h):
         return (h.reshape(12, 5)[2:] @ w).square().sum() + h[:, 1].exp().sum()
 
-    recompute_output(torch.tanh, x, consumer).backward()
+    recompute_output(torch.tanh, (x,), consumer).backward()
     gx, gw = x.grad.clone(), w.grad.clone()
     x.grad = w.grad = None
     consumer(torch.tanh(x)).backward()
