@@ -57,7 +57,7 @@ def run_shape(name: str, out: list) -> None:
         print(json.dumps(rec), flush=True)
 
     f13, f2 = 2 * M * H * 2 * Fd, 2 * M * H * Fd
-    for impl in ("grouped", "loop"):
+    for impl in ("grouped", "loop", "streams"):
         try:
             emit(f"fwd_w13/{impl}", bench(lambda impl=impl: gemm_nt(xs, w13, bounds, host, impl)), f13)
             emit(f"fwd_w2/{impl}", bench(lambda impl=impl: gemm_nt(a, w2, bounds, host, impl)), f2)
@@ -65,7 +65,7 @@ def run_shape(name: str, out: list) -> None:
             emit(f"dgrad_w13/{impl}", bench(lambda impl=impl: gemm_nn(h, w13, bounds, host, impl)), f13)
         except Exception as ex:  # record and go on: one failing kind must not hide the others
             emit(f"fwd_dgrad/{impl}", 0.0, error=str(ex)[:300])
-    for impl in ("grouped", "loop", "triton"):
+    for impl in ("grouped", "loop", "streams", "triton"):
         try:
             emit(f"wgrad_w13/{impl}", bench(lambda impl=impl: gemm_tn(h, xs, bounds, host, impl, dt)), f13)
             emit(f"wgrad_w2/{impl}", bench(lambda impl=impl: gemm_tn(dy, a, bounds, host, impl, dt)), f2)
@@ -84,6 +84,7 @@ def run_shape(name: str, out: list) -> None:
         "grouped+triton_wgrad": GemmPlan.uniform("grouped", "triton"),
         "loop": GemmPlan.uniform("loop"),
         "default": default_plan(E, M, H, Fd, dev),
+        "default+streams": default_plan(E, M, H, Fd, dev).with_streams(),
     }
     w13p = w13.clone().requires_grad_()
     w2p = w2.clone().requires_grad_()

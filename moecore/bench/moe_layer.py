@@ -47,12 +47,13 @@ VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore"
     "moecore": "fused router, GEMM plan per shape (default_plan)",
     "moecore-unfused-router": "moe.router_fusion=false: routing through separate torch ops",
     "moecore-all-grouped": "every expert GEMM through torch._grouped_mm (no host sync, one launch each)",
+    "moecore-streams": "default_plan with its per-expert GEMM loops on two CUDA streams",
 }
 
 
-def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore"):
+def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore", tokens: int = 16384):
     from moecore.config import MoEConfig
-    from moecore.kernels.grouped_ffn import GemmPlan
+    from moecore.kernels.grouped_ffn import GemmPlan, default_plan
     from moecore.moe.layer import MoELayer
 
     cfg = MoEConfig(
@@ -70,6 +71,8 @@ def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore"):
     layer = MoELayer(cfg, h)
     if variant == "moecore-all-grouped":
         layer.experts.gemm_plan = GemmPlan.uniform("grouped")
+    if variant == "moecore-streams":
+        layer.experts.gemm_plan = default_plan(e, tokens * k, h, f, torch.device("cuda")).with_streams()
     return layer
 
 
@@ -164,7 +167,7 @@ def run_shape(
                 mod = (
                     _hf_block(h, f, e, k, impl.split("-", 1)[1])
                     if impl.startswith("transformers")
-                    else _moecore_layer(h, f, e, k, impl)
+                    else _moecore_layer(h, f, e, k, impl, t)
                 )
             mod = mod.to(dt)
             state = _weights(h, f, e, dev, dt)

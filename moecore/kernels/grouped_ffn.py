@@ -14,6 +14,8 @@ Only x, h and p are kept for backward (a is recomputed by the fused SwiGLU backw
 autograd through the separate ops would keep. Each GEMM kind runs one of:
   "grouped": torch._grouped_mm, one launch for all experts (no host sync);
   "loop":    one cuBLAS GEMM per expert on slices (needs the counts on the host: one sync);
+  "streams": the loop with consecutive experts' GEMMs on two CUDA streams, so that one GEMM's last
+             partial wave of tiles overlaps the next GEMM (an experiment for few large experts);
   "triton":  (weight gradients only) the grouped GEMM kernel below, tiles of dW[e] reducing over the
              expert's rows, one launch.
 `default_plan` picks per shape from the H200 measurements recorded in docs/benchmarks.md. The
@@ -30,7 +32,7 @@ import torch
 from moecore.kernels._triton import triton_importable, use_triton
 from moecore.kernels.swiglu import swiglu, swiglu_backward, swiglu_reference
 
-GEMM_IMPLS = ("grouped", "loop", "triton")
+GEMM_IMPLS = ("grouped", "loop", "streams", "triton")
 
 if triton_importable():
     import triton
@@ -96,7 +98,7 @@ class GemmPlan:
     """Which implementation each of the six GEMMs of the expert FFN uses (see the module docstring).
 
     fwd13 / fwd2: h = x @ w13^T, y = a @ w2^T; dgrad2 / dgrad13: da = dy @ w2, dx = dh @ w13;
-    wgrad2 / wgrad13: dW2 = dy^T a, dW13 = dh^T x. Values: grouped | loop (| triton for wgrad*).
+    wgrad2 / wgrad13: dW2 = dy^T a, dW13 = dh^T x. Values: grouped | loop | streams (| triton for wgrad*).
     """
 
     fwd13: str = "grouped"
@@ -109,7 +111,7 @@ class GemmPlan:
     def __post_init__(self) -> None:
         for name in ("fwd13", "fwd2", "dgrad2", "dgrad13", "wgrad2", "wgrad13"):
             v = getattr(self, name)
-            allowed = GEMM_IMPLS if name.startswith("wgrad") else GEMM_IMPLS[:2]
+            allowed = GEMM_IMPLS if name.startswith("wgrad") else GEMM_IMPLS[:3]
             if v not in allowed:
                 raise ValueError(f"GemmPlan.{name}={v!r} is invalid: allowed: {' | '.join(allowed)}")
 
@@ -120,7 +122,13 @@ class GemmPlan:
 
     @property
     def needs_host_counts(self) -> bool:
-        return "loop" in (self.fwd13, self.fwd2, self.dgrad2, self.dgrad13, self.wgrad2, self.wgrad13)
+        kinds = (self.fwd13, self.fwd2, self.dgrad2, self.dgrad13, self.wgrad2, self.wgrad13)
+        return "loop" in kinds or "streams" in kinds
+
+    def with_streams(self) -> GemmPlan:
+        """This plan with every "loop" GEMM run as "streams"."""
+        names = ("fwd13", "fwd2", "dgrad2", "dgrad13", "wgrad2", "wgrad13")
+        return GemmPlan(*("streams" if getattr(self, n) == "loop" else getattr(self, n) for n in names))
 
 
 def default_plan(num_experts: int, rows: int, hidden: int, ffn: int, device: torch.device) -> GemmPlan:
@@ -150,16 +158,40 @@ def _bounds(counts: torch.Tensor) -> torch.Tensor:
     return b
 
 
+def _per_expert(counts: list, impl: str, device: torch.device, gemm) -> None:
+    """gemm(e, s, n) for every expert e with n > 0 rows starting at row s: in order on the current
+    stream ("loop"), or alternating between two side streams that start after, and are waited on by,
+    the current stream ("streams"; the outputs are allocated before, on the current stream)."""
+    if impl != "streams" or device.type != "cuda":
+        s = 0
+        for e, n in enumerate(counts):
+            gemm(e, s, n)
+            s += n
+        return
+    main = torch.cuda.current_stream(device)
+    side = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+    for st in side:
+        st.wait_stream(main)
+    s = 0
+    for e, n in enumerate(counts):
+        with torch.cuda.stream(side[e % 2]):
+            gemm(e, s, n)
+        s += n
+    for st in side:
+        main.wait_stream(st)
+
+
 def gemm_nt(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, counts: list | None, impl: str) -> torch.Tensor:
     """out[rows of e] = a[rows of e] @ b[e]^T; a [M, K], b [E, N, K] -> [M, N]."""
     if impl == "grouped":
         return torch._grouped_mm(a, b.transpose(-2, -1), offs=bounds[1:])
     out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
-    s = 0
-    for e, n in enumerate(counts):
+
+    def gemm(e: int, s: int, n: int) -> None:
         if n:
             torch.mm(a[s : s + n], b[e].t(), out=out[s : s + n])
-        s += n
+
+    _per_expert(counts, impl, a.device, gemm)
     return out
 
 
@@ -168,11 +200,12 @@ def gemm_nn(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, counts: list
     if impl == "grouped":
         return torch._grouped_mm(a, b, offs=bounds[1:])
     out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)
-    s = 0
-    for e, n in enumerate(counts):
+
+    def gemm(e: int, s: int, n: int) -> None:
         if n:
             torch.mm(a[s : s + n], b[e], out=out[s : s + n])
-        s += n
+
+    _per_expert(counts, impl, a.device, gemm)
     return out
 
 
@@ -199,13 +232,14 @@ def gemm_tn(
             _grouped_tn_kernel[grid](a, b, out, bounds, N1, N2, a.stride(0), b.stride(0), bm, bn, bk, 2)
         return out
     out = torch.empty(E, N1, N2, dtype=a.dtype, device=a.device)
-    s = 0
-    for e, n in enumerate(counts):
+
+    def gemm(e: int, s: int, n: int) -> None:
         if n:
             torch.mm(a[s : s + n].t(), b[s : s + n], out=out[e])
         else:
             out[e].zero_()
-        s += n
+
+    _per_expert(counts, impl, a.device, gemm)
     return out.to(out_dtype)
 
 

@@ -50,6 +50,7 @@ def test_loop_and_grouped_plans_match_reference_on_cpu():
     expert_ffn_reference(ref[0], ref[1], ref[2], c, ref[3]).backward(dy)
     for plan in (
         GemmPlan.uniform("loop"),
+        GemmPlan.uniform("streams"),  # on CPU: the plain loop
         GemmPlan.uniform("grouped"),
         GemmPlan("loop", "grouped", "loop", "grouped", "grouped", "loop"),
     ):
@@ -66,8 +67,9 @@ def test_loop_and_grouped_plans_match_reference_on_cpu():
         GemmPlan.uniform("loop"),
         GemmPlan.uniform("grouped"),
         GemmPlan("grouped", "grouped", "grouped", "loop", "grouped", "grouped"),
+        GemmPlan.uniform("loop").with_streams(),
     ],
-    ids=["triton-wgrad", "loop", "grouped", "mixed"],
+    ids=["triton-wgrad", "loop", "grouped", "mixed", "streams"],
 )
 def test_function_matches_reference(backend, plan):
     if backend == "interpret" and plan.fwd13 == "grouped" and plan.wgrad13 != "triton":
