@@ -144,18 +144,24 @@ if triton_importable():
     import triton.language as tl
 
     @triton.jit
-    def _load_logits(logits_ptr, rows, cols, T, E):
-        rows64 = rows.to(tl.int64)
-        m2 = (rows < T)[:, None] & (cols < E)[None, :]
-        lg = tl.load(logits_ptr + rows64[:, None] * E + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-        return tl.where((cols < E)[None, :], lg, float("-inf"))
-
-    @triton.jit
-    def _softmax_rows(lg):
+    def _load_block(logits_ptr, valid_ptr, T, E, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, HAS_VALID: tl.constexpr):
+        # This program's rows and columns, its logits [BLOCK_T, BLOCK_E] (-inf past E), their softmax p
+        # and logsumexp, and each row's weight in the sums v (0 for padding and rows past T).
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tl.arange(0, BLOCK_E)
+        rmask = rows < T
+        cmask = cols < E
+        m2 = rmask[:, None] & cmask[None, :]
+        lg = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :], mask=m2, other=0.0)
+        lg = tl.where(cmask[None, :], lg.to(tl.float32), float("-inf"))
         mx = tl.max(lg, 1)
         ex = tl.exp(lg - mx[:, None])
         z = tl.sum(ex, 1)
-        return ex / z[:, None], mx + tl.log(z)
+        if HAS_VALID:
+            v = tl.load(valid_ptr + rows, mask=rmask, other=0).to(tl.float32)
+        else:
+            v = rmask.to(tl.float32)
+        return rows, cols, rmask, cmask, lg, ex / z[:, None], mx + tl.log(z), v
 
     @triton.jit
     def _topk_rows(
@@ -186,13 +192,8 @@ if triton_importable():
         NEED_SUMS: tl.constexpr, NEED_Z: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
-        rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-        cols = tl.arange(0, BLOCK_E)
+        rows, cols, rmask, cmask, lg, p, lse, v = _load_block(logits_ptr, valid_ptr, T, E, BLOCK_T, BLOCK_E, HAS_VALID)
         kcols = tl.arange(0, BLOCK_K)
-        rmask = rows < T
-        cmask = cols < E
-        lg = _load_logits(logits_ptr, rows, cols, T, E)
-        p, lse = _softmax_rows(lg)
         if SCORE == 0:
             scores = p
         elif SCORE == 1:
@@ -221,10 +222,6 @@ if triton_importable():
         tl.store(weight_ptr + out2, w, mask=m2)
         tl.store(idx_ptr + out2, ids.to(tl.int64), mask=m2)
         # per-block sums over valid tokens (rows past T count as invalid)
-        if HAS_VALID:
-            v = tl.load(valid_ptr + rows, mask=rmask, other=0).to(tl.float32)
-        else:
-            v = rmask.to(tl.float32)
         part = pid.to(tl.int64) * E + cols
         tl.store(counts_ptr + part, tl.sum(chosen * v[:, None], 0), mask=cmask)
         if NEED_SUMS:
@@ -248,20 +245,10 @@ if triton_importable():
         SCORE: tl.constexpr, RENORM: tl.constexpr, HAS_VALID: tl.constexpr,
         HAS_DW: tl.constexpr, HAS_DPSUM: tl.constexpr, HAS_DZ: tl.constexpr,
     ):  # fmt: skip
-        pid = tl.program_id(0)
-        seg = pid // blocks_per_segment
-        rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-        cols = tl.arange(0, BLOCK_E)
+        seg = tl.program_id(0) // blocks_per_segment
+        rows, cols, rmask, cmask, lg, p, lse, v = _load_block(logits_ptr, valid_ptr, T, E, BLOCK_T, BLOCK_E, HAS_VALID)
         kcols = tl.arange(0, BLOCK_K)
-        rmask = rows < T
-        cmask = cols < E
-        lg = _load_logits(logits_ptr, rows, cols, T, E)
-        p, lse = _softmax_rows(lg)
         sig = tl.where(cmask[None, :], tl.sigmoid(lg), 0.0)
-        if HAS_VALID:
-            v = tl.load(valid_ptr + rows, mask=rmask, other=0).to(tl.float32)
-        else:
-            v = rmask.to(tl.float32)
         d_scores = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)  # d loss / d scores (d logits for SCORE 1)
         if HAS_DW:
             if SCORE == 0:
