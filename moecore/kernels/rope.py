@@ -1,7 +1,8 @@
 """Rotary position embedding for GQA heads and MLA's rope channels, forward and backward fused.
 
 Same signature and maths as `moecore.models.rope.apply_rotary(x, cos, sin, interleaved)`: x is
-[B, heads, S, D] (any strides, last dim contiguous), cos/sin [S, d]; the first d channels are
+[B, heads, S, D] (any strides, last dim contiguous; the output has x's layout when x is dense),
+cos/sin [S, d]; the first d channels are
 rotated in the half-split pairing (j with j + d/2), the rest pass through. With `interleaved` (MLA
 checkpoints) the pairs are (2j, 2j+1) on input and the output is in half-split order, as the
 reference de-interleaves before rotating. In the kernel, with x1 / x2 the two halves of a pair:
@@ -22,8 +23,8 @@ if triton_importable():
 
     @triton.jit
     def _rope_kernel(
-        x_ptr, cos_ptr, sin_ptr, out_ptr, NH, S, D, sxb, sxh, sxs, HALF, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
-        BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
+        x_ptr, cos_ptr, sin_ptr, out_ptr, NH, S, D, sxb, sxh, sxs, sob, soh, sos, HALF, INTERLEAVED: tl.constexpr,
+        BACKWARD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
     ):  # fmt: skip
         bh = tl.program_id(0)
         b = bh // NH
@@ -34,7 +35,7 @@ if triton_importable():
         mj = j < HALF
         m = ms[:, None] & mj[None, :]
         src = x_ptr + b.to(tl.int64) * sxb + hh.to(tl.int64) * sxh + rs.to(tl.int64)[:, None] * sxs
-        dst = out_ptr + bh.to(tl.int64) * S * D + rs.to(tl.int64)[:, None] * D
+        dst = out_ptr + b.to(tl.int64) * sob + hh.to(tl.int64) * soh + rs.to(tl.int64)[:, None] * sos
         c1 = tl.load(cos_ptr + rs[:, None] * (2 * HALF) + j[None, :], mask=m, other=0.0).to(tl.float32)
         c2 = tl.load(cos_ptr + rs[:, None] * (2 * HALF) + HALF + j[None, :], mask=m, other=0.0).to(tl.float32)
         s1 = tl.load(sin_ptr + rs[:, None] * (2 * HALF) + j[None, :], mask=m, other=0.0).to(tl.float32)
@@ -89,7 +90,10 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
         x = x.contiguous()
     B, NH, S, D = x.shape
     half = cos.shape[-1] // 2
-    out = torch.empty(B, NH, S, D, dtype=x.dtype, device=x.device)
+    # The output keeps x's memory layout when x is dense (a [B, S, heads, D] tensor seen as
+    # [B, heads, S, D], as attention builds q and k): attention then reads q, k, v in one layout and
+    # no transpose copies are needed around it, in forward or backward. Otherwise it is contiguous.
+    out = torch.empty_like(x)
     bj = next_pow2(max(half, 1))
     br = next_pow2(max(D - 2 * half, 1))
     bs = max(1, min(64, 2048 // bj))
@@ -105,6 +109,9 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
         x.stride(0),
         x.stride(1),
         x.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
         half,
         interleaved,
         backward,

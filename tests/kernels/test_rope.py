@@ -28,13 +28,15 @@ def test_kernel_matches_reference(backend, interleaved, D, rot_dim):
     B, S, NH = 2, 7, 3
     x = torch.randn(B, S, NH, D, device=dev, dtype=dt).transpose(1, 2)  # the attention layout: a strided view
     cos, sin = RotaryEmbedding(rot_dim, 10000.0).to(dev)(torch.arange(S, device=dev), dt)
-    g = torch.randn(B, NH, S, D, device=dev, dtype=dt)
+    g = torch.randn(B, S, NH, D, device=dev, dtype=dt).transpose(1, 2)  # SDPA's gradients come in q's layout
     res = {}
     for impl in ("torch", "triton"):
         xx = x.detach().clone().requires_grad_()
         y = apply_rotary(xx, cos, sin, interleaved, impl=impl)
         y.backward(g)
         res[impl] = (y.detach(), xx.grad)
+        if impl == "triton":  # the kernel keeps the [B, S, heads, D] memory layout both ways: no copies
+            assert y.stride() == x.stride() and xx.grad.stride() == g.stride()
     tol = 1e-2 if dt == torch.bfloat16 else 1e-5
     assert rel_err(res["triton"][0], res["torch"][0]) < tol
     assert rel_err(res["triton"][1], res["torch"][1]) < tol
