@@ -9,8 +9,8 @@ From router logits [T, E] (fp32 or fp64 in the reference, fp32 in the kernel) on
                (scores: softmax over all experts / raw logits / sigmoid; selection adds the expert bias;
                weights from the unbiased scores, renormalised, scaled); slots in descending selection order
   per segment  counts [G, E]      routed assignments of valid tokens (the load statistics, expert-bias counts)
-               aux_counts [G, E]  top-k counts of the unbiased scores: the c_i of the balancing losses
-                                  (equal to counts unless an expert bias changes the selection)
+               aux_counts [G, E]  top-k counts of the unbiased scores without groups: the c_i of the
+                                  balancing losses (equal to counts without expert bias and groups)
                psum [G, E]        sum over valid tokens of the balancing scores P (softmax, or sigmoid
                                   divided by its row sum)                                   (differentiable)
                zsum [G]           sum over valid tokens of logsumexp(logits)^2 (router z-loss) (differentiable)
@@ -27,8 +27,10 @@ Backward formulas (c = scaling factor, g = d weight, s = scores at the K picks, 
   balancing P = s / (sum s + eps) (sigmoid): ds = (dP - sum(dP P)) / (sum s + eps)
   z-loss: d(lse^2)/dl = 2 lse p
 
-Group-limited routing (DeepSeek-V2/V3 `router_num_groups`) and router replay are not fused: the
-MoE layer uses the unfused path for them. `fused_router` runs the kernel on CUDA (or with
+Group-limited routing (DeepSeek-V2/V3 `router_num_groups`: each group scored by its best or best-two
+selection scores, the best `group_topk` groups kept) runs in the kernel when the expert count is a
+power of two (DeepSeek-V3's 256; DeepSeek-V2's 160 takes the reference). Router replay is not fused:
+the MoE layer uses the unfused path for it. `fused_router` runs the kernel on CUDA (or with
 `impl="triton"`), the reference `fused_router_reference` (plain autograd) elsewhere.
 """
 
@@ -55,6 +57,13 @@ class RouterSpec:
     scaling_factor: float | None = None
     need_sums: bool = False  # aux_counts and psum (a balancing loss is in the objective)
     need_z: bool = False  # zsum (router z-loss)
+    num_groups: int = 1  # group-limited routing: expert groups (1: none)
+    group_topk: int = 1  # groups a token may pick from
+    group_score: str = "max"  # max | top2_sum
+
+    @property
+    def grouped(self) -> bool:
+        return self.num_groups > 1
 
     @property
     def score_code(self) -> int:
@@ -91,6 +100,26 @@ def _scores(logits_TE: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
     return torch.sigmoid(logits_TE)
 
 
+def group_limited_mask(select_TE: torch.Tensor, num_groups: int, group_topk: int, group_score: str) -> torch.Tensor:
+    """Mask (to -inf) the experts outside each token's best `group_topk` groups of experts.
+
+    group_score `max`: a group's score is its best expert score (DeepSeek-V2 group-limited greedy);
+    `top2_sum`: the sum of its two best expert scores (DeepSeek-V3; one expert per group: its score).
+    """
+    T, E = select_TE.shape
+    grouped = select_TE.view(T, num_groups, E // num_groups)
+    if group_score == "max":
+        gscore = grouped.max(dim=-1).values
+    elif group_score == "top2_sum":
+        gscore = grouped.topk(min(2, E // num_groups), dim=-1).values.sum(dim=-1)
+    else:
+        raise ValueError(f"moe.router_group_score={group_score!r} is invalid: allowed: max | top2_sum")
+    gidx = gscore.topk(group_topk, dim=-1, sorted=False).indices
+    keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gidx, True)
+    keep_TE = keep.unsqueeze(-1).expand(T, num_groups, E // num_groups).reshape(T, E)
+    return select_TE.masked_fill(~keep_TE, float("-inf"))
+
+
 def _topk_mask(select_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     idx = select_TE.topk(k, dim=-1).indices
     return idx, torch.zeros_like(select_TE).scatter_(1, idx, 1.0)
@@ -111,6 +140,8 @@ def fused_router_reference(
     scores = _scores(logits_TE, spec)
     with torch.no_grad():
         select = scores.detach() + (expert_bias_E.to(scores.dtype) if expert_bias_E is not None else 0.0)
+        if spec.grouped:
+            select = group_limited_mask(select, spec.num_groups, spec.group_topk, spec.group_score)
         idx, chosen = _topk_mask(select, K)
     picked = scores.gather(1, idx)
     if spec.score_code == 1:
@@ -125,7 +156,7 @@ def fused_router_reference(
     v = torch.ones(T, dtype=scores.dtype, device=scores.device) if valid_T is None else valid_T.to(scores.dtype)
     counts = (chosen * v[:, None]).view(G, seg, E).sum(1)
     aux_counts = counts
-    if expert_bias_E is not None and spec.need_sums:
+    if (expert_bias_E is not None or spec.grouped) and spec.need_sums:
         with torch.no_grad():
             aux_counts = (_topk_mask(scores.detach(), K)[1] * v[:, None]).view(G, seg, E).sum(1)
     if spec.score_code == 2:
@@ -184,12 +215,39 @@ if triton_importable():
         return vals, ids, chosen
 
     @triton.jit
+    def _group_limit(
+        sel, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, G: tl.constexpr, GROUP_TOPK: tl.constexpr, TOP2: tl.constexpr
+    ):
+        # Keep each row's best GROUP_TOPK of G equal groups of experts (the rest -> -inf). A group's score
+        # is its best selection score, or with TOP2 the sum of its best two. Needs BLOCK_E == E.
+        EG: tl.constexpr = BLOCK_E // G
+        s3 = tl.reshape(sel, (BLOCK_T, G, EG))
+        best = tl.max(s3, 2)
+        if TOP2 and EG > 1:
+            gc = tl.arange(0, EG)
+            first = tl.min(tl.where(s3 == best[:, :, None], gc[None, None, :], EG), 2)
+            score = best + tl.max(tl.where(gc[None, None, :] == first[:, :, None], float("-inf"), s3), 2)
+        else:
+            score = best
+        gid = tl.arange(0, G)
+        keep = tl.zeros((BLOCK_T, G), dtype=tl.float32)
+        for _ in tl.static_range(GROUP_TOPK):
+            top = tl.max(score, 1)
+            pick = tl.min(tl.where(score == top[:, None], gid[None, :], G), 1)
+            hit = gid[None, :] == pick[:, None]
+            keep = tl.where(hit, 1.0, keep)
+            score = tl.where(hit, float("-inf"), score)
+        kept = tl.where(keep[:, :, None] > 0, s3, float("-inf"))
+        return tl.reshape(kept, (BLOCK_T, BLOCK_E))
+
+    @triton.jit
     def _router_fwd_kernel(
         logits_ptr, bias_ptr, valid_ptr, weight_ptr, idx_ptr, counts_ptr, aux_counts_ptr, psum_ptr, zsum_ptr,
         T, E, scaling,
         K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
         SCORE: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
         NEED_SUMS: tl.constexpr, NEED_Z: tl.constexpr,
+        N_GROUPS: tl.constexpr, GROUP_TOPK: tl.constexpr, GROUP_TOP2: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
         rows, cols, rmask, cmask, lg, p, lse, v = _load_block(logits_ptr, valid_ptr, T, E, BLOCK_T, BLOCK_E, HAS_VALID)
@@ -204,6 +262,8 @@ if triton_importable():
         if HAS_BIAS:
             sel = sel + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         sel = tl.where(cmask[None, :], sel, float("-inf"))
+        if N_GROUPS > 1:
+            sel = _group_limit(sel, BLOCK_T, BLOCK_E, N_GROUPS, GROUP_TOPK, GROUP_TOP2)
         vals, ids, chosen = _topk_rows(sel, scores, cols, kcols, K, BLOCK_E, BLOCK_T, BLOCK_K)
         kmask = (kcols < K)[None, :]
         if SCORE == 1:
@@ -225,7 +285,7 @@ if triton_importable():
         part = pid.to(tl.int64) * E + cols
         tl.store(counts_ptr + part, tl.sum(chosen * v[:, None], 0), mask=cmask)
         if NEED_SUMS:
-            if HAS_BIAS:
+            if HAS_BIAS or N_GROUPS > 1:  # the balancing counts use a plain top-k (no bias, no groups)
                 plain = tl.where(cmask[None, :], scores, float("-inf"))
                 _, _, chosen2 = _topk_rows(plain, scores, cols, kcols, K, BLOCK_E, BLOCK_T, BLOCK_K)
                 tl.store(aux_counts_ptr + part, tl.sum(chosen2 * v[:, None], 0), mask=cmask)
@@ -326,7 +386,7 @@ class _FusedRouterFn(torch.autograd.Function):
         weight = torch.empty(T, K, dtype=logits.dtype, device=dev)
         idx = torch.empty(T, K, dtype=torch.int64, device=dev)
         counts = torch.empty(nblocks, E, dtype=torch.float32, device=dev)
-        has_bias_sums = bias is not None and spec.need_sums
+        has_bias_sums = (bias is not None or spec.grouped) and spec.need_sums
         aux = torch.empty(nblocks, E, dtype=torch.float32, device=dev) if has_bias_sums else counts
         psum = torch.empty(nblocks, E, dtype=torch.float32, device=dev) if spec.need_sums else counts
         zsum = torch.empty(nblocks, dtype=torch.float32, device=dev) if spec.need_z else counts
@@ -337,6 +397,7 @@ class _FusedRouterFn(torch.autograd.Function):
                 T, E, float(spec.scaling_factor or 1.0),
                 K, block_t, next_pow2(E), next_pow2(K), spec.score_code, spec.norm_topk_prob,
                 bias is not None, valid is not None, spec.need_sums, spec.need_z,
+                spec.num_groups, spec.group_topk, spec.group_score == "top2_sum",
                 num_warps=4 if block_t * next_pow2(E) <= 2048 else 8,
             )  # fmt: skip
 
@@ -378,9 +439,20 @@ class _FusedRouterFn(torch.autograd.Function):
         return d_logits, None, None, None, None
 
 
+def kernel_covers(spec: RouterSpec, num_experts: int) -> bool:
+    """Whether the kernel implements these options for this many experts: group-limited routing needs a
+    power-of-two expert count (so the groups are whole blocks of the kernel's tile)."""
+    if spec.topk > num_experts:
+        return False
+    if spec.grouped:
+        pow2 = next_pow2(num_experts) == num_experts
+        return pow2 and num_experts % spec.num_groups == 0 and spec.group_topk <= spec.num_groups
+    return True
+
+
 def fused_router_supported(logits_TE: torch.Tensor, spec: RouterSpec, impl: str = "auto") -> bool:
     """Whether `fused_router` would launch the kernel for these logits (else it runs the reference)."""
-    return use_triton(impl, logits_TE) and logits_TE.dtype == torch.float32 and spec.topk <= logits_TE.shape[-1]
+    return use_triton(impl, logits_TE) and logits_TE.dtype == torch.float32 and kernel_covers(spec, logits_TE.shape[-1])
 
 
 def fused_router(

@@ -37,7 +37,14 @@ import torch
 from torch import nn
 
 from moecore.config import MoEConfig
-from moecore.kernels.router import FusedRouting, RouterSpec, fused_router, router_linear
+from moecore.kernels.router import (
+    FusedRouting,
+    RouterSpec,
+    fused_router,
+    group_limited_mask,
+    kernel_covers,
+    router_linear,
+)
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -49,26 +56,6 @@ class RouterOutput:
     logits_TE: torch.Tensor  # router logits, router dtype
     topk_idx_TK: torch.Tensor  # chosen experts, int64
     topk_weight_TK: torch.Tensor  # routing weights (scaling applied), router dtype
-
-
-def group_limited_mask(select_TE: torch.Tensor, num_groups: int, group_topk: int, group_score: str) -> torch.Tensor:
-    """Mask (to -inf) the experts outside each token's best `group_topk` groups of experts.
-
-    group_score `max`: a group's score is its best expert score (DeepSeek-V2 group-limited greedy);
-    `top2_sum`: the sum of its two best expert scores (DeepSeek-V3; one expert per group: its score).
-    """
-    T, E = select_TE.shape
-    grouped = select_TE.view(T, num_groups, E // num_groups)
-    if group_score == "max":
-        gscore = grouped.max(dim=-1).values
-    elif group_score == "top2_sum":
-        gscore = grouped.topk(min(2, E // num_groups), dim=-1).values.sum(dim=-1)
-    else:
-        raise ValueError(f"moe.router_group_score={group_score!r} is invalid: allowed: max | top2_sum")
-    gidx = gscore.topk(group_topk, dim=-1, sorted=False).indices
-    keep = torch.zeros_like(gscore, dtype=torch.bool).scatter_(1, gidx, True)
-    keep_TE = keep.unsqueeze(-1).expand(T, num_groups, E // num_groups).reshape(T, E)
-    return select_TE.masked_fill(~keep_TE, float("-inf"))
 
 
 def _select_topk(
@@ -217,12 +204,28 @@ class TopKRouter(nn.Module):
             self.replay.recorded(self.replay_key, idx_TK)
         return RouterOutput(logits_TE=logits_TE, topk_idx_TK=idx_TK, topk_weight_TK=weight_TK)
 
-    def fusable(self) -> bool:
-        """Whether the fused kernel (moecore/kernels/router.py) covers this router's options: fp32 logits,
-        no group-limited routing, no router replay, and `moe.router_fusion` on."""
+    def spec(self, need_sums: bool = False, need_z: bool = False) -> RouterSpec:
+        """This router's options for the fused kernel (moecore/kernels/router.py)."""
         cfg = self.cfg
         grouped = bool(cfg.router_num_groups and cfg.router_num_groups > 1 and cfg.router_group_topk)
-        return cfg.router_fusion and self.router_dtype == torch.float32 and self.replay is None and not grouped
+        return RouterSpec(
+            topk=self.topk,
+            score_function=cfg.router_score_function,
+            pre_softmax=cfg.router_pre_softmax,
+            norm_topk_prob=cfg.norm_topk_prob,
+            scaling_factor=cfg.router_topk_scaling_factor,
+            need_sums=need_sums,
+            need_z=need_z,
+            num_groups=cfg.router_num_groups if grouped else 1,
+            group_topk=cfg.router_group_topk if grouped else 1,
+            group_score=cfg.router_group_score,
+        )
+
+    def fusable(self) -> bool:
+        """Whether the fused kernel covers this router: `moe.router_fusion` on, fp32 logits, no router
+        replay, and options the kernel implements (group-limited routing: a power-of-two expert count)."""
+        ok = self.cfg.router_fusion and self.router_dtype == torch.float32 and self.replay is None
+        return ok and kernel_covers(self.spec(), self.num_experts)
 
     def forward_fused(
         self,
@@ -237,17 +240,8 @@ class TopKRouter(nn.Module):
 
         Same experts and weights as `forward`; see moecore/kernels/router.py for the sums.
         """
-        cfg = self.cfg
         logits_TE = self.router_logits(x_TH)
-        spec = RouterSpec(
-            topk=self.topk,
-            score_function=cfg.router_score_function,
-            pre_softmax=cfg.router_pre_softmax,
-            norm_topk_prob=cfg.norm_topk_prob,
-            scaling_factor=cfg.router_topk_scaling_factor,
-            need_sums=need_sums,
-            need_z=need_z,
-        )
+        spec = self.spec(need_sums, need_z)
         out = fused_router(logits_TE, spec, self.expert_bias, valid_T, segment, impl=impl)
         return RouterOutput(logits_TE=logits_TE, topk_idx_TK=out.idx_TK, topk_weight_TK=out.weight_TK), out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moecore.kernels.router import RouterSpec, fused_router, fused_router_reference, router_linear
+from moecore.kernels.router import RouterSpec, fused_router, fused_router_reference, kernel_covers, router_linear
 from moecore.moe import losses
 from moecore.moe.router import scores_for_balancing, topk_routing
 from tests.kernels.conftest import rel_err, setup
@@ -16,7 +16,19 @@ SPECS = {
     "softmax_after_topk": RouterSpec(topk=2, pre_softmax=False, need_z=True),
     "sigmoid_bias": RouterSpec(topk=4, score_function="sigmoid", scaling_factor=2.5, need_sums=True, need_z=True),
     "sigmoid_no_renorm": RouterSpec(topk=2, score_function="sigmoid", norm_topk_prob=False),
+    # group-limited routing: DeepSeek-V3 (sigmoid + bias, best-two group score), DeepSeek-V2 (softmax, max)
+    "sigmoid_bias_groups_top2": RouterSpec(
+        topk=3,
+        score_function="sigmoid",
+        scaling_factor=2.5,
+        need_sums=True,
+        num_groups=4,
+        group_topk=2,
+        group_score="top2_sum",
+    ),
+    "softmax_groups_max": RouterSpec(topk=3, need_sums=True, need_z=True, num_groups=4, group_topk=3),
 }
+BIASED = ("sigmoid_bias", "sigmoid_bias_groups_top2")
 
 
 def _inputs(T, E, dtype=torch.float64, device="cpu", seed=0):
@@ -30,13 +42,14 @@ def _inputs(T, E, dtype=torch.float64, device="cpu", seed=0):
 @pytest.mark.parametrize("name", list(SPECS))
 def test_reference_matches_router_and_losses(name):
     spec = SPECS[name]
-    T, E, B = 24, 10, 3
+    T, E, B = 24, 12, 3
     logits, bias, valid = _inputs(T, E)
-    bias = bias if name == "sigmoid_bias" else None
+    bias = bias if name in BIASED else None
     out = fused_router_reference(logits, spec, bias, valid, segment=T // B)
+    groups = dict(num_groups=spec.num_groups, group_topk=spec.group_topk, group_score=spec.group_score)
     w, idx = topk_routing(
         logits, spec.topk, spec.score_function, spec.pre_softmax, spec.norm_topk_prob, spec.scaling_factor,
-        expert_bias_E=bias,
+        expert_bias_E=bias, **(groups if spec.grouped else {}),
     )  # fmt: skip
     assert torch.equal(out.idx_TK.sort(1).values, idx.sort(1).values)
     order = out.idx_TK.argsort(1)
@@ -65,8 +78,10 @@ def _loss(out, gw, gp, gz):
 def test_kernel_matches_reference(backend, name, T, E, segments):
     dev, _ = setup(backend)
     spec = SPECS[name]
+    if not kernel_covers(spec, E):
+        pytest.skip(f"{E} experts: group-limited routing runs the reference (not a power of two)")
     logits, bias, valid = _inputs(T, E, torch.float32, dev, seed=T + E)
-    bias = bias if name == "sigmoid_bias" else None
+    bias = bias if name in BIASED else None
     seg = T // segments
     g = torch.Generator().manual_seed(7)
     gw = torch.randn(T, spec.topk, generator=g).to(dev)
@@ -99,6 +114,13 @@ def test_kernel_matches_reference(backend, name, T, E, segments):
         gz_r = gz.double() if spec.need_z else torch.zeros_like(gz.double())
         _loss(ref, gw.double(), gp_r, gz_r).backward()
     assert rel_err(lk.grad, lr.grad) < 1e-5
+
+
+def test_kernel_covers_groups_only_for_power_of_two_experts():
+    spec = SPECS["softmax_groups_max"]
+    assert kernel_covers(spec, 256) and kernel_covers(spec, 16)
+    assert not kernel_covers(spec, 160)  # DeepSeek-V2: 160 experts in 8 groups -> the reference
+    assert kernel_covers(SPECS["softmax_renorm"], 160)
 
 
 def test_segment_must_divide_tokens():

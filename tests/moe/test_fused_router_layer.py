@@ -33,6 +33,16 @@ CONFIGS = {
         aux_loss_coeff=1e-3,
     ),
     "no_loss": dict(router_pre_softmax=True, router_load_balancing_type="none", aux_loss_coeff=0.0),
+    "deepseek_v3_groups": dict(
+        router_score_function="sigmoid",
+        router_enable_expert_bias=True,
+        router_topk_scaling_factor=2.5,
+        router_num_groups=4,
+        router_group_topk=2,
+        router_group_score="top2_sum",
+        router_load_balancing_type="seq_aux_loss",
+        aux_loss_coeff=1e-3,
+    ),
 }
 
 
@@ -84,7 +94,9 @@ def test_fused_path_equals_unfused(name, impl):
 
 def test_not_fused_where_the_kernel_does_not_cover_the_options():
     grouped = MoELayer(MoEConfig(num_experts=8, router_topk=2, router_num_groups=4, router_group_topk=2), 16)
-    assert not grouped.router.fusable()
+    assert grouped.router.fusable()
+    odd = MoELayer(MoEConfig(num_experts=12, router_topk=2, router_num_groups=4, router_group_topk=2), 16)
+    assert not odd.router.fusable()  # group-limited routing needs a power-of-two expert count
     off = MoELayer(MoEConfig(num_experts=8, router_topk=2, router_fusion=False), 16)
     assert not off.router.fusable()
     fp64 = MoELayer(MoEConfig(num_experts=8, router_topk=2, router_dtype="fp64"), 16)
@@ -95,7 +107,7 @@ def test_not_fused_where_the_kernel_does_not_cover_the_options():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and triton_importable()), reason="needs CUDA and triton")
-@pytest.mark.parametrize("name", ["aux", "seq_aux_z", "sigmoid_bias"])
+@pytest.mark.parametrize("name", ["aux", "seq_aux_z", "sigmoid_bias", "deepseek_v3_groups"])
 def test_cuda_kernel_path_equals_unfused(name):
     torch.manual_seed(0)
     kw = dict(num_experts=64, router_topk=6, ffn_hidden_size=64, **CONFIGS[name])
