@@ -13,6 +13,7 @@ import json
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from moecore.bench.common import kernel_rows
 from moecore.bench.train import PHASES, V, _moecore_model, _train_step
 
 
@@ -38,15 +39,7 @@ def main() -> None:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if not us:
-            continue
-        name = ev.key.lower()
-        phase = next((ph for ph, keys in PHASES if any(k in name for k in keys)), "other")
-        rows.append({"kernel": ev.key[:140], "ms": us / 1e3 / steps, "calls": ev.count // steps, "phase": phase})
-    rows.sort(key=lambda r: -r["ms"])
+    rows = kernel_rows(prof, steps, PHASES)
     total = sum(r["ms"] for r in rows)
     print(f"total kernel time {total:.1f} ms per step, {sum(r['calls'] for r in rows)} launches")
     for r in rows[: a.top]:

@@ -55,6 +55,30 @@ def record(shape: str, impl: str, ms: float | None, flops: float | None, peak_gb
     return rec
 
 
+def phase_of(kernel: str, phases: tuple) -> str:
+    """The first phase whose name substrings occur in the lower-cased kernel name, else "other"."""
+    name = kernel.lower()
+    return next((ph for ph, keys in phases if any(k in name for k in keys)), "other")
+
+
+def kernel_rows(prof, steps: int, phases: tuple) -> list[dict]:
+    """Per CUDA kernel of a finished torch.profiler run over `steps` steps: name, ms and launches per
+    step, phase; the longest first."""
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if us:
+            rows.append(
+                {
+                    "kernel": ev.key,
+                    "ms": us / 1e3 / steps,
+                    "calls": ev.count // steps,
+                    "phase": phase_of(ev.key, phases),
+                }
+            )
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
 def profile_gpu_ms(step: Callable[[], object], phases: tuple, steps: int = 3) -> dict:
     """GPU milliseconds per call of `step`, summed by phase over the CUDA kernels (torch.profiler).
 
@@ -74,13 +98,8 @@ def profile_gpu_ms(step: Callable[[], object], phases: tuple, steps: int = 3) ->
         end.record()
         torch.cuda.synchronize()
     out: dict[str, float] = {}
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if not us:
-            continue
-        name = ev.key.lower()
-        phase = next((ph for ph, keys in phases if any(k in name for k in keys)), "other")
-        out[phase] = out.get(phase, 0.0) + us / 1e3 / steps
+    for row in kernel_rows(prof, steps, phases):
+        out[row["phase"]] = out.get(row["phase"], 0.0) + row["ms"]
     wall = start.elapsed_time(end) / steps
     busy = sum(out.values())
     out = {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}

@@ -1,0 +1,54 @@
+"""The CPU-testable parts of `moecore bench`: kernel-name phases, per-kernel rows, bad command lines."""
+
+from __future__ import annotations
+
+import pytest
+
+from moecore.bench import main, moe_layer, train
+from moecore.bench.common import kernel_rows, phase_of
+
+
+class _Event:
+    def __init__(self, key: str, us: float, count: int) -> None:
+        self.key, self.device_time_total, self.count = key, us, count
+
+
+class _Profile:
+    def __init__(self, events: list[_Event]) -> None:
+        self.events = events
+
+    def key_averages(self) -> list[_Event]:
+        return self.events
+
+
+def test_phases_first_match_wins_and_other_is_the_rest():
+    assert phase_of("_router_fwd_kernel", moe_layer.PHASES) == "router"
+    assert phase_of("_swiglu_bwd_kernel", moe_layer.PHASES) == "SwiGLU"
+    assert phase_of("nvjet_sm90_tst_256x128", moe_layer.PHASES) == "expert GEMMs"
+    assert phase_of("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", train.PHASES) == "attention"
+    assert phase_of("multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>", train.PHASES) == "optimizer"
+    assert phase_of("some_unknown_kernel", train.PHASES) == "other"
+
+
+def test_kernel_rows_per_step_longest_first_and_skip_host_only_events():
+    prof = _Profile([_Event("_rms_fwd_kernel", 3000.0, 6), _Event("nvjet_gemm", 9000.0, 12), _Event("cpu_op", 0.0, 3)])
+    rows = kernel_rows(prof, steps=3, phases=train.PHASES)
+    assert [r["kernel"] for r in rows] == ["nvjet_gemm", "_rms_fwd_kernel"]
+    assert rows[0]["ms"] == pytest.approx(3.0) and rows[0]["calls"] == 4
+    assert rows[1]["phase"] == "RMSNorm / RoPE"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["moe-layer", "--variants", "moecore,nope"], "--variants 'nope' is unknown"),
+        (["moe-layer", "--shapes", "gpt4"], "--shapes 'gpt4' is unknown"),
+        (["train", "--variants", "moecore-all-grouped"], "--variants 'moecore-all-grouped' is unknown"),
+        (["train", "--shapes", "qwen3_30b_a3b"], "--shapes applies to moe-layer only"),
+        (["train", "--iters", "0"], "--iters must be >= 1"),
+    ],
+)
+def test_bad_arguments_give_one_line_and_exit_2(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
