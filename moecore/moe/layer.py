@@ -184,7 +184,7 @@ class MoELayer(nn.Module):
             return False
         if self.fused_router_impl != "auto":
             return True
-        return use_triton("auto", x_TH) and self.router.router_dtype == torch.float32
+        return use_triton("auto", x_TH)
 
     def _shared_expert_output(self, x_TH: torch.Tensor) -> torch.Tensor:
         """The shared experts' output, sigmoid-gated when moe.shared_expert_gate (Qwen2-MoE)."""
