@@ -143,3 +143,9 @@ def test_router_linear_equals_autograd_through_casts():
     # autocast does not lower the router's precision
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert router_linear(x, w, torch.float32).dtype == torch.float32
+
+
+def test_empty_batch_gives_empty_sums():
+    out = fused_router(torch.randn(0, 8), RouterSpec(topk=2, need_sums=True, need_z=True))
+    assert out.idx_TK.shape == (0, 2) and out.counts_GE.sum(0).shape == (8,)
+    assert out.counts_GE.sum().item() == 0 and out.zsum_G.sum().item() == 0
