@@ -125,3 +125,22 @@ def test_cuda_kernel_path_equals_unfused(name):
         torch.testing.assert_close(a1.stats[k], a0.stats[k], rtol=1e-4, atol=1e-8)
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["aux", "seq_aux_z", "global_aux", "sigmoid_bias"])
+def test_fused_path_with_no_valid_token_gives_zero_losses(name):
+    torch.manual_seed(0)
+    cfg = MoEConfig(num_experts=8, router_topk=3, ffn_hidden_size=12, **CONFIGS[name])
+    base = MoELayer(cfg, 16).train()
+    fused = copy.deepcopy(base)
+    fused.fused_router_impl = "torch"
+    x = torch.randn(2, 4, 16)
+    mask = torch.zeros(2, 4)
+    y0, a0, g0 = _run(base, x, mask)
+    y1, a1, g1 = _run(fused, x, mask)
+    assert torch.isfinite(a1.loss) and a1.loss.item() == 0.0 == a0.loss.item()
+    for k in a0.stats:
+        assert torch.isfinite(a1.stats[k]).all()
+        torch.testing.assert_close(a1.stats[k], a0.stats[k])
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-7)
