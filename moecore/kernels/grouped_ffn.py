@@ -33,6 +33,7 @@ from moecore.kernels._triton import triton_importable, use_triton
 from moecore.kernels.swiglu import swiglu, swiglu_backward, swiglu_reference
 
 GEMM_IMPLS = ("grouped", "loop", "streams", "triton")
+GEMM_KINDS = ("fwd13", "fwd2", "dgrad2", "dgrad13", "wgrad2", "wgrad13")  # the GemmPlan fields, in order
 
 if triton_importable():
     import triton
@@ -109,7 +110,7 @@ class GemmPlan:
     wgrad13: str = "grouped"
 
     def __post_init__(self) -> None:
-        for name in ("fwd13", "fwd2", "dgrad2", "dgrad13", "wgrad2", "wgrad13"):
+        for name in GEMM_KINDS:
             v = getattr(self, name)
             allowed = GEMM_IMPLS if name.startswith("wgrad") else GEMM_IMPLS[:3]
             if v not in allowed:
@@ -122,13 +123,11 @@ class GemmPlan:
 
     @property
     def needs_host_counts(self) -> bool:
-        kinds = (self.fwd13, self.fwd2, self.dgrad2, self.dgrad13, self.wgrad2, self.wgrad13)
-        return "loop" in kinds or "streams" in kinds
+        return any(getattr(self, n) in ("loop", "streams") for n in GEMM_KINDS)
 
     def with_streams(self) -> GemmPlan:
         """This plan with every "loop" GEMM run as "streams"."""
-        names = ("fwd13", "fwd2", "dgrad2", "dgrad13", "wgrad2", "wgrad13")
-        return GemmPlan(*("streams" if getattr(self, n) == "loop" else getattr(self, n) for n in names))
+        return GemmPlan(*("streams" if getattr(self, n) == "loop" else getattr(self, n) for n in GEMM_KINDS))
 
 
 def default_plan(num_experts: int, rows: int, hidden: int, ffn: int, device: torch.device) -> GemmPlan:
