@@ -364,9 +364,15 @@ class OptimConfig:
     wsd_decay_fraction: float = 0.2  # WSD: fraction of steps spent decaying at the end
     muon_momentum: float = 0.95
     muon_ns_steps: int = 5
+    # With train.precision=bf16 the model's parameters are bf16 (the compute weights); these two
+    # choose what the optimizer keeps (bytes per parameter in docs/train.md "Precision").
+    master_weights: str = "fp32"  # fp32: an fp32 master copy is updated and cast to bf16 | bf16: update bf16 in place
+    state_dtype: str = "fp32"  # fp32 | bf16: dtype of the AdamW moments (exp_avg, exp_avg_sq)
 
     def validate(self) -> None:
         _check_choice("optim.name", self.name, ("adamw", "muon"))
+        _check_choice("optim.master_weights", self.master_weights, ("fp32", "bf16"))
+        _check_choice("optim.state_dtype", self.state_dtype, ("fp32", "bf16"))
         _check_choice("optim.schedule", self.schedule, ("cosine", "wsd", "constant", "linear"))
         _check_range("optim.lr", self.lr, 0.0)
         _check_range("optim.min_lr", self.min_lr, 0.0)
@@ -423,7 +429,9 @@ class TrainConfig:
     eval_interval: int = 50
     eval_iters: int = 4
     profile_steps: list | None = None  # [a, b]: torch.profiler trace for steps a..b
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp16
+    # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 (bf16 parameters and activations, fp32 master weights
+    # per optim.master_weights) | fp16 (autocast over fp32 parameters, dynamic loss scaling)
+    precision: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     deterministic: bool = False
     cpu_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (one per core)
@@ -535,6 +543,8 @@ class Config:
             _fail(
                 "checkpoint.upcycle_from", self.checkpoint.upcycle_from, "needs parallel.tp, ep, etp and pp = 1 for now"
             )
+        if self.optim.state_dtype == "bf16" and (self.optim.name != "adamw" or p.distributed_optimizer):
+            _fail("optim.state_dtype", "bf16", "needs optim.name=adamw without parallel.distributed_optimizer")
         if self.train.exit_interval is not None and self.train.exit_interval > self.train.steps:
             _fail("train.exit_interval", self.train.exit_interval, f"must be <= train.steps={self.train.steps}")
         if world_size is not None:

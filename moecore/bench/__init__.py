@@ -22,9 +22,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", default=None, help="comma-separated shape names (default: all of the issue's)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per measurement (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
-    p.add_argument("--batch", type=int, default=None, help="train: sequences per step (default 2)")
-    p.add_argument("--layers", type=int, default=None, help="train: decoder layers (default 8)")
-    p.add_argument("--seq", type=int, default=None, help="train: sequence length (default 4096)")
+    p.add_argument(
+        "--model",
+        default="qwen3-30b-a3b",
+        help="train: the proxy (recipe + overrides): qwen3-30b-a3b, qwen3-next, deepseek-v3",
+    )
+    p.add_argument(
+        "--precision", default="bf16,mixed", help="train: comma-separated modes: bf16 (bf16 weights and moments), "
+        "mixed (bf16 weights, fp32 master weights and moments)"
+    )  # fmt: skip
+    p.add_argument("--batch", type=int, default=None, help="train: sequences per step (one micro-batch)")
+    p.add_argument("--layers", type=int, default=None, help="train: decoder layers")
+    p.add_argument("--seq", type=int, default=None, help="train: sequence length")
+    p.add_argument("overrides", nargs="*", help="train: more section.field=value overrides of the proxy's config")
     p.add_argument("--no-eager", action="store_true", help="moe-layer: skip transformers' eager experts")
     p.add_argument(
         "--variants",
@@ -45,12 +55,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "moe-layer":
         from moecore.bench.moe_layer import SHAPES, VARIANTS
     else:
-        from moecore.bench.train import VARIANTS
+        from moecore.bench.train import MODES, PROXIES, VARIANTS
 
         if args.shapes:
-            print("moecore bench: error: --shapes applies to moe-layer only (train has one shape)", file=sys.stderr)
+            print("moecore bench: error: --shapes applies to moe-layer only (train: --model)", file=sys.stderr)
             return 2
         SHAPES = {}
+        for flag, given, allowed in (
+            ("--model", [args.model], PROXIES),
+            ("--precision", args.precision.split(","), MODES),
+        ):
+            bad = [v for v in given if v not in allowed]
+            if bad:
+                print(
+                    f"moecore bench: error: {flag} {bad[0]!r} is unknown; allowed: {', '.join(allowed)}",
+                    file=sys.stderr,
+                )
+                return 2
+    if args.what == "moe-layer" and args.overrides:
+        print("moecore bench: error: overrides apply to train only", file=sys.stderr)
+        return 2
     shapes = args.shapes.split(",") if args.shapes else list(SHAPES)
     variants = tuple(args.variants.split(","))
     for flag, given, allowed in (("--shapes", shapes, SHAPES), ("--variants", variants, VARIANTS)):
@@ -78,15 +102,22 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from moecore.bench.train import run
 
+        overrides = list(args.overrides)
+        if args.batch:
+            overrides += [f"train.global_batch_size={args.batch}", f"train.micro_batch_size={args.batch}"]
+        if args.layers:
+            overrides.append(f"model.num_layers={args.layers}")
+        if args.seq:
+            overrides.append(f"train.seq_length={args.seq}")
         records = run(
             args.compare == "hf",
             args.warmup,
             args.iters,
-            args.batch,
-            args.layers,
-            args.seq,
+            model=args.model,
+            modes=tuple(args.precision.split(",")),
             variants=variants,
             phases=args.phases,
+            overrides=tuple(overrides),
         )
     print_table(records)
     if args.json:

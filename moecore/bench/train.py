@@ -1,53 +1,60 @@
-"""A full training step of a Qwen3-30B-A3B-shaped proxy: moecore's MoETransformer against transformers.
+"""`moecore bench train`: the training step `moecore train` runs, timed against transformers on the same GPU.
 
-Model (both sides): hidden 2048, 32 query / 4 key-value heads of 128, q/k RMSNorm, 128 experts
-top-8 of width 768 (softmax over all experts, top-k, renormalised), vocabulary 151936, 8 layers
-(default), untied embeddings, load-balancing loss with coefficient 0.001, bf16 weights. Step:
-forward with labels, backward, `torch.optim.AdamW(fused=True)` step, zero_grad, on the same random
-token batch (default 2 x 4096). transformers runs `Qwen3MoeForCausalLM` with
-`experts_implementation=grouped_mm` and SDPA attention; moecore runs its own model with its fused
-kernels (the defaults on CUDA) and the routing weights inside the SwiGLU.
+moecore's side is the real `Trainer` (moecore/train/loop.py) built from a recipe and overrides, exactly
+as `moecore train RECIPE overrides...` builds it — the same config, precision, optimizer, data path
+(the embedded corpus unless `data.paths` is given) and step function (`Trainer.train_step`, without
+the per-layer statistics a logged step adds). Only the progress bar, TensorBoard and checkpoints are off.
 
-FLOPs per step (the same count for both, as in the reference measurements): 6 * active parameters
-* tokens + 12 * layers * heads * head_dim * seq * tokens / 2 (causal attention counted half).
-MFU divides the achieved rate by the dense bf16 matmul rate measured in the same run.
+transformers' side is the same architecture exported through our family mapping (`config_to_hf`),
+built with `experts_implementation=grouped_mm` and SDPA attention, trained on the trainer's own
+micro-batches with `torch.optim.AdamW(fused=True)`, in the same precision mode:
+- `bf16`: bf16 parameters, bf16 AdamW moments (moecore: `optim.master_weights=bf16
+  optim.state_dtype=bf16`; transformers: the model cast to bf16, as with `torch_dtype=bfloat16`);
+- `mixed`: fp32 master weights and moments (moecore: bf16 parameters with fp32 masters, the default;
+  transformers: fp32 parameters under bf16 autocast, as its Trainer runs with `bf16=True`).
+
+Proxies (`--model`): recipe + overrides for a GPU-sized slice of each real model (see PROXIES).
+FLOPs per step for both sides: `moecore.train.logger.flops_per_token` (the count `moecore train`
+logs MFU with) x tokens. MFU divides by the dense bf16 matmul rate measured in the same run.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import tempfile
 
 import torch
 
 from moecore.bench.common import cuda_time_ms, dense_bf16_tflops, profile_gpu_ms, record
 
-H, HEADS, KV, HD, E, K, F, V = 2048, 32, 4, 128, 128, 8, 768, 151936
+PROXIES = {
+    # name: (recipe, overrides) — the shape a user trains, cut to fit one GPU
+    "qwen3-30b-a3b": (
+        "qwen3-30b-a3b",
+        ["model.num_layers=8", "parallel.ep=1", "train.global_batch_size=2", "train.micro_batch_size=2",
+         "train.seq_length=4096"],
+    ),
+    "qwen3-next": (  # hidden 2048, 3 gated-DeltaNet : 1 gated-attention, 512 experts top-10
+        "qwen3-next-80b-a3b",
+        ["model.num_layers=8", "parallel.ep=1", "train.global_batch_size=1", "train.micro_batch_size=1",
+         "train.seq_length=4096"],
+    ),
+    "deepseek-v3": (  # MLA, 256 experts top-8 in 8 groups, a dense first layer, one MTP layer; narrower
+        "deepseek-v3",
+        ["model.num_layers=4", "model.hidden_size=2048", "model.ffn_hidden_size=5632", "moe.ffn_hidden_size=512",
+         "moe.shared_expert_intermediate_size=512", "model.num_attention_heads=16", "parallel.ep=1",
+         "train.global_batch_size=2", "train.micro_batch_size=2", "train.seq_length=4096"],
+    ),
+}  # fmt: skip
 
-
-def step_flops(layers: int, seq: int, tokens: int) -> float:
-    attn_params = H * HEADS * HD * 2 + H * KV * HD * 2
-    active = layers * (attn_params + 3 * H * F * K + H * E) + 2 * V * H
-    return 6 * active * tokens + layers * 12 * HEADS * HD * seq * tokens / 2
-
-
-def _hf_model(layers: int, seq: int):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    cfg = Qwen3MoeConfig(
-        vocab_size=V, hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HD,
-        moe_intermediate_size=F, num_experts=E, num_experts_per_tok=K, num_hidden_layers=layers,
-        max_position_embeddings=seq, norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.001,
-    )  # fmt: skip
-    cfg._experts_implementation = "grouped_mm"
-    cfg._attn_implementation = "sdpa"
-    model = Qwen3MoeForCausalLM(cfg)
-    model.gradient_checkpointing_disable()
-    return model
-
+MODES = {  # precision mode -> moecore overrides
+    "bf16": ["train.precision=bf16", "optim.master_weights=bf16", "optim.state_dtype=bf16"],
+    "mixed": ["train.precision=bf16", "optim.master_weights=fp32", "optim.state_dtype=fp32"],
+}
 
 VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore")
-    "moecore": "all fused kernels (the CUDA defaults)",
+    "moecore": "the recipe as `moecore train` runs it",
     "moecore-unfused-router": "moe.router_fusion=false: routing and its aux loss through separate torch ops",
 }
 
@@ -65,101 +72,140 @@ PHASES = (  # (phase, substrings of CUDA kernel names), first match wins
 )
 
 
-def _moecore_model(
-    layers: int, seq: int, recompute_modules: tuple = (), granularity: str = "none", router_fusion: bool = True
-):
-    from moecore.config import Config
-    from moecore.models.transformer import MoETransformer
+def bench_config(model: str, mode: str, variant: str = "moecore", extra: list[str] | tuple = ()):
+    """The Config `moecore train` would build for this proxy, precision mode and variant (plus `extra` overrides)."""
+    from moecore.config import load_config
 
-    cfg = Config()
-    m, moe = cfg.model, cfg.moe
-    m.vocab_size, m.hidden_size, m.num_layers = V, H, layers
-    m.num_attention_heads, m.num_kv_heads, m.head_dim = HEADS, KV, HD
-    m.qk_norm, m.max_position_embeddings, m.tie_embeddings = True, seq, False
-    m.fused_cross_entropy = True
-    moe.num_experts, moe.router_topk, moe.ffn_hidden_size = E, K, F
-    moe.router_pre_softmax, moe.norm_topk_prob = True, True
-    moe.router_load_balancing_type, moe.aux_loss_coeff = "aux_loss", 1e-3
-    moe.apply_probs_on_input = True
-    moe.router_fusion = router_fusion
-    m.recompute_modules, m.recompute_granularity = list(recompute_modules), granularity
-    cfg.train.seq_length = seq
-    cfg.validate()
-    return MoETransformer(cfg)
+    recipe, overrides = PROXIES[model]
+    run_dir = tempfile.mkdtemp(prefix="moecore-bench-")
+    quiet = ["log.progress=false", "log.tensorboard=false", "log.oom_snapshot=false", f"train.run_dir={run_dir}"]
+    variant_overrides = ["moe.router_fusion=false"] if variant == "moecore-unfused-router" else []
+    return load_config(recipe, [*overrides, *MODES[mode], *quiet, *variant_overrides, *extra])
 
 
-def _train_step(model, ids: torch.Tensor, labels: torch.Tensor):
-    """One optimizer step on (ids, labels) as a closure, with its own fused AdamW."""
+def hf_model(cfg, mode: str):
+    """transformers' model of the same architecture (our family mapping's config.json), on the GPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moecore.hf.pretrained import hf_config_dict, pick_family
+
+    body = hf_config_dict(cfg, pick_family(cfg), torch.float32)
+    body.pop("architectures", None)
+    body.pop("dtype", None)
+    hf_cfg = AutoConfig.for_model(**body)
+    hf_cfg._experts_implementation = "grouped_mm"
+    hf_cfg._attn_implementation = "sdpa"
+    hf_cfg.use_cache = False
+    with torch.device("cuda"):  # initialise on the GPU: a CPU init of billions of parameters takes minutes
+        model = AutoModelForCausalLM.from_config(hf_cfg)
+    if mode == "bf16":
+        model = model.to(torch.bfloat16)
+    model.train()
+    return model
+
+
+def hf_step(model, batches: list[dict], mode: str):
+    """One optimizer step of transformers' model over the trainer's micro-batches (fused AdamW)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=mode == "mixed")
 
     def step():
-        out = model(input_ids=ids, labels=labels)
-        out.loss.backward()
+        for b in batches:
+            with autocast:
+                # transformers shifts the labels itself: give it the inputs as labels.
+                out = model(input_ids=b["input_ids"], labels=b["input_ids"])
+            (out.loss / len(batches)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     return step
 
 
-def _time_train(model, ids: torch.Tensor, labels: torch.Tensor, hf: bool, warmup: int, iters: int):
-    step = _train_step(model, ids, labels)
+def _first_batches(cfg) -> list[dict]:
+    """The micro-batches of the first step of a one-process run of `cfg` (on the GPU)."""
+    from moecore.data import build_data
+
+    data = build_data(cfg)
+    n = cfg.train.global_batch_size // cfg.train.micro_batch_size
+    return [{k: v.cuda() for k, v in data.train.next_micro_batch().items()} for _ in range(n)]
+
+
+def _time(step, warmup: int, iters: int) -> tuple[float, float]:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     ms = cuda_time_ms(step, warmup, iters)
     return ms, torch.cuda.max_memory_allocated() / 2**30
 
 
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def run(
     compare_hf: bool,
     warmup: int,
     iters: int,
-    batch: int | None,
-    layers: int | None,
-    seq: int | None,
+    model: str = "qwen3-30b-a3b",
+    modes: tuple[str, ...] = ("bf16", "mixed"),
     variants: tuple[str, ...] = ("moecore",),
     phases: bool = False,
+    overrides: tuple[str, ...] = (),
 ) -> list[dict]:
-    batch, layers, seq = batch or 2, layers or 8, seq or 4096
+    from moecore.train.logger import flops_per_token
+    from moecore.train.loop import Trainer
+
     dense = dense_bf16_tflops()
-    tokens = batch * seq
-    flops = step_flops(layers, seq, tokens)
-    shape = f"qwen3_30b_a3b_proxy_{layers}l_b{batch}_s{seq}"
-    torch.manual_seed(0)
-    ids = torch.randint(0, V, (batch, seq), device="cuda")
     records = []
-    impls = (["transformers-grouped_mm"] if compare_hf else []) + list(variants)
-    for impl in impls:
-        model = None
-        try:
-            torch.manual_seed(1)
+    for mode in modes:
+        impls = (["transformers-grouped_mm"] if compare_hf else []) + list(variants)
+        batches = None
+        for impl in impls:
             hf = impl.startswith("transformers")
-            with torch.device("cuda"):  # initialise on the GPU: a CPU init of 5.5B parameters takes minutes
-                fused = impl != "moecore-unfused-router"
-                model = _hf_model(layers, seq) if hf else _moecore_model(layers, seq, router_fusion=fused)
-            model = model.to(torch.bfloat16)
-            model.train()
-            # transformers shifts labels inside the model; moecore takes them already shifted.
-            labels = ids if hf else torch.roll(ids, -1, dims=1)
-            ms, peak = _time_train(model, ids, labels, hf, warmup, iters)
-            tflops = flops / ms / 1e9
-            extra = {"phases_ms": profile_gpu_ms(_train_step(model, ids, labels), PHASES, 2)} if phases else {}
-            records.append(
-                record(
-                    shape,
-                    impl,
-                    ms,
-                    flops,
-                    peak,
-                    tokens_per_s=round(tokens / ms * 1e3),
-                    mfu=round(tflops / dense, 3),
-                    dense_tflops=round(dense, 1),
-                    **extra,
+            cfg = bench_config(model, mode, "moecore" if hf else impl, overrides)
+            t = cfg.train
+            shape = f"{model}_{cfg.model.num_layers}l_b{t.global_batch_size}_s{t.seq_length}"
+            trainer = net = None
+            try:
+                tokens = t.global_batch_size * t.seq_length
+                if hf:
+                    batches = _first_batches(cfg)  # the micro-batches the trainer's first step takes
+                    flops = flops_per_token(cfg) * tokens
+                    torch.manual_seed(cfg.train.seed)
+                    net = hf_model(cfg, mode)
+                    step = hf_step(net, batches, mode)
+                else:
+                    trainer = Trainer(cfg)
+                    flops = flops_per_token(cfg) * tokens
+
+                    def step(trainer=trainer):
+                        trainer.train_step(with_moe_metrics=False)
+
+                ms, peak = _time(step, warmup, iters)
+                extra = {"phases_ms": profile_gpu_ms(step, PHASES, 2)} if phases else {}
+                tflops = flops / ms / 1e9
+                records.append(
+                    record(
+                        shape,
+                        impl,
+                        ms,
+                        flops,
+                        peak,
+                        precision=mode,
+                        tokens_per_s=round(tokens / ms * 1e3),
+                        mfu=round(tflops / dense, 3),
+                        dense_tflops=round(dense, 1),
+                        **extra,
+                    )  # fmt: skip
                 )
-            )
-        except Exception as ex:
-            records.append(record(shape, impl, None, None, None, error=f"{type(ex).__name__}: {ex}"[:300]))
-        print(json.dumps(records[-1]), flush=True)
-        model = None
-        gc.collect()
-        torch.cuda.empty_cache()
+            except Exception as ex:
+                records.append(
+                    record(shape, impl, None, None, None, precision=mode, error=f"{type(ex).__name__}: {ex}"[:300])
+                )
+            finally:
+                if trainer is not None:
+                    trainer.rt.shutdown()
+                trainer = net = None
+                _free()
+            print(json.dumps(records[-1]), flush=True)
     return records

@@ -27,6 +27,7 @@ from moecore.models.attention import Attention
 from moecore.models.mlp import MLP
 from moecore.models.norms import RMSNorm
 from moecore.models.recompute import recompute_output
+from moecore.moe.experts import GroupedExperts
 from moecore.parallel import tensor_parallel as tpl
 
 
@@ -136,6 +137,9 @@ class MoETransformer(nn.Module):
 
             self.mtp = MTPStack(cfg, dims)
         self.full_recompute = m.recompute_granularity == "full"
+        for name, module in self.named_modules():  # names for the experts' one-line slow-path warning
+            if isinstance(module, GroupedExperts):
+                module.name = name
         self.reset_parameters()
 
     # ------------------------------------------------------------------ initialisation

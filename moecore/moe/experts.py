@@ -28,6 +28,8 @@ activation in its backward, with or without the option.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -72,16 +74,28 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
+def grouped_mm_unsupported_reason(x: torch.Tensor, hidden_size: int, ffn_hidden_size: int) -> str | None:
+    """Why `torch._grouped_mm` cannot run for rows like `x` on this device and dtype; None when it can."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if x.device.type == "cpu":
+        ok = x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        return None if ok else f"{x.dtype} rows on CPU (fp32, bf16 or fp16 needed)"
+    if x.device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(x.device)
+        if major < 9:
+            return f"compute capability {major}.{minor} (9.0 or newer needed)"
+        if x.dtype != torch.bfloat16:
+            return f"{x.dtype} activations (bf16 needed: train.precision=bf16)"
+        if hidden_size % 8 or ffn_hidden_size % 8:
+            return f"hidden {hidden_size} / expert FFN {ffn_hidden_size} not multiples of 8"
+        return None
+    return f"device {x.device.type}"
+
+
 def grouped_mm_supported(x: torch.Tensor, hidden_size: int, ffn_hidden_size: int) -> bool:
     """Whether `torch._grouped_mm` runs for rows like `x` on this device and dtype."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    if x.device.type == "cpu":
-        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    if x.device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(x.device)
-        return major >= 9 and x.dtype == torch.bfloat16 and hidden_size % 8 == 0 and ffn_hidden_size % 8 == 0
-    return False
+    return grouped_mm_unsupported_reason(x, hidden_size, ffn_hidden_size) is None
 
 
 def experts_grouped_mm(
@@ -110,8 +124,14 @@ def experts_loop(
     probs_N: torch.Tensor | None = None,
     recompute_act: bool = False,
 ) -> torch.Tensor:
-    """Same result as `experts_grouped_mm`, one F.linear pair per expert with at least one row."""
+    """Same result as `experts_grouped_mm`, one F.linear pair per expert with at least one row.
+
+    The weights are split into per-expert views once (`unbind`): its backward stacks the per-expert
+    gradients into one [E, ...] tensor, where indexing `w13[e]` per expert would allocate and add a
+    full-size zero gradient for every expert.
+    """
     counts = tokens_per_expert.tolist()
+    w13_e, w2_e = w13.unbind(0), w2.unbind(0)
     outs = []
     start = 0
     for e, n in enumerate(counts):
@@ -119,8 +139,8 @@ def experts_loop(
             continue
         seg = x_NH[start : start + n]
         p = None if probs_N is None else probs_N[start : start + n]
-        a = _activate(F.linear(seg, w13[e].to(seg.dtype)), activation, p, recompute_act)
-        outs.append(F.linear(a, w2[e].to(a.dtype)))
+        a = _activate(F.linear(seg, w13_e[e].to(seg.dtype)), activation, p, recompute_act)
+        outs.append(F.linear(a, w2_e[e].to(a.dtype)))
         start += n
     if not outs:
         return x_NH.new_zeros(0, w2.shape[1])
@@ -173,6 +193,8 @@ class GroupedExperts(nn.Module):
         self.grouped_gemm = grouped_gemm
         self.recompute_act = False
         self.gemm_plan = None  # GemmPlan for the fused expert FFN; None: default_plan per shape (benchmarks)
+        self.name = "experts"  # the module's name in the model, for the slow-path warning (set by the model)
+        self.warned = False
         rows = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         self.w13 = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
@@ -182,9 +204,31 @@ class GroupedExperts(nn.Module):
     def uses_grouped_mm(self, x_NH: torch.Tensor) -> bool:
         return self.grouped_gemm and grouped_mm_supported(x_NH, self.hidden_size, self.ffn_hidden_size)
 
+    def _warn_slow_path(self, x_NH: torch.Tensor) -> None:
+        """On a GPU, say once (per module) why the experts leave the fused kernel for a slower path."""
+        if self.warned or not x_NH.is_cuda:
+            return
+        self.warned = True
+        if not self.grouped_gemm:
+            reason = "moe.grouped_gemm=false"
+        elif self.activation != "swiglu":
+            reason = f"activation {self.activation} (the fused expert FFN is SwiGLU)"
+        elif not fused_expert_ffn_available(x_NH):
+            reason = "triton does not import"
+        else:
+            reason = grouped_mm_unsupported_reason(x_NH, self.hidden_size, self.ffn_hidden_size)
+        if reason is None:
+            return
+        weights = f"weights {self.w13.dtype}"
+        warnings.warn(
+            f"{self.name}: the fused expert FFN cannot run ({reason}; {weights}); using a slower path", stacklevel=3
+        )
+
     def forward(
         self, x_NH: torch.Tensor, tokens_per_expert: torch.Tensor, probs_N: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if x_NH.is_cuda and not self.warned:
+            self._warn_slow_path(x_NH)
         if self.activation == "swiglu" and fused_expert_ffn_available(x_NH) and self.uses_grouped_mm(x_NH):
             # Fused expert FFN (moecore/kernels/grouped_ffn.py): GEMM per shape, fused SwiGLU * probs.
             counts = tokens_per_expert.to(x_NH.device)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from moecore.optim.mixed_precision import grad_of, set_grad
 from moecore.parallel import comm
 from moecore.parallel.dims import Group, ParallelDims
 from moecore.parallel.sharding import get_shard, replication_factor
@@ -124,7 +125,7 @@ class GradSync:
             self._next_launch += 1
 
     def _launch(self, b: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        grads = [_grad_or_zeros(p) for p in b.params]
         b.flat = torch.cat([g.reshape(-1) for g in grads]).mul_(b.scale)
         if b.group.size > 1:
             b.work = dist.all_reduce(b.flat, group=b.group.pg, async_op=True)
@@ -151,11 +152,7 @@ class GradSync:
             off = 0
             for p in b.params:
                 n = p.numel()
-                g = b.flat[off : off + n].view_as(p)
-                if p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
+                _store(p, b.flat[off : off + n].view_as(p))
                 off += n
             b.ready.clear()
             b.work, b.flat = None, None
@@ -166,16 +163,13 @@ class GradSync:
         tp = self.dims.tp_group
         if tp.size == 1 or not self.tp_partial:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.tp_partial]
+        grads = [_grad_or_zeros(p) for p in self.tp_partial]
         flat = torch.cat([g.reshape(-1) for g in grads])
         comm.all_reduce_(flat, tp, "sum")
         off = 0
         for p in self.tp_partial:
             n = p.numel()
-            if p.grad is None:
-                p.grad = flat[off : off + n].view_as(p).clone()
-            else:
-                p.grad.copy_(flat[off : off + n].view_as(p))
+            _store(p, flat[off : off + n].view_as(p))
             off += n
 
     finish = finish_grad_sync  # the name the training runtime calls
@@ -184,6 +178,23 @@ class GradSync:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _grad_or_zeros(p: torch.nn.Parameter) -> torch.Tensor:
+    """The gradient to reduce (`grad_of`: the fp32 main gradient under bf16 training); zeros where none came."""
+    g = grad_of(p)
+    if g is not None:
+        return g
+    return torch.zeros(p.shape, dtype=torch.float32 if hasattr(p, "main_grad") else p.dtype, device=p.device)
+
+
+def _store(p: torch.nn.Parameter, reduced: torch.Tensor) -> None:
+    """Write a reduced gradient back where `grad_of(p)` finds it."""
+    g = grad_of(p)
+    if g is None:
+        set_grad(p, reduced.clone())
+    else:
+        g.copy_(reduced)
 
 
 GradReducer = GradSync  # alias used by moecore.train.runtime
@@ -208,7 +219,7 @@ def finish_grad_sync(model: torch.nn.Module) -> None:
 def _params(params: Iterable[torch.nn.Parameter] | torch.nn.Module) -> list[torch.nn.Parameter]:
     if isinstance(params, torch.nn.Module):
         params = params.parameters()
-    return [p for p in params if p.grad is not None]
+    return [p for p in params if grad_of(p) is not None]
 
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter] | torch.nn.Module, dims: ParallelDims | None) -> torch.Tensor:
@@ -216,11 +227,11 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter] | torch.nn.Module, dim
     params = _params(params)
     if not params:
         return torch.zeros((), dtype=torch.float32)
-    device = params[0].grad.device
+    device = grad_of(params[0]).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         # Each copy contributes 1/copies of its square, so the sum over all ranks counts it once.
-        sq = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32).double().square()
+        sq = torch.linalg.vector_norm(grad_of(p).detach(), dtype=torch.float32).double().square()
         copies = 1 if dims is None else replication_factor(get_shard(p), dims)
         total += sq / copies
     if dims is not None:
@@ -240,7 +251,8 @@ def clip_grad_norm_(
     if max_norm > 0 and math.isfinite(max_norm):
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in params:
-            p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+            g = grad_of(p)
+            g.detach().mul_(coef.to(g.device, g.dtype))
     return norm
 
 

@@ -24,7 +24,6 @@ import torch
 from moecore.checkpoint import latest_checkpoint, load_model_weights, load_training_state, save_training_state
 from moecore.config import Config, ConfigError
 from moecore.models.transformer import MoETransformer
-from moecore.optim.adamw import build_optimizer
 from moecore.optim.schedule import lr_at
 from moecore.train.runtime import Runtime, setup_runtime
 
@@ -122,22 +121,23 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         with torch.device(self.rt.device):
             self.model = MoETransformer(cfg, self.rt.dims)
-        self.model = self.rt.wrap_model(self.model)
-        self.optimizer = self.rt.wrap_optimizer(self.model, build_optimizer(self.model, cfg.optim), cfg)
-        self.rt.attach_optimizer(self.optimizer)
         self.step = 0
         t = cfg.train
         self.micro_batches_per_rank = t.global_batch_size // (t.micro_batch_size * self.rt.dp_size)
-        if self.resume_from is not None:
-            extra = load_training_state(self.resume_from, self.model, self.optimizer)
-            self.step = extra["step"]
-            self.data.train.load_state_dict(extra["data"])
-        elif cfg.checkpoint.load and not cfg.checkpoint.resume:
+        # Starting weights load into the fp32 model, before bf16 training turns them into masters.
+        if self.resume_from is None and cfg.checkpoint.load and not cfg.checkpoint.resume:
             load_model_weights(Path(cfg.checkpoint.load), self.model)
-        elif cfg.checkpoint.upcycle_from:  # a fresh start only: a resumed run has its MoE weights already
+        elif self.resume_from is None and cfg.checkpoint.upcycle_from:  # a resumed run has its MoE weights
             from moecore.moe.upcycle import upcycle_from_checkpoint
 
             upcycle_from_checkpoint(self.model, cfg.checkpoint.upcycle_from, cfg)
+        self.model = self.rt.wrap_model(self.model, self.micro_batches_per_rank)
+        self.optimizer = self.rt.build_optimizer(self.model, cfg)
+        if self.resume_from is not None:
+            with self.rt.master_weights_in_model():
+                extra = load_training_state(self.resume_from, self.model, self.optimizer)
+            self.step = extra["step"]
+            self.data.train.load_state_dict(extra["data"])
         from moecore.moe.router_replay import setup_router_replay
 
         self.router_replay = setup_router_replay(self.model, cfg.moe, self.rt.dims.rank, self.rt.world_size)
@@ -216,9 +216,10 @@ class Trainer:
     def save(self) -> Path:
         path = self.run_dir / "checkpoints" / f"step-{self.step}"
         extra = {"step": self.step, "data": self.data.train.state_dict()}
-        return save_training_state(
-            path, self.model, self.optimizer, extra, self.cfg.to_yaml(), keep_last=self.cfg.checkpoint.keep_last
-        )
+        with self.rt.master_weights_in_model():  # files hold the fp32 masters: precision-free checkpoints
+            return save_training_state(
+                path, self.model, self.optimizer, extra, self.cfg.to_yaml(), keep_last=self.cfg.checkpoint.keep_last
+            )
 
     # ------------------------------------------------------------------ the run
     def run(self) -> TrainResult:

@@ -29,6 +29,9 @@ class Runtime:
     autocast_dtype: torch.dtype | None
     grad_reducer: object | None = None  # moecore.parallel.data_parallel.GradReducer when world > 1
     scaler: torch.amp.GradScaler | None = None  # dynamic loss scaling for fp16
+    precision: str = "fp32"  # resolved train.precision: fp32 | bf16 | fp16
+    master_weights: bool = True  # bf16: keep fp32 master weights (optim.master_weights=fp32)
+    mixed: object | None = None  # moecore.optim.mixed_precision.MixedPrecision with precision bf16
 
     # ------------------------------------------------------------------ identity
     @property
@@ -48,7 +51,17 @@ class Runtime:
         return self.dims.is_main
 
     # ------------------------------------------------------------------ model and gradients
-    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def wrap_model(self, model: torch.nn.Module, micro_batches: int = 1) -> torch.nn.Module:
+        """Precision (bf16 parameters, fp32 masters and gradient sums) and the data-parallel gradient hooks.
+
+        `micro_batches`: per rank and step; with more than one (or several ranks) gradients are summed,
+        in fp32 main gradients. The precision hooks go first: the data-parallel ones read what they sum.
+        """
+        if self.precision == "bf16":
+            from moecore.optim.mixed_precision import MixedPrecision
+
+            sum_in_fp32 = micro_batches > 1 or self.world_size > 1
+            self.mixed = MixedPrecision(model, torch.bfloat16, self.master_weights, sum_in_fp32=sum_in_fp32)
         if self.world_size > 1:
             from moecore.parallel.data_parallel import GradReducer
 
@@ -69,21 +82,68 @@ class Runtime:
             self.grad_reducer.finish()
 
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
-        """Global gradient norm (every parameter counted once across all groups), clipped to max_norm."""
+        """Global gradient norm (every parameter counted once across all groups), clipped to max_norm.
+
+        The optimizer's fused update applies the clipping coefficient where it can (`grad_scale`);
+        otherwise the gradients are scaled in place.
+        """
+        from moecore.optim.mixed_precision import grad_of
+
         if self.scaler is not None:
             self.scaler.unscale_(self._optimizer)
-        params = [p for p in model.parameters() if p.grad is not None]
+        params = [p for p in model.parameters() if grad_of(p) is not None]
+        grads = [grad_of(p) for p in params]
         if self.world_size > 1:
-            from moecore.parallel.data_parallel import clip_grad_norm_
+            from moecore.parallel.data_parallel import global_grad_norm
 
-            return float(clip_grad_norm_(model, max_norm, self.dims))
-        if max_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+            norm = global_grad_norm(params, self.dims)
+        elif all(g.dtype == torch.float32 for g in grads):
+            norm = torch.nn.utils.get_total_norm(grads)
+        else:  # bf16 gradients: sum the squares in fp32
+            norm = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).norm()
+        if max_norm > 0 and grads:
+            coef = float((max_norm / (norm.float() + 1e-6)).clamp(max=1.0))
+            optimizer = getattr(self, "_optimizer", None)
+            if hasattr(optimizer, "grad_scale"):
+                optimizer.grad_scale = coef
+            elif coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+        return float(norm)
+
+    def build_optimizer(self, model: torch.nn.Module, cfg: Config):
+        """The optimizer of `optim`, on this run's precision and layout.
+
+        bf16 with AdamW: `FusedAdamW` (master, moments and bf16 weight in one pass). Otherwise the
+        optimizer of `optim.name` (sharded by the distributed optimizer when asked for), driven on the
+        fp32 master weights when there are any.
+        """
+        from moecore.optim.adamw import build_optimizer
+
+        if self.mixed is not None and cfg.optim.name == "adamw" and not self._sharded_optimizer(cfg):
+            from moecore.optim.adamw import param_groups
+            from moecore.optim.fused_adamw import FusedAdamW
+
+            o = cfg.optim
+            state_dtype = torch.bfloat16 if o.state_dtype == "bf16" else torch.float32
+            opt = FusedAdamW(
+                param_groups(model, o.weight_decay), self.mixed, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                weight_decay=o.weight_decay, state_dtype=state_dtype,
+            )  # fmt: skip
+        else:
+            opt = self.wrap_optimizer(model, build_optimizer(model, cfg.optim), cfg)
+            if self.mixed is not None:
+                from moecore.optim.mixed_precision import MasterWeightOptimizer
+
+                opt = MasterWeightOptimizer(opt, self.mixed)
+        self.attach_optimizer(opt)
+        return opt
+
+    def _sharded_optimizer(self, cfg: Config) -> bool:
+        return cfg.parallel.distributed_optimizer and self.world_size > 1
 
     def wrap_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Config):
         """The distributed optimizer (AdamW state sharded over data parallel) when asked for and world > 1."""
-        if not cfg.parallel.distributed_optimizer or self.world_size == 1:
+        if not self._sharded_optimizer(cfg):
             return optimizer
         from moecore.parallel.distributed_optimizer import DistributedOptimizer
 
@@ -91,6 +151,12 @@ class Runtime:
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer
+
+    def master_weights_in_model(self):
+        """Parameters hold their fp32 master weights inside the block (for checkpoint save and load)."""
+        if self.mixed is None:
+            return contextlib.nullcontext()
+        return self.mixed.fp32_view()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is None:
@@ -181,4 +247,7 @@ def setup_runtime(cfg: Config) -> Runtime:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    return Runtime(dims=dims, device=device, autocast_dtype=autocast, scaler=scaler)
+    master = cfg.optim.master_weights == "fp32"
+    return Runtime(
+        dims=dims, device=device, autocast_dtype=autocast, scaler=scaler, precision=precision, master_weights=master
+    )
