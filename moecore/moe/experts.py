@@ -195,6 +195,7 @@ class GroupedExperts(nn.Module):
         self.gemm_plan = None  # GemmPlan for the fused expert FFN; None: default_plan per shape (benchmarks)
         self.name = "experts"  # the module's name in the model, for the slow-path warning (set by the model)
         self.warned = False
+        self.last_path = None  # "fused" | "grouped_mm" | "loop": what the last forward ran (tests, diagnostics)
         rows = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         self.w13 = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
@@ -231,10 +232,13 @@ class GroupedExperts(nn.Module):
             self._warn_slow_path(x_NH)
         if self.activation == "swiglu" and fused_expert_ffn_available(x_NH) and self.uses_grouped_mm(x_NH):
             # Fused expert FFN (moecore/kernels/grouped_ffn.py): GEMM per shape, fused SwiGLU * probs.
+            self.last_path = "fused"
             counts = tokens_per_expert.to(x_NH.device)
             return expert_ffn(x_NH, self.w13, self.w2, counts, probs_N, plan=self.gemm_plan)
         if self.uses_grouped_mm(x_NH):
+            self.last_path = "grouped_mm"
             return experts_grouped_mm(
                 x_NH, tokens_per_expert, self.w13, self.w2, self.activation, probs_N, self.recompute_act
             )
+        self.last_path = "loop"
         return experts_loop(x_NH, tokens_per_expert, self.w13, self.w2, self.activation, probs_N, self.recompute_act)
