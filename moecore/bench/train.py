@@ -37,13 +37,13 @@ PROXIES = {
     ),
     "qwen3-next": (  # hidden 2048, 3 gated-DeltaNet : 1 gated-attention, 512 experts top-10
         "qwen3-next-80b-a3b",
-        ["model.num_layers=8", "parallel.ep=1", "train.global_batch_size=1", "train.micro_batch_size=1",
-         "train.seq_length=4096"],
+        ["model.num_layers=8", "model.layer_types=[" + ",".join((["linear_attention"] * 3 + ["full_attention"]) * 2) + "]",
+         "parallel.ep=1", "train.global_batch_size=1", "train.micro_batch_size=1", "train.seq_length=4096"],
     ),
     "deepseek-v3": (  # MLA, 256 experts top-8 in 8 groups, a dense first layer, one MTP layer; narrower
         "deepseek-v3",
-        ["model.num_layers=4", "model.hidden_size=2048", "model.ffn_hidden_size=5632", "moe.ffn_hidden_size=512",
-         "moe.shared_expert_intermediate_size=512", "model.num_attention_heads=16", "parallel.ep=1",
+        ["model.num_layers=4", "moe.first_k_dense_replace=1", "model.hidden_size=2048", "model.ffn_hidden_size=5632", "moe.ffn_hidden_size=512",
+         "moe.shared_expert_intermediate_size=512", "model.num_attention_heads=16", "model.num_kv_heads=16", "parallel.ep=1",
          "train.global_batch_size=2", "train.micro_batch_size=2", "train.seq_length=4096"],
     ),
 }  # fmt: skip

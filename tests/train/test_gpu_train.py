@@ -1,0 +1,62 @@
+"""On a GPU, the real recipes train with their default precision on the fused kernels.
+
+Real widths, few layers: qwen3-30b-a3b and qwen3-next-80b-a3b at 2 layers, deepseek-v3 at 2 layers
+(one dense, one MoE, plus its MTP layer) with 16 experts so it fits one GPU. Every MoE layer must
+have run the fused expert FFN on bf16 weights in every step (no loop over experts, no fp32 expert
+GEMM), the optimizer must be the fused mixed-precision AdamW on fp32 masters, and the loss must fall.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from moecore.config import load_config
+from moecore.moe.experts import GroupedExperts
+from moecore.optim.fused_adamw import FusedAdamW
+from moecore.train.loop import Trainer
+
+pytestmark = pytest.mark.gpu
+
+CASES = {
+    "qwen3-30b-a3b": ["model.num_layers=2"],
+    "qwen3-next-80b-a3b": ["model.num_layers=2", "model.layer_types=[linear_attention,full_attention]"],
+    "deepseek-v3": ["model.num_layers=2", "moe.first_k_dense_replace=1", "moe.num_experts=16"],
+}
+COMMON = [
+    "parallel.ep=1",
+    "train.global_batch_size=2",
+    "train.micro_batch_size=1",
+    "train.seq_length=1024",
+    "train.steps=8",
+    "optim.warmup_steps=0",
+    "log.progress=false",
+    "log.tensorboard=false",
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", list(CASES))
+def test_recipe_trains_on_fused_kernels(recipe, tmp_path):
+    cfg = load_config(recipe, CASES[recipe] + COMMON + [f"train.run_dir={tmp_path}"])
+    trainer = Trainer(cfg)
+    try:
+        assert isinstance(trainer.optimizer, FusedAdamW)
+        experts = [m for m in trainer.model.modules() if isinstance(m, GroupedExperts)]
+        assert experts
+        losses = []
+        for _ in range(8):
+            for m in experts:
+                m.last_path = None
+            losses.append(trainer.train_step(with_moe_metrics=False)["loss"])
+            for m in experts:
+                assert m.last_path == "fused", f"{m.name} ran {m.last_path}"
+                assert m.w13.dtype == m.w2.dtype == torch.bfloat16
+        assert min(losses[-3:]) < losses[0] - 0.1, losses
+    finally:
+        trainer.rt.shutdown()
+        del trainer
+        gc.collect()
+        torch.cuda.empty_cache()
