@@ -42,6 +42,15 @@ def dense_bf16_tflops(n: int = 8192, iters: int = 20) -> float:
     return 2 * n**3 / ms / 1e9
 
 
+def copy_tbps(gib: float = 4.0, iters: int = 10) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second, TB/s): the memory-bound ceiling."""
+    n = int(gib * 2**30) // 4
+    a = torch.empty(n, device="cuda", dtype=torch.float32)
+    b = torch.empty_like(a)
+    ms = cuda_time_ms(lambda: b.copy_(a), 3, iters)
+    return 2 * a.numel() * 4 / ms / 1e9
+
+
 def record(shape: str, impl: str, ms: float | None, flops: float | None, peak_gb: float | None, **extra) -> dict:
     rec = {"shape": shape, "impl": impl, "tflops": None, "ms": None, "peak_mem_gb": None}
     if ms is not None:
@@ -79,12 +88,13 @@ def kernel_rows(prof, steps: int, phases: tuple) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms"])
 
 
-def profile_gpu_ms(step: Callable[[], object], phases: tuple, steps: int = 3) -> dict:
+def profile_gpu_ms(step: Callable[[], object], phases: tuple, steps: int = 3, top: list | None = None) -> dict:
     """GPU milliseconds per call of `step`, summed by phase over the CUDA kernels (torch.profiler).
 
     `phases`: ((phase, substrings of lower-cased kernel names), ...), first match wins; the rest is
     "other". Adds "wall" (CUDA-event time per step) and "GPU idle" (wall minus the summed kernel time:
-    launch overhead and host syncs).
+    launch overhead and host syncs). A list given as `top` receives the 20 kernels that took longest
+    (`kernel_rows`' rows, milliseconds per step rounded).
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -98,8 +108,11 @@ def profile_gpu_ms(step: Callable[[], object], phases: tuple, steps: int = 3) ->
         end.record()
         torch.cuda.synchronize()
     out: dict[str, float] = {}
-    for row in kernel_rows(prof, steps, phases):
+    rows = kernel_rows(prof, steps, phases)
+    for row in rows:
         out[row["phase"]] = out.get(row["phase"], 0.0) + row["ms"]
+    if top is not None:
+        top.extend({**r, "kernel": r["kernel"][:100], "ms": round(r["ms"], 3)} for r in rows[:20])
     wall = start.elapsed_time(end) / steps
     busy = sum(out.values())
     out = {k: round(v, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}

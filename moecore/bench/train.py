@@ -26,7 +26,7 @@ import tempfile
 
 import torch
 
-from moecore.bench.common import cuda_time_ms, dense_bf16_tflops, profile_gpu_ms, record
+from moecore.bench.common import copy_tbps, cuda_time_ms, dense_bf16_tflops, profile_gpu_ms, record
 
 PROXIES = {
     # name: (recipe, overrides) — the shape a user trains, cut to fit one GPU
@@ -121,6 +121,20 @@ def hf_step(model, batches: list[dict], mode: str):
     return step
 
 
+def optimizer_bytes(trainer) -> int:
+    """Bytes one optimizer step must read and write at least: gradient, weights (master and bf16), moments."""
+    mp = trainer.rt.mixed
+    total = 0
+    for group in trainer.optimizer.param_groups:
+        for p in group["params"]:
+            state = trainer.optimizer.state.get(p, {})
+            moments = sum(2 * t.element_size() for k, t in state.items() if k in ("exp_avg", "exp_avg_sq"))
+            grad = 4 if mp is not None and mp.sum_in_fp32 else p.element_size()
+            weights = 2 * 4 + p.element_size() if mp is not None and p in mp.masters else 2 * p.element_size()
+            total += p.numel() * (grad + weights + moments)
+    return total
+
+
 def _first_batches(cfg) -> list[dict]:
     """The micro-batches of the first step of a one-process run of `cfg` (on the GPU)."""
     from moecore.data import build_data
@@ -182,7 +196,13 @@ def run(
                         trainer.train_step(with_moe_metrics=False)
 
                 ms, peak = _time(step, warmup, iters)
-                extra = {"phases_ms": profile_gpu_ms(step, PHASES, 2)} if phases else {}
+                extra = {}
+                if phases:
+                    top: list = []
+                    extra = {"phases_ms": profile_gpu_ms(step, PHASES, 2, top), "top_kernels": top}
+                    if trainer is not None:
+                        extra["optimizer_gb_moved"] = round(optimizer_bytes(trainer) / 1e9, 2)
+                        extra["copy_tbps"] = round(copy_tbps(), 2)
                 tflops = flops / ms / 1e9
                 records.append(
                     record(

@@ -125,7 +125,8 @@ def test_checkpoint_holds_masters_and_resume_is_exact(tmp_path):
     _run(tmp_path, "part", "train.steps=6", "train.exit_interval=3", "train.precision=bf16")
     cfg = load_config(
         "tiny-moe",
-        TINY + ["train.steps=6", "train.precision=bf16", "checkpoint.resume=true", f"train.run_dir={tmp_path / 'part'}"],
+        TINY
+        + ["train.steps=6", "train.precision=bf16", "checkpoint.resume=true", f"train.run_dir={tmp_path / 'part'}"],
     )
     trainer = Trainer(cfg)
     masters = {n: trainer.rt.mixed.masters[p].clone() for n, p in trainer.model.named_parameters()}
