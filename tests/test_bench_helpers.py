@@ -46,9 +46,40 @@ def test_kernel_rows_per_step_longest_first_and_skip_host_only_events():
         (["train", "--variants", "moecore-all-grouped"], "--variants 'moecore-all-grouped' is unknown"),
         (["train", "--shapes", "qwen3_30b_a3b"], "--shapes applies to moe-layer only"),
         (["train", "--iters", "0"], "--iters must be >= 1"),
+        (["train", "--model", "gpt4"], "--model 'gpt4' is unknown"),
+        (["train", "--precision", "bf16,fp64"], "--precision 'fp64' is unknown"),
+        (["train", "model.nope=1"], "model.nope is not a known field"),
+        (["train", "train.steps=x"], "train.steps='x' is invalid"),
+        (["moe-layer", "train.steps=2"], "overrides apply to train only"),
     ],
 )
 def test_bad_arguments_give_one_line_and_exit_2(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("model", list(train.PROXIES))
+def test_bench_train_builds_the_config_moecore_train_would(model):
+    """Each proxy is a shipped recipe plus overrides; the precision modes set what `moecore train` reads."""
+    mixed = train.bench_config(model, "mixed").validate()
+    bf16 = train.bench_config(model, "bf16").validate()
+    assert (mixed.train.precision, mixed.optim.master_weights, mixed.optim.state_dtype) == ("bf16", "fp32", "fp32")
+    assert (bf16.optim.master_weights, bf16.optim.state_dtype) == ("bf16", "bf16")
+    assert mixed.model.family and mixed.moe.num_experts >= 128 and mixed.parallel.ep == 1
+    assert not mixed.log.progress and not mixed.log.tensorboard
+
+
+def test_optimizer_bytes_counts_each_tensor_the_update_touches():
+    from moecore.train.loop import Trainer
+
+    cfg = train.bench_config("qwen3-30b-a3b", "mixed", extra=[
+        "model.num_layers=1", "model.hidden_size=64", "model.num_attention_heads=2", "model.num_kv_heads=1",
+        "model.head_dim=32", "moe.num_experts=8", "moe.ffn_hidden_size=32", "model.vocab_size=32768",
+        "train.seq_length=16", "train.global_batch_size=1", "train.micro_batch_size=1", "train.device=cpu",
+    ])  # fmt: skip
+    trainer = Trainer(cfg)
+    trainer.train_step(with_moe_metrics=False)
+    n = sum(p.numel() for p in trainer.model.parameters())
+    # bf16 gradient 2 + fp32 master read and written 8 + bf16 weight written 2 + two fp32 moments 16
+    assert train.optimizer_bytes(trainer) == n * 28

@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         "moecore-all-grouped (moe-layer)",
     )
     p.add_argument("--phases", action="store_true", help="add a GPU-time breakdown by phase (torch.profiler)")
+    p.add_argument("--trace", default=None, metavar="DIR", help="train: write a gzipped Chrome trace of one step each")
     return p
 
 
@@ -72,6 +73,16 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr,
                 )
                 return 2
+    if args.what == "train":
+        from moecore.bench.train import bench_config
+        from moecore.config import ConfigError
+
+        try:
+            for mode in args.precision.split(","):
+                bench_config(args.model, mode, "moecore", args.overrides).validate()
+        except ConfigError as e:
+            print(f"moecore bench: error: {e}", file=sys.stderr)
+            return 2
     if args.what == "moe-layer" and args.overrides:
         print("moecore bench: error: overrides apply to train only", file=sys.stderr)
         return 2
@@ -118,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             variants=variants,
             phases=args.phases,
             overrides=tuple(overrides),
+            trace=args.trace,
         )
     print_table(records)
     if args.json:

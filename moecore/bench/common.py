@@ -121,6 +121,31 @@ def profile_gpu_ms(step: Callable[[], object], phases: tuple, steps: int = 3, to
     return out
 
 
+def chrome_trace(step: Callable[[], object], path: str) -> None:
+    """One call of `step` under torch.profiler (CPU ops and CUDA kernels), written gzipped as a Chrome trace.
+
+    What it is for: where the GPU waits (gaps between kernels) and which host op launched the kernel
+    after each gap; open it in chrome://tracing or Perfetto.
+    """
+    import gzip
+    import os
+    import shutil
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+
+
 def print_table(records: list[dict]) -> None:
     """One line per record: shape, impl, TFLOP/s, ms, peak GB (+ tokens/s and MFU where present)."""
     cols = ["shape", "impl", "tflops", "ms", "peak_mem_gb", "tokens_per_s", "mfu", "error"]

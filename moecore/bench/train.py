@@ -26,7 +26,7 @@ import tempfile
 
 import torch
 
-from moecore.bench.common import copy_tbps, cuda_time_ms, dense_bf16_tflops, profile_gpu_ms, record
+from moecore.bench.common import chrome_trace, copy_tbps, cuda_time_ms, dense_bf16_tflops, profile_gpu_ms, record
 
 PROXIES = {
     # name: (recipe, overrides) — the shape a user trains, cut to fit one GPU
@@ -165,7 +165,9 @@ def run(
     variants: tuple[str, ...] = ("moecore",),
     phases: bool = False,
     overrides: tuple[str, ...] = (),
+    trace: str | None = None,
 ) -> list[dict]:
+    """Time each (precision mode, implementation); `trace`: a folder for gzipped Chrome traces of one step each."""
     from moecore.train.logger import flops_per_token
     from moecore.train.loop import Trainer
 
@@ -196,6 +198,8 @@ def run(
                         trainer.train_step(with_moe_metrics=False)
 
                 ms, peak = _time(step, warmup, iters)
+                if trace:
+                    chrome_trace(step, f"{trace}/{model}-{mode}-{impl}.json.gz")
                 extra = {}
                 if phases:
                     top: list = []

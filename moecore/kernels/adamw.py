@@ -63,7 +63,8 @@ if triton_importable():
         w = w * decay
         m = beta1 * m + (1.0 - beta1) * g
         v = beta2 * v + (1.0 - beta2) * g * g
-        w = w - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
+        # Correctly rounded sqrt and division, as torch's: the result matches the reference to rounding.
+        w = w - step_size * tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps)
         tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
         tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
         if HAS_MASTER:

@@ -100,7 +100,7 @@ class Runtime:
         elif all(g.dtype == torch.float32 for g in grads):
             norm = torch.nn.utils.get_total_norm(grads)
         else:  # bf16 gradients: sum the squares in fp32
-            norm = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).norm()
+            norm = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).norm()
         if max_norm > 0 and grads:
             coef = float((max_norm / (norm.float() + 1e-6)).clamp(max=1.0))
             optimizer = getattr(self, "_optimizer", None)
