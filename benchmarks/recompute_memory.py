@@ -4,11 +4,11 @@ Usage (GPU): PYTHONPATH=. python benchmarks/recompute_memory.py [--model qwen3|d
 `qwen3`: the Qwen3-30B-A3B proxy of `moecore bench train` (GQA, 128 experts, no shared expert).
 `dsv2lite`: the `deepseek-v2-lite` recipe cut to --layers layers (MLA without q LoRA, first layer
 dense, 64 experts top-6 + 2 shared), which exercises mla_up_proj, mlp and shared_experts too.
-One model per option (bf16 weights, AdamW fused, batch 2 x 4096 as `moecore bench train`); the peak
-is torch.cuda.max_memory_allocated over 2 warm-up + 3 timed steps. `activations_gb` is what the
-forward leaves allocated for the backward (memory after the forward minus before it, no gradients
-held): the memory recomputation trades for time. The step's peak also holds the weights, gradients
-and AdamW moments, which recomputation does not touch.
+One `Trainer` per option, built as `moecore train` builds it (batch 2 x 4096, `--precision` mode of
+`moecore bench train`, default bf16); the peak is torch.cuda.max_memory_allocated over 2 warm-up + 3
+timed steps. `activations_gb` is what one forward leaves allocated for the backward (memory after the
+forward minus before it): the memory recomputation trades for time. The step's peak also holds the
+weights, master weights, moments and gradients, which recomputation does not touch.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import json
 
 import torch
 
-from moecore.bench.train import V, _moecore_model, _time_train
+from moecore.bench.common import cuda_time_ms
+from moecore.bench.train import MODES, bench_config
 
 OPTIONS = {  # the qwen3 proxy
     "none": ((), "none"),
@@ -44,24 +45,18 @@ OPTIONS_MLA = {  # the DeepSeek-V2-Lite proxy
 }
 
 
-def _dsv2lite_model(layers: int, seq: int, recompute_modules: tuple, granularity: str):
+def _config(model: str, mode: str, layers: int, seq: int, modules: tuple, granularity: str):
+    rec = ",".join(modules)
+    common = [
+        f"model.num_layers={layers}", f"train.seq_length={seq}", "train.global_batch_size=2",
+        "train.micro_batch_size=2", f"model.recompute_modules=[{rec}]", f"model.recompute_granularity={granularity}",
+    ]  # fmt: skip
+    if model == "qwen3":
+        return bench_config("qwen3-30b-a3b", mode, extra=common)
     from moecore.config import load_config
-    from moecore.models.transformer import MoETransformer
 
-    rec = ",".join(recompute_modules)
-    cfg = load_config(
-        "deepseek-v2-lite",
-        [
-            f"model.num_layers={layers}",
-            f"train.seq_length={seq}",
-            "parallel.ep=1",
-            "moe.token_dispatcher_type=alltoall",
-            f"model.recompute_modules=[{rec}]",
-            f"model.recompute_granularity={granularity}",
-            "moe.apply_probs_on_input=true",
-        ],
-    )
-    return MoETransformer(cfg)
+    quiet = ["log.progress=false", "log.tensorboard=false", "log.oom_snapshot=false", "parallel.ep=1"]
+    return load_config("deepseek-v2-lite", [*common, *MODES[mode], *quiet])
 
 
 def main() -> None:
@@ -71,39 +66,39 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--json", default=None)
+    p.add_argument("--precision", choices=tuple(MODES), default="bf16")
     a = p.parse_args()
-    torch.manual_seed(0)
-    vocab = V if a.model == "qwen3" else 102400
-    ids = torch.randint(0, vocab, (a.batch, a.seq), device="cuda")
-    labels = torch.roll(ids, -1, dims=1)
+    from moecore.train.loop import Trainer
+
     rows = []
     options = OPTIONS if a.model == "qwen3" else OPTIONS_MLA
-    build = _moecore_model if a.model == "qwen3" else _dsv2lite_model
     for name, (mods, gran) in options.items():
-        torch.manual_seed(1)
-        with torch.device("cuda"):
-            model = build(a.layers, a.seq, mods, gran)
-        model = model.to(torch.bfloat16).train()
-        ms, peak = _time_train(model, ids, labels, False, 2, 3)
+        trainer = Trainer(_config(a.model, a.precision, a.layers, a.seq, mods, gran))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        ms = cuda_time_ms(lambda trainer=trainer: trainer.train_step(with_moe_metrics=False), 2, 3)
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        batch = {k: v.cuda() for k, v in trainer.data.train.next_micro_batch().items()}
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        out = model(input_ids=ids, labels=labels)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = trainer.model(batch["input_ids"], labels=batch["labels"], loss_mask=batch["loss_mask"])
         torch.cuda.synchronize()
         activations = (torch.cuda.memory_allocated() - before) / 2**30
-        out.loss.backward()
         out = None
-        model.zero_grad(set_to_none=True)
         rows.append(
             {
                 "model": a.model,
                 "option": name,
+                "precision": a.precision,
                 "ms": round(ms, 2),
                 "peak_mem_gb": round(peak, 3),
                 "activations_gb": round(activations, 3),
             }
         )
         print(json.dumps(rows[-1]), flush=True)
-        model = None
+        trainer.rt.shutdown()
+        trainer = None
         gc.collect()
         torch.cuda.empty_cache()
     base = rows[0]["activations_gb"]
