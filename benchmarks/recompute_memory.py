@@ -85,7 +85,7 @@ def main() -> None:
             out = trainer.model(batch["input_ids"], labels=batch["labels"], loss_mask=batch["loss_mask"])
         torch.cuda.synchronize()
         activations = (torch.cuda.memory_allocated() - before) / 2**30
-        out = None
+        del out
         rows.append(
             {
                 "model": a.model,
