@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     if args.iters < 1 or args.warmup < 0:
         print("moecore bench: error: --iters must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2

@@ -92,9 +92,10 @@ def test_kernel_matches_reference(backend, master_dtype):
     for impl, (param, master, _, _) in runs.items():  # the compute weight is the rounded master, exactly
         if master is not None:
             assert torch.equal(param, master.to(low)), impl
-    # fp32 results agree to rounding (the kernel's fp32 operation order differs from torch's); stored bf16
-    # values may then round to the neighbouring bf16 number: within one bf16 unit (2**-8) in norm.
+    # fp32 results agree to rounding: the kernel contracts multiply-adds into FMAs where torch rounds twice
+    # (measured 1.3e-6 relative on the H200 after 3 steps, 0 in the interpreter); stored bf16 values may
+    # then round to the neighbouring bf16 number: within one bf16 unit (2**-8) in norm.
     for ref, got in zip(runs["torch"], runs["triton"]):
         if ref is not None:
-            tol = 1e-6 if ref.dtype == torch.float32 else 2**-8
+            tol = 4e-6 if ref.dtype == torch.float32 else 2**-8
             assert rel_err(got, ref) < tol, rel_err(got, ref)
