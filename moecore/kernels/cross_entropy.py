@@ -95,14 +95,24 @@ def _chunked(h, weight, labels, mask, chunk: int, impl: str, need_grad: bool):
         loss = loss + _ce_rows(z, labels[s : s + chunk], mask[s : s + chunk], impl).sum()
         if need_grad:
             torch.mm(z, w, out=dh[s : s + chunk])
-            part = z.t() @ hc
-            if N <= chunk:
-                dw = part
-            else:
-                acc = torch.promote_types(part.dtype, torch.float32)
-                dw = part.to(acc) if dw is None else dw.add_(part.to(acc))
+            dw = z.t() @ hc if N <= chunk else _accumulate_dw(dw, z, hc)
         del z
     return loss, dh, dw
+
+
+def _accumulate_dw(dw: torch.Tensor | None, z: torch.Tensor, hc: torch.Tensor) -> torch.Tensor:
+    """dw + z^T @ hc summed in fp32 over the chunks. On CUDA the GEMM writes (and adds into) fp32
+    itself (`out_dtype`), where a bf16 product would otherwise be cast and added in two more passes."""
+    acc = torch.promote_types(z.dtype, torch.float32)
+    if z.is_cuda and z.dtype != acc:
+        try:
+            if dw is None:
+                return torch.mm(z.t(), hc, out_dtype=acc)
+            return torch.addmm(dw, z.t(), hc, out_dtype=acc)
+        except (RuntimeError, TypeError):  # a torch without the fp32-output GEMM for these inputs
+            pass
+    part = (z.t() @ hc).to(acc)
+    return part if dw is None else dw.add_(part)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -117,7 +127,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dh, dw = ctx.dh, ctx.dw
         ctx.dh = ctx.dw = None
         dh = dh * g.to(dh.dtype) if ctx.needs_input_grad[0] else None
-        dw = (dw * g).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        if ctx.needs_input_grad[1]:  # scaled and cast in one pass
+            dw = torch.mul(dw, g.to(dw.dtype), out=torch.empty_like(dw, dtype=ctx.w_dtype))
+        else:
+            dw = None
         return dh, dw, None, None, None, None
 
 
