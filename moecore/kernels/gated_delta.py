@@ -120,7 +120,24 @@ if triton_importable():
         tl.store(h_ptr + (bh.to(tl.int64) * (N + 1) + N) * DK * DV + soff, state, mask=smask)
 
     @triton.jit
-    def _intra(q_ptr, k_ptr, gcum_ptr, b, h, bh, n, S, N, HK, R, DK, scale, C: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    def _intra(
+        q_ptr,
+        k_ptr,
+        gcum_ptr,
+        b,
+        h,
+        bh,
+        n,
+        S,
+        N,
+        HK,
+        R,
+        DK,
+        scale,
+        C: tl.constexpr,
+        BK: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
         """Shared by output and backward kernels: scaled q, k [C, BK], G [C] and P = lower_incl(Qs K^T o E)."""
         r = tl.arange(0, C)
         t = n * C + r
@@ -231,7 +248,9 @@ if triton_importable():
             dbv = tl.dot(tl.trans(tm), du, input_precision=PREC)  # d(beta V)
             dbeta += tl.sum(dbv * v, axis=1)
             off = ((b.to(tl.int64) * S + t) * HV + h)[:, None] * DV + cv[None, :]
-            tl.store(dv_ptr + off, (dbv * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=tmask[:, None] & vmask[None, :])
+            tl.store(
+                dv_ptr + off, (dbv * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=tmask[:, None] & vmask[None, :]
+            )
 
         q, k, G, p, decay = _intra(q_ptr, k_ptr, gcum_ptr, b, h, bh, n, S, N, HK, R, DK, scale, C, BK, PREC)
         gam = tl.exp(G)
@@ -359,8 +378,6 @@ def gated_delta_rule_triton(
     or 64 (any other value runs with 64: the result does not depend on it). Returns (o [B, S, Hv, Dv] in v's
     dtype, final state [B, Hv, Dk, Dv] fp32), as `gated_delta_rule_chunked` without an initial state.
     """
-    if not triton_importable():
-        raise ValueError("gated_delta_rule_triton needs the triton package, which does not import here")
     hk, hv = k.shape[2], v.shape[2]
     if hv % hk:
         raise ValueError(f"value heads ({hv}) must be a multiple of key heads ({hk})")
@@ -368,6 +385,8 @@ def gated_delta_rule_triton(
         raise ValueError(f"head dims {k.shape[-1]}/{v.shape[-1]} are too large: the kernel takes <= {MAX_HEAD_DIM}")
     if torch.float64 in (q.dtype, k.dtype, v.dtype):
         raise ValueError("gated_delta_rule_triton takes fp32, bf16 or fp16 inputs, not float64")
+    if not triton_importable():
+        raise ValueError("gated_delta_rule_triton needs the triton package, which does not import here")
     chunk = chunk_size if chunk_size in (16, 32, 64) else 64
     scale = k.shape[-1] ** -0.5 if scale is None else float(scale)
     if q.shape[1] == 0:
