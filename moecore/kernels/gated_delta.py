@@ -33,6 +33,8 @@ inputs carry larger rounding than TF32 adds). Head dims up to 128; chunk 16, 32 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from moecore.kernels._triton import next_pow2, triton_importable
@@ -42,6 +44,24 @@ MAX_HEAD_DIM = 128
 if triton_importable():
     import triton
     import triton.language as tl
+
+    def _tunings(blocks: tuple[int, ...], warps: tuple[int, ...], stages: tuple[int, ...]) -> list:
+        """Autotuning space (block of Dv per program, warps, pipeline stages), timed once per head dims."""
+        return [
+            triton.Config({"BV": bv} if bv else {}, num_warps=w, num_stages=st)
+            for bv in blocks
+            for w in warps
+            for st in stages
+        ]
+
+    def _first_when_interpreted(configs, named_args, **kwargs):
+        """The interpreter (CPU tensors) cannot time configs: take the first."""
+        return configs[:1] if os.environ.get("TRITON_INTERPRET") == "1" else configs
+
+    def _autotune(configs: list):
+        return triton.autotune(
+            configs, key=["DK", "DV", "C", "PREC"], prune_configs_by={"early_config_prune": _first_when_interpreted}
+        )
 
     @triton.jit
     def _load_rows(ptr, b, t, S, H, h, D, cols, tmask):
@@ -54,6 +74,7 @@ if triton_importable():
         """Per-token scalars [len(t)] of a [B, S, H] tensor at head h (fp32), zero outside."""
         return tl.load(ptr + (b.to(tl.int64) * S + t) * H + h, mask=tmask, other=0.0).to(tl.float32)
 
+    @_autotune(_tunings((0,), (4, 8), (1,)))
     @triton.jit
     def _wy_fwd_kernel(
         k_ptr, v_ptr, g_ptr, beta_ptr, gcum_ptr, t_ptr, w_ptr, u0_ptr,
@@ -90,6 +111,7 @@ if triton_importable():
         tl.store(w_ptr + row[:, None] * DK + ck[None, :], w, mask=(ck < DK)[None, :])
         tl.store(u0_ptr + row[:, None] * DV + cv[None, :], u0, mask=(cv < DV)[None, :])
 
+    @_autotune(_tunings((32, 64), (4, 8), (2,)))
     @triton.jit
     def _state_fwd_kernel(
         k_ptr, gcum_ptr, w_ptr, u0_ptr, u_ptr, h_ptr,
@@ -150,6 +172,7 @@ if triton_importable():
         p = tl.dot(q, tl.trans(k), input_precision=PREC) * decay
         return q, k, G, p, decay
 
+    @_autotune(_tunings((64, 128), (4, 8), (2,)))
     @triton.jit
     def _out_fwd_kernel(
         q_ptr, k_ptr, gcum_ptr, u_ptr, h_ptr, o_ptr, scale,
@@ -171,6 +194,7 @@ if triton_importable():
         off = ((b.to(tl.int64) * S + t) * HV + h)[:, None] * DV + cv[None, :]
         tl.store(o_ptr + off, o.to(o_ptr.dtype.element_ty), mask=(t < S)[:, None] & (cv < DV)[None, :])
 
+    @_autotune(_tunings((32, 64), (4, 8), (2,)))
     @triton.jit
     def _state_bwd_kernel(
         q_ptr, k_ptr, gcum_ptr, w_ptr, do_ptr, dht_ptr, du_ptr, dh_ptr, scale,
@@ -203,6 +227,7 @@ if triton_importable():
                 - tl.dot(tl.trans(w), du, input_precision=PREC)
             )
 
+    @_autotune(_tunings((32, 64), (4, 8), (1,)))
     @triton.jit
     def _chunk_bwd_kernel(
         q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, t_ptr, w_ptr, u_ptr, h_ptr, dh_ptr, du_ptr, do_ptr,
@@ -219,55 +244,45 @@ if triton_importable():
         row = (bh.to(tl.int64) * N + n) * C + r
         tm = tl.load(t_ptr + row[:, None] * C + r[None, :])
         beta = _load_tok(beta_ptr, b, t, S, HV, h, tmask)
+        # Two passes over Dv tiles keep the live set small: the first gathers what the q side and T need.
         x = tl.zeros((C, BK), dtype=tl.float32)  # dO S^T
-        dkt = tl.zeros((C, BK), dtype=tl.float32)  # U dS'^T
         dw = tl.zeros((C, BK), dtype=tl.float32)  # -dU S^T
         dp = tl.zeros((C, C), dtype=tl.float32)  # dO U^T
         dtv = tl.zeros((C, C), dtype=tl.float32)  # dU V^T
         dbeta = tl.zeros((C,), dtype=tl.float32)
-        dgam = 0.0  # sum(S o dS')
         hbase = (bh.to(tl.int64) * (N + 1) + n) * DK * DV
         dhbase = (bh.to(tl.int64) * N + n) * DK * DV
         for v0 in range(0, DV, BV):
             cv = v0 + tl.arange(0, BV)
             vmask = cv < DV
-            smask = (ck < DK)[:, None] & vmask[None, :]
             soff = ck[:, None] * DV + cv[None, :]
-            state = tl.load(h_ptr + hbase + soff, mask=smask, other=0.0)
-            dstate = tl.load(dh_ptr + dhbase + soff, mask=smask, other=0.0)
+            state = tl.load(h_ptr + hbase + soff, mask=(ck < DK)[:, None] & vmask[None, :], other=0.0)
             do = _load_rows(do_ptr, b, t, S, HV, h, DV, cv, tmask)
             v = _load_rows(v_ptr, b, t, S, HV, h, DV, cv, tmask)
             u = tl.load(u_ptr + row[:, None] * DV + cv[None, :], mask=vmask[None, :], other=0.0)
             du = tl.load(du_ptr + row[:, None] * DV + cv[None, :], mask=vmask[None, :], other=0.0)
             x += tl.dot(do, tl.trans(state), input_precision=PREC)
-            dkt += tl.dot(u, tl.trans(dstate), input_precision=PREC)
             dw -= tl.dot(du, tl.trans(state), input_precision=PREC)
             dp += tl.dot(do, tl.trans(u), input_precision=PREC)
             dtv += tl.dot(du, tl.trans(v), input_precision=PREC)
-            dgam += tl.sum(tl.sum(state * dstate, axis=1), axis=0)
             dbv = tl.dot(tl.trans(tm), du, input_precision=PREC)  # d(beta V)
             dbeta += tl.sum(dbv * v, axis=1)
             off = ((b.to(tl.int64) * S + t) * HV + h)[:, None] * DV + cv[None, :]
-            tl.store(
-                dv_ptr + off, (dbv * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=tmask[:, None] & vmask[None, :]
-            )
+            dv = (dbv * beta[:, None]).to(dv_ptr.dtype.element_ty)
+            tl.store(dv_ptr + off, dv, mask=tmask[:, None] & vmask[None, :])
 
         q, k, G, p, decay = _intra(q_ptr, k_ptr, gcum_ptr, b, h, bh, n, S, N, HK, R, DK, scale, C, BK, PREC)
         gam = tl.exp(G)
-        g_last = tl.sum(tl.where(r == C - 1, G, 0.0), axis=0)
-        to_end = tl.exp(g_last - G)
         # o: Gam Qs S and P U (P = lower_incl(Qs K^T o E))
         dpm = dp * decay
         dq = gam[:, None] * x + tl.dot(dpm, k, input_precision=PREC)
-        dk = tl.dot(tl.trans(dpm), q, input_precision=PREC)
-        dgl = gam * tl.sum(q * x, axis=1)  # dG (per token), via Gam
+        off = ((b.to(tl.int64) * S + t) * HV + h)[:, None] * DK + ck[None, :]
+        kmask = tmask[:, None] & (ck < DK)[None, :]
+        tl.store(dq_ptr + off, dq * scale, mask=kmask)
+        dgl = gam * tl.sum(q * x, axis=1)  # dG (per token), through Gam
         pd = dp * p
         dgl += tl.sum(pd, axis=1) - tl.sum(pd, axis=0)
-        # state update: gam S + Kt^T U, Kt = (gam / Gam) K
-        dk += to_end[:, None] * dkt
-        kd = to_end * tl.sum(k * dkt, axis=1)
-        dgl -= kd
-        dg_end = tl.sum(kd, axis=0) + tl.exp(g_last) * dgam
+        dk = tl.dot(tl.trans(dpm), q, input_precision=PREC)
         # W = T diag(beta Gam) K
         bg = beta * gam
         dbk = tl.dot(tl.trans(tm), dw, input_precision=PREC)
@@ -286,11 +301,27 @@ if triton_importable():
         dk += tl.dot(z, k, input_precision=PREC) + tl.dot(tl.trans(z), k, input_precision=PREC)
         ad = z * kk  # dA o A
         dgl += tl.sum(ad, axis=1) - tl.sum(ad, axis=0)
+        # state update gam S + Kt^T U, Kt = (gam / Gam) K: second pass over Dv tiles for U dS'^T
+        dkt = tl.zeros((C, BK), dtype=tl.float32)
+        dgam = tl.zeros((BK,), dtype=tl.float32)  # sum(S o dS'), per row of the state
+        for v0 in range(0, DV, BV):
+            cv = v0 + tl.arange(0, BV)
+            vmask = cv < DV
+            smask = (ck < DK)[:, None] & vmask[None, :]
+            soff = ck[:, None] * DV + cv[None, :]
+            state = tl.load(h_ptr + hbase + soff, mask=smask, other=0.0)
+            dstate = tl.load(dh_ptr + dhbase + soff, mask=smask, other=0.0)
+            u = tl.load(u_ptr + row[:, None] * DV + cv[None, :], mask=vmask[None, :], other=0.0)
+            dkt += tl.dot(u, tl.trans(dstate), input_precision=PREC)
+            dgam += tl.sum(state * dstate, axis=1)
+        g_last = tl.sum(tl.where(r == C - 1, G, 0.0), axis=0)
+        to_end = tl.exp(g_last - G)
+        dk += to_end[:, None] * dkt
+        kd = to_end * tl.sum(k * dkt, axis=1)
+        dgl -= kd
+        dg_end = tl.sum(kd, axis=0) + tl.exp(g_last) * tl.sum(dgam, axis=0)
         # g_t enters every G_s with s >= t (and G_C): dg = reverse cumulative sum of dG
         dg = tl.sum(dgl, axis=0) - tl.cumsum(dgl, 0) + dgl + dg_end
-        off = ((b.to(tl.int64) * S + t) * HV + h)[:, None] * DK + ck[None, :]
-        kmask = tmask[:, None] & (ck < DK)[None, :]
-        tl.store(dq_ptr + off, dq * scale, mask=kmask)
         tl.store(dk_ptr + off, dk, mask=kmask)
         tl.store(dbeta_ptr + (b.to(tl.int64) * S + t) * HV + h, dbeta, mask=tmask)
         tl.store(dg_ptr + (b.to(tl.int64) * S + t) * HV + h, dg, mask=tmask)
@@ -318,15 +349,13 @@ class _GatedDeltaRule(torch.autograd.Function):
         states = torch.empty(b, hv, n + 1, dk, dv, **f32)
         o = torch.empty_like(v)
         dims = (s, n, hk, hv, rep, dk, dv)
-        _wy_fwd_kernel[(n, b * hv)](k, v, g, beta, gcum, tmat, w, u0, *dims, chunk, bk, bv, prec, num_warps=4)
-        bvs = min(bv, 32)
-        _state_fwd_kernel[(triton.cdiv(dv, bvs), b * hv)](
-            k, gcum, w, u0, u, states, *dims, chunk, bk, bvs, prec, num_warps=4
-        )
+        meta = {"C": chunk, "BK": bk, "PREC": prec}
+        _wy_fwd_kernel[(n, b * hv)](k, v, g, beta, gcum, tmat, w, u0, *dims, BV=bv, **meta)
+        grid = lambda m: (triton.cdiv(dv, m["BV"]), b * hv)  # noqa: E731
+        _state_fwd_kernel[grid](k, gcum, w, u0, u, states, *dims, **meta)
         del u0
-        bvo = min(bv, 64)
-        _out_fwd_kernel[(n, triton.cdiv(dv, bvo), b * hv)](
-            q, k, gcum, u, states, o, scale, *dims, chunk, bk, bvo, prec, num_warps=4
+        _out_fwd_kernel[lambda m: (n, triton.cdiv(dv, m["BV"]), b * hv)](
+            q, k, gcum, u, states, o, scale, *dims, **meta
         )
         ctx.save_for_backward(q, k, v, g, beta, gcum, tmat, w, u, states)
         ctx.scale, ctx.chunk, ctx.prec = scale, chunk, prec
@@ -337,16 +366,16 @@ class _GatedDeltaRule(torch.autograd.Function):
         q, k, v, g, beta, gcum, tmat, w, u, states = ctx.saved_tensors
         chunk, prec, scale = ctx.chunk, ctx.prec, ctx.scale
         b, s, hk, hv, rep, dk, dv, n = _shapes(q, v, chunk)
-        bk, bv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
+        bk = max(16, next_pow2(dk))
         dims = (s, n, hk, hv, rep, dk, dv)
         do = do.contiguous()
         dht = dht.float().contiguous()
         f32 = {"device": v.device, "dtype": torch.float32}
         du = torch.empty(b, hv, n * chunk, dv, **f32)
         dstates = torch.empty(b, hv, n, dk, dv, **f32)
-        bvs = min(bv, 32)
-        _state_bwd_kernel[(triton.cdiv(dv, bvs), b * hv)](
-            q, k, gcum, w, do, dht, du, dstates, scale, *dims, chunk, bk, bvs, prec, num_warps=4
+        meta = {"C": chunk, "BK": bk, "PREC": prec}
+        _state_bwd_kernel[lambda m: (triton.cdiv(dv, m["BV"]), b * hv)](
+            q, k, gcum, w, do, dht, du, dstates, scale, *dims, **meta
         )
         dq = torch.empty(b, s, hv, dk, **f32)
         dk_ = torch.empty(b, s, hv, dk, **f32)
@@ -355,7 +384,7 @@ class _GatedDeltaRule(torch.autograd.Function):
         dg = torch.empty(b, s, hv, **f32)
         _chunk_bwd_kernel[(n, b * hv)](
             q, k, v, beta, gcum, tmat, w, u, states, dstates, du, do,
-            dq, dk_, dv_, dbeta, dg, scale, *dims, chunk, bk, min(bv, 32), prec, num_warps=8,
+            dq, dk_, dv_, dbeta, dg, scale, *dims, **meta,
         )  # fmt: skip
         if rep > 1:  # each key head serves `rep` consecutive value heads
             dq, dk_ = (x.view(b, s, hk, rep, dk).sum(3) for x in (dq, dk_))
