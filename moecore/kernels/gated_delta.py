@@ -227,14 +227,55 @@ if triton_importable():
                 - tl.dot(tl.trans(w), du, input_precision=PREC)
             )
 
-    @_autotune(_tunings((32, 64), (4, 8), (1,)))
+    @_autotune(_tunings((32, 64), (4, 8), (1, 2)))
     @triton.jit
-    def _chunk_bwd_kernel(
-        q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, t_ptr, w_ptr, u_ptr, h_ptr, dh_ptr, du_ptr, do_ptr,
-        dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, scale,
+    def _dq_bwd_kernel(
+        q_ptr, k_ptr, gcum_ptr, u_ptr, h_ptr, do_ptr, dq_ptr, dk_ptr, dg_ptr, scale,
         S, N, HK, HV, R, DK, DV,
         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     ):  # fmt: skip
+        """The q side of one chunk: dq, and the parts of dk and dG that come through P and Gam Qs S."""
+        n, bh = tl.program_id(0), tl.program_id(1)
+        b, h = bh // HV, bh % HV
+        r = tl.arange(0, C)
+        t = n * C + r
+        tmask = t < S
+        ck = tl.arange(0, BK)
+        row = (bh.to(tl.int64) * N + n) * C + r
+        x = tl.zeros((C, BK), dtype=tl.float32)  # dO S^T
+        dp = tl.zeros((C, C), dtype=tl.float32)  # dO U^T
+        hbase = (bh.to(tl.int64) * (N + 1) + n) * DK * DV
+        for v0 in range(0, DV, BV):
+            cv = v0 + tl.arange(0, BV)
+            vmask = cv < DV
+            soff = ck[:, None] * DV + cv[None, :]
+            state = tl.load(h_ptr + hbase + soff, mask=(ck < DK)[:, None] & vmask[None, :], other=0.0)
+            do = _load_rows(do_ptr, b, t, S, HV, h, DV, cv, tmask)
+            u = tl.load(u_ptr + row[:, None] * DV + cv[None, :], mask=vmask[None, :], other=0.0)
+            x += tl.dot(do, tl.trans(state), input_precision=PREC)
+            dp += tl.dot(do, tl.trans(u), input_precision=PREC)
+        q, k, G, p, decay = _intra(q_ptr, k_ptr, gcum_ptr, b, h, bh, n, S, N, HK, R, DK, scale, C, BK, PREC)
+        gam = tl.exp(G)
+        dpm = dp * decay
+        dq = gam[:, None] * x + tl.dot(dpm, k, input_precision=PREC)
+        dk = tl.dot(tl.trans(dpm), q, input_precision=PREC)
+        pd = dp * p
+        dgl = gam * tl.sum(q * x, axis=1) + tl.sum(pd, axis=1) - tl.sum(pd, axis=0)
+        off = ((b.to(tl.int64) * S + t) * HV + h)[:, None] * DK + ck[None, :]
+        kmask = tmask[:, None] & (ck < DK)[None, :]
+        tl.store(dq_ptr + off, dq * scale, mask=kmask)
+        tl.store(dk_ptr + off, dk, mask=kmask)
+        tl.store(dg_ptr + (b.to(tl.int64) * S + t) * HV + h, dgl, mask=tmask)
+
+    @_autotune(_tunings((32, 64), (4, 8), (1, 2)))
+    @triton.jit
+    def _dk_bwd_kernel(
+        k_ptr, v_ptr, beta_ptr, gcum_ptr, t_ptr, u_ptr, h_ptr, dh_ptr, du_ptr,
+        dk_ptr, dv_ptr, dbeta_ptr, dg_ptr,
+        S, N, HK, HV, R, DK, DV,
+        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    ):  # fmt: skip
+        """The k side of one chunk: dv, dbeta, dk and dg, adding the q side's dk and dG (`_dq_bwd_kernel`)."""
         n, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // HV, bh % HV
         r = tl.arange(0, C)
@@ -244,66 +285,13 @@ if triton_importable():
         row = (bh.to(tl.int64) * N + n) * C + r
         tm = tl.load(t_ptr + row[:, None] * C + r[None, :])
         beta = _load_tok(beta_ptr, b, t, S, HV, h, tmask)
-        # Two passes over Dv tiles keep the live set small: the first gathers what the q side and T need.
-        x = tl.zeros((C, BK), dtype=tl.float32)  # dO S^T
-        dw = tl.zeros((C, BK), dtype=tl.float32)  # -dU S^T
-        dp = tl.zeros((C, C), dtype=tl.float32)  # dO U^T
-        dtv = tl.zeros((C, C), dtype=tl.float32)  # dU V^T
+        ds = tl.zeros((C, BK), dtype=tl.float32)  # dR S^T
+        dkt = tl.zeros((C, BK), dtype=tl.float32)  # U dS'^T
+        da = tl.zeros((C, C), dtype=tl.float32)  # -dR U^T
         dbeta = tl.zeros((C,), dtype=tl.float32)
+        dgam = tl.zeros((BK,), dtype=tl.float32)  # sum(S o dS'), per row of the state
         hbase = (bh.to(tl.int64) * (N + 1) + n) * DK * DV
         dhbase = (bh.to(tl.int64) * N + n) * DK * DV
-        for v0 in range(0, DV, BV):
-            cv = v0 + tl.arange(0, BV)
-            vmask = cv < DV
-            soff = ck[:, None] * DV + cv[None, :]
-            state = tl.load(h_ptr + hbase + soff, mask=(ck < DK)[:, None] & vmask[None, :], other=0.0)
-            do = _load_rows(do_ptr, b, t, S, HV, h, DV, cv, tmask)
-            v = _load_rows(v_ptr, b, t, S, HV, h, DV, cv, tmask)
-            u = tl.load(u_ptr + row[:, None] * DV + cv[None, :], mask=vmask[None, :], other=0.0)
-            du = tl.load(du_ptr + row[:, None] * DV + cv[None, :], mask=vmask[None, :], other=0.0)
-            x += tl.dot(do, tl.trans(state), input_precision=PREC)
-            dw -= tl.dot(du, tl.trans(state), input_precision=PREC)
-            dp += tl.dot(do, tl.trans(u), input_precision=PREC)
-            dtv += tl.dot(du, tl.trans(v), input_precision=PREC)
-            dbv = tl.dot(tl.trans(tm), du, input_precision=PREC)  # d(beta V)
-            dbeta += tl.sum(dbv * v, axis=1)
-            off = ((b.to(tl.int64) * S + t) * HV + h)[:, None] * DV + cv[None, :]
-            dv = (dbv * beta[:, None]).to(dv_ptr.dtype.element_ty)
-            tl.store(dv_ptr + off, dv, mask=tmask[:, None] & vmask[None, :])
-
-        q, k, G, p, decay = _intra(q_ptr, k_ptr, gcum_ptr, b, h, bh, n, S, N, HK, R, DK, scale, C, BK, PREC)
-        gam = tl.exp(G)
-        # o: Gam Qs S and P U (P = lower_incl(Qs K^T o E))
-        dpm = dp * decay
-        dq = gam[:, None] * x + tl.dot(dpm, k, input_precision=PREC)
-        off = ((b.to(tl.int64) * S + t) * HV + h)[:, None] * DK + ck[None, :]
-        kmask = tmask[:, None] & (ck < DK)[None, :]
-        tl.store(dq_ptr + off, dq * scale, mask=kmask)
-        dgl = gam * tl.sum(q * x, axis=1)  # dG (per token), through Gam
-        pd = dp * p
-        dgl += tl.sum(pd, axis=1) - tl.sum(pd, axis=0)
-        dk = tl.dot(tl.trans(dpm), q, input_precision=PREC)
-        # W = T diag(beta Gam) K
-        bg = beta * gam
-        dbk = tl.dot(tl.trans(tm), dw, input_precision=PREC)
-        dk += bg[:, None] * dbk
-        rk = tl.sum(dbk * k, axis=1)
-        dbeta += gam * rk
-        dgl += bg * rk
-        # T = (I + A)^-1: dA = -T^T dT T^T on the strict lower triangle
-        dt = tl.dot(dw, tl.trans(k * bg[:, None]), input_precision=PREC) + dtv * beta[None, :]
-        da = -tl.dot(tl.dot(tl.trans(tm), dt, input_precision=PREC), tl.trans(tm), input_precision=PREC)
-        strict = r[:, None] > r[None, :]
-        kk = tl.dot(k, tl.trans(k), input_precision=PREC)
-        dakk = tl.where(strict, da * decay, 0.0)  # decay is lower_incl; strict drops the diagonal
-        dbeta += tl.sum(dakk * kk, axis=1)
-        z = dakk * beta[:, None]
-        dk += tl.dot(z, k, input_precision=PREC) + tl.dot(tl.trans(z), k, input_precision=PREC)
-        ad = z * kk  # dA o A
-        dgl += tl.sum(ad, axis=1) - tl.sum(ad, axis=0)
-        # state update gam S + Kt^T U, Kt = (gam / Gam) K: second pass over Dv tiles for U dS'^T
-        dkt = tl.zeros((C, BK), dtype=tl.float32)
-        dgam = tl.zeros((BK,), dtype=tl.float32)  # sum(S o dS'), per row of the state
         for v0 in range(0, DV, BV):
             cv = v0 + tl.arange(0, BV)
             vmask = cv < DV
@@ -311,9 +299,43 @@ if triton_importable():
             soff = ck[:, None] * DV + cv[None, :]
             state = tl.load(h_ptr + hbase + soff, mask=smask, other=0.0)
             dstate = tl.load(dh_ptr + dhbase + soff, mask=smask, other=0.0)
+            v = _load_rows(v_ptr, b, t, S, HV, h, DV, cv, tmask)
             u = tl.load(u_ptr + row[:, None] * DV + cv[None, :], mask=vmask[None, :], other=0.0)
+            du = tl.load(du_ptr + row[:, None] * DV + cv[None, :], mask=vmask[None, :], other=0.0)
+            dr = tl.dot(tl.trans(tm), du, input_precision=PREC)  # dR = T^T dU
+            dbeta += tl.sum(dr * v, axis=1)
+            ds += tl.dot(dr, tl.trans(state), input_precision=PREC)
+            da -= tl.dot(dr, tl.trans(u), input_precision=PREC)
             dkt += tl.dot(u, tl.trans(dstate), input_precision=PREC)
             dgam += tl.sum(state * dstate, axis=1)
+            off = ((b.to(tl.int64) * S + t) * HV + h)[:, None] * DV + cv[None, :]
+            tl.store(
+                dv_ptr + off, (dr * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=tmask[:, None] & vmask[None, :]
+            )
+        k = _load_rows(k_ptr, b, t, S, HK, h // R, DK, ck, tmask)
+        G = tl.load(gcum_ptr + row)
+        gam = tl.exp(G)
+        off = ((b.to(tl.int64) * S + t) * HV + h)[:, None] * DK + ck[None, :]
+        kmask = tmask[:, None] & (ck < DK)[None, :]
+        dk = tl.load(dk_ptr + off, mask=kmask, other=0.0)
+        dgl = tl.load(dg_ptr + (b.to(tl.int64) * S + t) * HV + h, mask=tmask, other=0.0)
+        # R = beta (V - Gam K S)
+        bg = beta * gam
+        dk -= bg[:, None] * ds
+        rk = tl.sum(ds * k, axis=1)
+        dbeta -= gam * rk
+        dgl -= bg * rk
+        # A = strict_lower(beta_t (k_t . k_s) e^{G_t - G_s})
+        strict = r[:, None] > r[None, :]
+        decay = tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0))
+        kk = tl.dot(k, tl.trans(k), input_precision=PREC)
+        dakk = tl.where(strict, da * decay, 0.0)
+        dbeta += tl.sum(dakk * kk, axis=1)
+        z = dakk * beta[:, None]
+        dk += tl.dot(z, k, input_precision=PREC) + tl.dot(tl.trans(z), k, input_precision=PREC)
+        ad = z * kk  # dA o A
+        dgl += tl.sum(ad, axis=1) - tl.sum(ad, axis=0)
+        # S_next = gam S + Kt^T U, Kt = (gam / Gam) K
         g_last = tl.sum(tl.where(r == C - 1, G, 0.0), axis=0)
         to_end = tl.exp(g_last - G)
         dk += to_end[:, None] * dkt
@@ -354,9 +376,7 @@ class _GatedDeltaRule(torch.autograd.Function):
         grid = lambda m: (triton.cdiv(dv, m["BV"]), b * hv)  # noqa: E731
         _state_fwd_kernel[grid](k, gcum, w, u0, u, states, *dims, **meta)
         del u0
-        _out_fwd_kernel[lambda m: (n, triton.cdiv(dv, m["BV"]), b * hv)](
-            q, k, gcum, u, states, o, scale, *dims, **meta
-        )
+        _out_fwd_kernel[lambda m: (n, triton.cdiv(dv, m["BV"]), b * hv)](q, k, gcum, u, states, o, scale, *dims, **meta)
         ctx.save_for_backward(q, k, v, g, beta, gcum, tmat, w, u, states)
         ctx.scale, ctx.chunk, ctx.prec = scale, chunk, prec
         return o, states[:, :, n]
@@ -382,10 +402,8 @@ class _GatedDeltaRule(torch.autograd.Function):
         dv_ = torch.empty_like(v)
         dbeta = torch.empty(b, s, hv, **f32)
         dg = torch.empty(b, s, hv, **f32)
-        _chunk_bwd_kernel[(n, b * hv)](
-            q, k, v, beta, gcum, tmat, w, u, states, dstates, du, do,
-            dq, dk_, dv_, dbeta, dg, scale, *dims, **meta,
-        )  # fmt: skip
+        _dq_bwd_kernel[(n, b * hv)](q, k, gcum, u, states, do, dq, dk_, dg, scale, *dims, **meta)
+        _dk_bwd_kernel[(n, b * hv)](k, v, beta, gcum, tmat, u, states, dstates, du, dk_, dv_, dbeta, dg, *dims, **meta)
         if rep > 1:  # each key head serves `rep` consecutive value heads
             dq, dk_ = (x.view(b, s, hk, rep, dk).sum(3) for x in (dq, dk_))
         return dq.to(q.dtype), dk_.to(k.dtype), dv_, dg.to(g.dtype), dbeta.to(beta.dtype), None, None
