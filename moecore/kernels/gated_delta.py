@@ -16,15 +16,19 @@ state S, G = cumsum(g) (so Gam_t = e^{G_t}, gam = e^{G_C}) and E_ts = e^{G_t - G
 Kernels, forward: `_wy_fwd` (one program per chunk: A, T by forward substitution, W, U0), `_state_fwd`
 (one program per head and Dv tile, sequential over chunks: U and the state at every chunk start),
 `_out_fwd` (one program per chunk and Dv tile: O). Saved for backward: the chunk-start states
-(S/C * Dk * Dv per head), T (S * C), W, U and G (S * D): memory O(S*D + S/C*D^2).
+(S/C * Dk * Dv per head), T (S * C), W, U and G (S * D): memory O(S*D + S/C*D^2). Block sizes,
+warps and pipeline stages are autotuned once per head dims (the interpreter takes the first config).
 
-Backward, with dS' the gradient of the state at the chunk end (`_state_bwd`, reverse over chunks):
-    dU = P^T dO + Kt dS',    dS = gam dS' + (Gam Qs)^T dO - W^T dU
-then per chunk (`_chunk_bwd`), accumulating over Dv tiles X = dO S^T, dKt = U dS'^T, dW = -dU S^T,
-dP = dO U^T, dTv = dU V^T and dBv = T^T dU (so dv = beta dBv):
-    dQs = Gam X + (dP o E) K,  dT = dW (diag(beta Gam) K)^T + dTv diag(beta),  dA = -T^T dT T^T,
-    dK = (dP o E)^T Qs + (gam/Gam) dKt + beta Gam T^T dW + Z K + Z^T K,  Z = dA o E o beta_t,
-and the log-decay gradient dG from every e^{...} factor, turned into dg by a reverse cumulative sum.
+Backward. Write U = T R with R = diag(beta) (V - diag(Gam) K S), the right-hand side of the UT solve;
+then dR = T^T dU and dA = -dR U^T (strict lower part), the usual triangular-solve gradient. With dS'
+the gradient of the chunk-end state, `_state_bwd` runs the chunks in reverse (one program per head and
+Dv tile):   dU = P^T dO + Kt dS',   dS = gam dS' + (Gam Qs)^T dO - W^T dU   (W^T dU = (beta Gam K)^T dR).
+Then, one program per chunk, looping over Dv tiles: `_dq_bwd` (X = dO S^T, dP = dO U^T)
+    dQs = Gam X + (dP o E) K,   dK += (dP o E)^T Qs
+and `_dk_bwd` (dR, dv = beta dR, dR S^T, dA, U dS'^T)
+    dK += -beta Gam dR S^T + (gam / Gam) U dS'^T + Z K + Z^T K,   Z = dA o E o beta_t,
+plus dbeta, and the log-decay gradient dG from every e^{...} factor, turned into dg by a reverse
+cumulative sum over the chunk (g_t enters G_s for all s >= t, and gam).
 q/k heads are shared by Hv/Hk consecutive value heads; dq and dk are computed per value head and summed.
 
 Dots take fp32 operands: exact ("ieee") when every input is fp32, TF32 tensor cores otherwise (bf16
@@ -271,11 +275,12 @@ if triton_importable():
     @triton.jit
     def _dk_bwd_kernel(
         k_ptr, v_ptr, beta_ptr, gcum_ptr, t_ptr, u_ptr, h_ptr, dh_ptr, du_ptr,
-        dk_ptr, dv_ptr, dbeta_ptr, dg_ptr,
+        dkq_ptr, dgq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr,
         S, N, HK, HV, R, DK, DV,
         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     ):  # fmt: skip
-        """The k side of one chunk: dv, dbeta, dk and dg, adding the q side's dk and dG (`_dq_bwd_kernel`)."""
+        """The k side of one chunk: dv, dbeta, dk and dg, adding the q side's dk and dG (`_dq_bwd_kernel`).
+        Inputs and outputs are distinct buffers, so that autotuning may run it more than once."""
         n, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // HV, bh % HV
         r = tl.arange(0, C)
@@ -317,11 +322,10 @@ if triton_importable():
         gam = tl.exp(G)
         off = ((b.to(tl.int64) * S + t) * HV + h)[:, None] * DK + ck[None, :]
         kmask = tmask[:, None] & (ck < DK)[None, :]
-        dk = tl.load(dk_ptr + off, mask=kmask, other=0.0)
-        dgl = tl.load(dg_ptr + (b.to(tl.int64) * S + t) * HV + h, mask=tmask, other=0.0)
+        dgl = tl.load(dgq_ptr + (b.to(tl.int64) * S + t) * HV + h, mask=tmask, other=0.0)
         # R = beta (V - Gam K S)
         bg = beta * gam
-        dk -= bg[:, None] * ds
+        dk = -bg[:, None] * ds
         rk = tl.sum(ds * k, axis=1)
         dbeta -= gam * rk
         dgl -= bg * rk
@@ -344,6 +348,7 @@ if triton_importable():
         dg_end = tl.sum(kd, axis=0) + tl.exp(g_last) * tl.sum(dgam, axis=0)
         # g_t enters every G_s with s >= t (and G_C): dg = reverse cumulative sum of dG
         dg = tl.sum(dgl, axis=0) - tl.cumsum(dgl, 0) + dgl + dg_end
+        dk += tl.load(dkq_ptr + off, mask=kmask, other=0.0)  # the q side's part
         tl.store(dk_ptr + off, dk, mask=kmask)
         tl.store(dbeta_ptr + (b.to(tl.int64) * S + t) * HV + h, dbeta, mask=tmask)
         tl.store(dg_ptr + (b.to(tl.int64) * S + t) * HV + h, dg, mask=tmask)
@@ -402,8 +407,11 @@ class _GatedDeltaRule(torch.autograd.Function):
         dv_ = torch.empty_like(v)
         dbeta = torch.empty(b, s, hv, **f32)
         dg = torch.empty(b, s, hv, **f32)
-        _dq_bwd_kernel[(n, b * hv)](q, k, gcum, u, states, do, dq, dk_, dg, scale, *dims, **meta)
-        _dk_bwd_kernel[(n, b * hv)](k, v, beta, gcum, tmat, u, states, dstates, du, dk_, dv_, dbeta, dg, *dims, **meta)
+        dk_q, dg_q = torch.empty_like(dk_), torch.empty_like(dg)  # the q side's parts of dk and dG
+        _dq_bwd_kernel[(n, b * hv)](q, k, gcum, u, states, do, dq, dk_q, dg_q, scale, *dims, **meta)
+        _dk_bwd_kernel[(n, b * hv)](
+            k, v, beta, gcum, tmat, u, states, dstates, du, dk_q, dg_q, dk_, dv_, dbeta, dg, *dims, **meta
+        )
         if rep > 1:  # each key head serves `rep` consecutive value heads
             dq, dk_ = (x.view(b, s, hk, rep, dk).sum(3) for x in (dq, dk_))
         return dq.to(q.dtype), dk_.to(k.dtype), dv_, dg.to(g.dtype), dbeta.to(beta.dtype), None, None
