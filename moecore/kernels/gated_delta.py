@@ -31,8 +31,9 @@ plus dbeta, and the log-decay gradient dG from every e^{...} factor, turned into
 cumulative sum over the chunk (g_t enters G_s for all s >= t, and gam).
 q/k heads are shared by Hv/Hk consecutive value heads; dq and dk are computed per value head and summed.
 
-Dots take fp32 operands: exact ("ieee") when every input is fp32, TF32 tensor cores otherwise (bf16
-inputs carry larger rounding than TF32 adds). Head dims up to 128; chunk 16, 32 or 64.
+Dots take fp32 operands on tensor cores: 3xTF32 (split operands, about fp32 accuracy) when every input
+is fp32, TF32 otherwise (bf16 inputs carry larger rounding than TF32 adds); Triton's "ieee" FMA dots
+compile to heavily spilling code at these tile sizes. Head dims up to 128; chunk 16, 32 or 64.
 """
 
 from __future__ import annotations
@@ -378,7 +379,7 @@ class _GatedDeltaRule(torch.autograd.Function):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
         b, s, hk, hv, rep, dk, dv, n = _shapes(q, v, chunk)
         bk, bv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
-        prec = "ieee" if all(x.dtype == torch.float32 for x in (q, k, v)) else "tf32"
+        prec = "tf32x3" if all(x.dtype == torch.float32 for x in (q, k, v)) else "tf32"
         f32 = {"device": v.device, "dtype": torch.float32}
         gcum = torch.empty(b, hv, n * chunk, **f32)
         tmat = torch.empty(b, hv, n * chunk, chunk, **f32)

@@ -6,7 +6,7 @@ q, k, v, g and beta, with GQA head sharing and lengths that are not a multiple o
 
 Tolerances are relative Frobenius errors (`rel_err`). Measured in the interpreter (fp32, exact dots):
 <= 4e-6 for everything at these shapes (3e-5 for dg under decays down to e^-20 per step), so 1e-5 /
-1e-4. On CUDA the fp32 run uses exact fp32 dots against a float64 reference: 1e-4; the bf16 run (TF32
+1e-4. On CUDA the fp32 run (3xTF32 dots, about fp32 accuracy) against a float64 reference: 1e-4; the bf16 run (TF32
 dots, bf16 inputs and outputs) against the float64 reference on the same bf16-rounded inputs: 2e-2, the
 bf16 rounding of o and dv alone being ~4e-3. The CUDA tests print the measured errors (pytest -s).
 """
