@@ -128,7 +128,7 @@ if triton_importable():
         tl.store(w_ptr + row[:, None] * DK + ck[None, :], w, mask=(ck < DK)[None, :])
         tl.store(u0_ptr + row[:, None] * DV + cv[None, :], u0, mask=(cv < DV)[None, :])
 
-    @_autotune(_tunings((32, 64), (4, 8), (2,)))
+    @_autotune(_tunings((32, 64), (4, 8), (1, 2)))
     @triton.jit
     def _state_fwd_kernel(
         k_ptr, gcum_ptr, w_ptr, u0_ptr, u_ptr, h_ptr,
@@ -189,7 +189,7 @@ if triton_importable():
         p = tl.dot(q, tl.trans(k), input_precision=PREC) * decay
         return q, k, G, p, decay
 
-    @_autotune(_tunings((64, 128), (4, 8), (2,)))
+    @_autotune(_tunings((64, 128), (4, 8), (1,)))
     @triton.jit
     def _out_fwd_kernel(
         q_ptr, k_ptr, gcum_ptr, u_ptr, h_ptr, o_ptr, scale,
@@ -211,7 +211,7 @@ if triton_importable():
         off = ((b.to(tl.int64) * S + t) * HV + h)[:, None] * DV + cv[None, :]
         tl.store(o_ptr + off, o.to(o_ptr.dtype.element_ty), mask=(t < S)[:, None] & (cv < DV)[None, :])
 
-    @_autotune(_tunings((32, 64), (4, 8), (2,)))
+    @_autotune(_tunings((32, 64), (4, 8), (1, 2)))
     @triton.jit
     def _state_bwd_kernel(
         q_ptr, k_ptr, gcum_ptr, w_ptr, do_ptr, dht_ptr, du_ptr, dh_ptr, scale,
@@ -244,7 +244,7 @@ if triton_importable():
                 - tl.dot(tl.trans(w), du, input_precision=PREC)
             )
 
-    @_autotune(_tunings((32, 64), (4, 8), (1, 2)))
+    @_autotune(_tunings((32, 64), (8,), (1, 2)))
     @triton.jit
     def _dq_bwd_kernel(
         q_ptr, k_ptr, gcum_ptr, u_ptr, h_ptr, do_ptr, dq_ptr, dk_ptr, dg_ptr, scale,
@@ -284,7 +284,7 @@ if triton_importable():
         tl.store(dk_ptr + off, dk, mask=kmask)
         tl.store(dg_ptr + (b.to(tl.int64) * S + t) * HV + h, dgl, mask=tmask)
 
-    @_autotune(_tunings((32, 64), (4, 8), (1, 2)))
+    @_autotune(_tunings((32, 64), (8,), (1, 2)))
     @triton.jit
     def _dk_bwd_kernel(
         k_ptr, v_ptr, beta_ptr, gcum_ptr, t_ptr, u_ptr, h_ptr, dh_ptr, du_ptr,
