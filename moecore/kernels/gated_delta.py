@@ -22,7 +22,8 @@ warps and pipeline stages are autotuned once per head dims (the interpreter take
 Backward. Write U = T R with R = diag(beta) (V - diag(Gam) K S), the right-hand side of the UT solve;
 then dR = T^T dU and dA = -dR U^T (strict lower part), the usual triangular-solve gradient. With dS'
 the gradient of the chunk-end state, `_state_bwd` runs the chunks in reverse (one program per head and
-Dv tile):   dU = P^T dO + Kt dS',   dS = gam dS' + (Gam Qs)^T dO - W^T dU   (W^T dU = (beta Gam K)^T dR).
+Dv tile):   dU = P^T dO + Kt dS',   dS = gam dS' + (Gam Qs)^T dO - W^T dU   (W^T dU = (beta Gam K)^T dR),
+with P^T dO computed beforehand for all chunks in parallel (`_du_intra`).
 Then, one program per chunk, looping over Dv tiles: `_dq_bwd` (X = dO S^T, dP = dO U^T)
     dQs = Gam X + (dP o E) K,   dK += (dP o E)^T Qs
 and `_dk_bwd` (dR, dv = beta dR, dR S^T, dA, U dS'^T)
@@ -211,10 +212,29 @@ if triton_importable():
         off = ((b.to(tl.int64) * S + t) * HV + h)[:, None] * DV + cv[None, :]
         tl.store(o_ptr + off, o.to(o_ptr.dtype.element_ty), mask=(t < S)[:, None] & (cv < DV)[None, :])
 
+    @_autotune(_tunings((64, 128), (4, 8), (1,)))
+    @triton.jit
+    def _du_intra_kernel(
+        q_ptr, k_ptr, gcum_ptr, do_ptr, dui_ptr, scale,
+        S, N, HK, HV, R, DK, DV,
+        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    ):  # fmt: skip
+        """P^T dO for one chunk and Dv tile: the part of dU that does not depend on the carried state."""
+        n, iv, bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, h = bh // HV, bh % HV
+        r = tl.arange(0, C)
+        t = n * C + r
+        cv = iv * BV + tl.arange(0, BV)
+        q, k, G, p, decay = _intra(q_ptr, k_ptr, gcum_ptr, b, h, bh, n, S, N, HK, R, DK, scale, C, BK, PREC)
+        do = _load_rows(do_ptr, b, t, S, HV, h, DV, cv, t < S)
+        row = (bh.to(tl.int64) * N + n) * C + r
+        dui = tl.dot(tl.trans(p), do, input_precision=PREC)
+        tl.store(dui_ptr + row[:, None] * DV + cv[None, :], dui, mask=(cv < DV)[None, :])
+
     @_autotune(_tunings((32, 64), (4, 8), (1, 2)))
     @triton.jit
     def _state_bwd_kernel(
-        q_ptr, k_ptr, gcum_ptr, w_ptr, do_ptr, dht_ptr, du_ptr, dh_ptr, scale,
+        q_ptr, k_ptr, gcum_ptr, w_ptr, do_ptr, dht_ptr, dui_ptr, du_ptr, dh_ptr, scale,
         S, N, HK, HV, R, DK, DV,
         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     ):  # fmt: skip
@@ -229,18 +249,20 @@ if triton_importable():
         for i in range(N):
             n = N - 1 - i
             tl.store(dh_ptr + (bh.to(tl.int64) * N + n) * DK * DV + soff, dstate, mask=smask)
-            q, k, G, p, decay = _intra(q_ptr, k_ptr, gcum_ptr, b, h, bh, n, S, N, HK, R, DK, scale, C, BK, PREC)
-            g_last = tl.sum(tl.where(r == C - 1, G, 0.0), axis=0)
             t = n * C + r
-            do = _load_rows(do_ptr, b, t, S, HV, h, DV, cv, t < S)
             row = (bh.to(tl.int64) * N + n) * C + r
-            w = tl.load(w_ptr + row[:, None] * DK + ck[None, :], mask=(ck < DK)[None, :], other=0.0)
-            k_end = k * tl.exp(g_last - G)[:, None]
-            du = tl.dot(tl.trans(p), do, input_precision=PREC) + tl.dot(k_end, dstate, input_precision=PREC)
+            G = tl.load(gcum_ptr + row)
+            g_last = tl.sum(tl.where(r == C - 1, G, 0.0), axis=0)
+            k = _load_rows(k_ptr, b, t, S, HK, h // R, DK, ck, t < S)
+            du = tl.load(dui_ptr + row[:, None] * DV + cv[None, :], mask=(cv < DV)[None, :], other=0.0)
+            du += tl.dot(k * tl.exp(g_last - G)[:, None], dstate, input_precision=PREC)
             tl.store(du_ptr + row[:, None] * DV + cv[None, :], du, mask=(cv < DV)[None, :])
+            q = _load_rows(q_ptr, b, t, S, HK, h // R, DK, ck, t < S) * (scale * tl.exp(G))[:, None]
+            do = _load_rows(do_ptr, b, t, S, HV, h, DV, cv, t < S)
+            w = tl.load(w_ptr + row[:, None] * DK + ck[None, :], mask=(ck < DK)[None, :], other=0.0)
             dstate = (
                 dstate * tl.exp(g_last)
-                + tl.dot(tl.trans(q * tl.exp(G)[:, None]), do, input_precision=PREC)
+                + tl.dot(tl.trans(q), do, input_precision=PREC)
                 - tl.dot(tl.trans(w), du, input_precision=PREC)
             )
 
@@ -412,9 +434,12 @@ class _GatedDeltaRule(torch.autograd.Function):
         du = torch.empty(b, hv, n * chunk, dv, **f32)
         dstates = torch.empty(b, hv, n, dk, dv, **f32)
         meta = {"C": chunk, "BK": bk, "PREC": prec}
+        dui = torch.empty_like(du)
+        _du_intra_kernel[lambda m: (n, triton.cdiv(dv, m["BV"]), b * hv)](q, k, gcum, do, dui, scale, *dims, **meta)
         _state_bwd_kernel[lambda m: (triton.cdiv(dv, m["BV"]), b * hv)](
-            q, k, gcum, w, do, dht, du, dstates, scale, *dims, **meta
+            q, k, gcum, w, do, dht, dui, du, dstates, scale, *dims, **meta
         )
+        del dui
         dq = torch.empty(b, s, hv, dk, **f32)
         dk_ = torch.empty(b, s, hv, dk, **f32)
         dv_ = torch.empty_like(v)
