@@ -9,7 +9,8 @@ Modes: `bf16` (q, k, v bf16; g, beta fp32), `layer` (q, k fp32 as prepare return
 `fp32`. Per mode and path: median ms of forward alone and of forward + backward over --reps timed runs
 after warm-up (the warm-up includes the kernels' autotuning), the peak memory of forward + backward above
 the inputs, the memory the forward keeps for backward, and relative errors (Frobenius) of o and of every
-input gradient against the PyTorch chunked path in float64 on the same inputs.
+input gradient against the PyTorch chunked path in float64 on the same inputs; on a GPU also the
+time per kernel of one forward + backward (torch.profiler).
 """
 
 from __future__ import annotations
@@ -100,6 +101,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
+def kernel_times(fn, inputs: list, do: torch.Tensor) -> dict:
+    """GPU milliseconds per kernel name over one forward + backward (torch.profiler), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _fwd_bwd(fn, inputs, do)
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3) for e in prof.key_averages() if e.device_time_total > 0]
+    return {name: round(ms, 3) for name, ms in sorted(rows, key=lambda x: -x[1])[:15]}
+
+
 def bench(shape: dict, reps: int = 10, modes: tuple[str, ...] = tuple(MODES), device: str = "cuda") -> dict:
     """Measurements per mode and path (module docstring)."""
     out = {"shape": shape, "device": torch.cuda.get_device_name() if device == "cuda" else device}
@@ -124,13 +136,15 @@ def bench(shape: dict, reps: int = 10, modes: tuple[str, ...] = tuple(MODES), de
                 "saved_for_backward_gb": kept,
                 "rel_err_vs_fp64": {k: float(f"{v:.2e}") for k, v in errors.items()},
             }
+            if device == "cuda":
+                res[name]["kernel_ms"] = kernel_times(fn, inputs, do)
             print(mode, name, json.dumps(res[name]), flush=True)
         res["speedup_fwd_bwd"] = round(res["torch"]["fwd_bwd_ms"] / res["triton"]["fwd_bwd_ms"], 2)
         out[mode] = res
     from moecore.kernels import gated_delta
 
-    kernels = ("_wy_fwd_kernel", "_state_fwd_kernel", "_out_fwd_kernel", "_state_bwd_kernel", "_chunk_bwd_kernel")
-    out["autotuned"] = {name: str(getattr(getattr(gated_delta, name), "best_config", None)) for name in kernels}
+    tuned = {name: obj for name, obj in vars(gated_delta).items() if name.endswith("_kernel")}
+    out["autotuned"] = {name: str(getattr(obj, "best_config", None)) for name, obj in tuned.items()}
     return out
 
 
