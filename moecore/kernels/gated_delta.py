@@ -480,6 +480,8 @@ def gated_delta_rule_triton(
         raise ValueError("gated_delta_rule_triton takes fp32, bf16 or fp16 inputs, not float64")
     if not triton_importable():
         raise ValueError("gated_delta_rule_triton needs the triton package, which does not import here")
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("gated_delta_rule_triton needs CUDA tensors (or TRITON_INTERPRET=1 to run on CPU)")
     chunk = chunk_size if chunk_size in (16, 32, 64) else 64
     scale = k.shape[-1] ** -0.5 if scale is None else float(scale)
     if q.shape[1] == 0:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from moecore.config import ModelConfig
+from moecore.kernels._triton import triton_importable
 from moecore.kernels.gated_delta import gated_delta_rule_triton
 from moecore.models.linear_attention import GatedDeltaNet, gated_delta_rule, gated_delta_rule_chunked, l2_normalize
 from tests.kernels.conftest import rel_err
@@ -117,6 +118,11 @@ def test_rejects_what_the_kernel_cannot_take():
         gated_delta_rule_triton(
             q, k, torch.zeros(1, 4, 3, 16), g[..., :1].expand(1, 4, 3), beta[..., :1].expand(1, 4, 3)
         )
+    if triton_importable() and not torch.cuda.is_available():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv("TRITON_INTERPRET", raising=False)
+            with pytest.raises(ValueError, match="CUDA"):
+                gated_delta_rule_triton(q, k, v, g, beta)
     big = torch.zeros(1, 4, 2, 256)
     with pytest.raises(ValueError, match="128"):
         gated_delta_rule_triton(big, big, torch.zeros(1, 4, 2, 256), g, beta)
