@@ -12,7 +12,8 @@ Two implementations of that rule live here, with the same signature:
 - `gated_delta_rule_chunked`: exact and fast. Within a chunk of C tokens the updates collapse into a
   unit lower-triangular solve (the "WY"/UT form); only the [Dk, Dv] state crosses chunk boundaries,
   so memory is linear in the sequence length (tensors of [.., S, C] plus one state per chunk).
-flash-linear-attention's Triton kernel is used instead on CUDA when that optional package is installed.
+On CUDA our Triton kernels (moecore.kernels.gated_delta, same maths, forward and backward) run instead;
+flash-linear-attention's kernel is an explicit option when that optional package is installed.
 
 `GatedDeltaNet` is the whole layer laid out as Qwen3-Next checkpoints store it (names under
 `linear_attn.` in Hugging Face files): `in_proj_qkvz` and `in_proj_ba` (outputs grouped per key
@@ -35,6 +36,9 @@ import torch.utils.checkpoint
 from torch import nn
 
 from moecore.config import ConfigError, ModelConfig
+from moecore.kernels._triton import triton_importable
+from moecore.kernels.gated_delta import MAX_HEAD_DIM as GATED_DELTA_MAX_HEAD_DIM
+from moecore.kernels.gated_delta import gated_delta_rule_triton
 
 if TYPE_CHECKING:
     from moecore.parallel.dims import ParallelDims
@@ -165,7 +169,7 @@ def _fla_chunk_fn():
 
 def _fla_backward_ok(device: torch.device) -> bool:
     """False where flash-linear-attention's chunked backward is known to refuse to run: Hopper GPUs with
-    Triton >= 3.4 and < 3.7.1 and no tilelang (its issue #640); backend auto then takes the PyTorch path."""
+    Triton >= 3.4 and < 3.7.1 and no tilelang (its issue #640); backend fla then refuses to train."""
     if torch.cuda.get_device_capability(device)[0] != 9:
         return True
     try:
@@ -192,18 +196,34 @@ def gated_delta_rule(
     chunk_size: int = 64,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """The rule for training: flash-linear-attention's kernel on CUDA when installed (backend auto |
-    fla), else `gated_delta_rule_chunked` (backend torch). Returns o [B, S, Hv, Dv]."""
-    if backend not in ("auto", "fla", "torch"):
-        raise ValueError(f"backend={backend!r} is invalid: allowed: auto | fla | torch")
-    fla_fn = _fla_chunk_fn() if backend != "torch" and q.is_cuda else None
-    if backend == "auto" and fla_fn is not None and not _fla_backward_ok(q.device):
-        fla_fn = None
+    """The rule for training. backend: triton (`gated_delta_rule_triton`; with TRITON_INTERPRET=1 also on
+    CPU), fla (flash-linear-attention's kernel, CUDA, when installed), torch (`gated_delta_rule_chunked`),
+    auto (triton for CUDA tensors when triton imports and the head dims are <= 128, else torch).
+    Returns o [B, S, Hv, Dv]."""
+    if backend not in ("auto", "triton", "fla", "torch"):
+        raise ValueError(f"backend={backend!r} is invalid: allowed: auto | triton | fla | torch")
+    if backend == "triton" or (
+        backend == "auto"
+        and q.is_cuda
+        and triton_importable()
+        and max(k.shape[-1], v.shape[-1]) <= GATED_DELTA_MAX_HEAD_DIM
+        and v.dtype != torch.float64
+    ):
+        return gated_delta_rule_triton(q, k, v, g, beta, scale=scale, chunk_size=chunk_size)[0]
+    fla_fn = _fla_chunk_fn() if backend == "fla" and q.is_cuda else None
     if backend == "fla" and fla_fn is None:
         raise ValueError(
             "backend='fla' needs CUDA tensors and the flash-linear-attention package (pip install flash-linear-attention)"
         )
     if fla_fn is not None:
+        if (
+            torch.is_grad_enabled()
+            and any(t.requires_grad for t in (q, k, v, g, beta))
+            and not _fla_backward_ok(q.device)
+        ):
+            raise ValueError(
+                "backend='fla' cannot run backward on this GPU with this Triton (flash-linear-attention issue #640): use backend='triton'"
+            )
         hk, hv = k.shape[2], v.shape[2]
         if hv != hk:
             q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)
@@ -261,7 +281,7 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.backend = "auto"  # auto | fla | torch, see gated_delta_rule
+        self.backend = "auto"  # auto | triton | fla | torch, see gated_delta_rule
         self.recompute_core = "core_attn" in cfg.recompute_modules  # recompute the rule in backward
 
         h = cfg.hidden_size

@@ -4,20 +4,68 @@
 TRITON_INTERPRET=1 is set and triton imports (Triton's CPU interpreter: slow, so tiny shapes; bf16
 dots are not emulated there, so those runs use fp32). Without either, the comparisons are skipped
 and only the references are tested against formulas and autograd.
+
+On a machine without CUDA where triton imports (CI), the tests of this folder run in the interpreter
+without TRITON_INTERPRET set for the whole session: Triton picks compiled or interpreted kernels when
+`@triton.jit` runs, at import, and other test folders import the kernel modules first. So the package
+fixture below sets TRITON_INTERPRET=1 and swaps every kernel of moecore.kernels for an interpreted one
+for the tests here only, and undoes both afterwards.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import pkgutil
+import sys
 
 import pytest
 import torch
 
+import moecore.kernels
 from moecore.kernels._triton import triton_importable
 
 
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and triton_importable()
+
+
+def _interpreted(obj, mp: pytest.MonkeyPatch):
+    """obj with its @triton.jit function interpreted (through autotune/heuristics wrappers), or None."""
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(obj, JITFunction):
+        return InterpretedFunction(obj.fn)
+    if isinstance(obj, (Autotuner, Heuristics)):
+        inner = _interpreted(obj.fn, mp)
+        if inner is not None:
+            mp.setattr(obj, "fn", inner)
+        return obj
+    return None
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _kernels_interpreted_on_cpu():
+    if _interpret() or torch.cuda.is_available() or not triton_importable():
+        yield  # already interpreted (TRITON_INTERPRET=1 at start), or a GPU, or no triton
+        return
+    # imported before the env is set, so that a module first imported here stays compiled afterwards
+    kernels = [
+        importlib.import_module(f"moecore.kernels.{m.name}") for m in pkgutil.iter_modules(moecore.kernels.__path__)
+    ]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_INTERPRET", "1")
+    # triton.language's own @jit helpers (tl.sigmoid, ...) were built compiled when triton was imported
+    tl_modules = [m for n, m in list(sys.modules.items()) if n == "triton.language" or n.startswith("triton.language.")]
+    for module in kernels + tl_modules:
+        for name, obj in list(vars(module).items()):
+            swapped = _interpreted(obj, mp)
+            if swapped is not None and swapped is not obj:
+                mp.setattr(module, name, swapped)
+    yield
+    mp.undo()
 
 
 @pytest.fixture(params=["cuda", "interpret"], ids=["cuda", "interpret"])
