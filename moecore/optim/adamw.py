@@ -1,8 +1,4 @@
-"""AdamW with parameter groups: weight decay on matrices only.
-
-Norm weights, biases, embeddings (and the output head when it is tied to them) and any 1-D
-parameter are excluded from weight decay, as is customary for transformer language models.
-"""
+"""The optimizer of `optim.name` over parameter groups with weight decay on matrices only (`groups.py`)."""
 
 from __future__ import annotations
 
@@ -10,23 +6,9 @@ import torch
 from torch import nn
 
 from moecore.config import OptimConfig
+from moecore.optim.groups import no_decay, param_groups
 
-
-def _no_decay(name: str, param: nn.Parameter) -> bool:
-    return param.ndim < 2 or name.endswith(".bias") or "embed" in name or "norm" in name
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: decayed matrices and everything else. Each parameter appears once."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if _no_decay(name, p) else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay, "group": "decay"},
-        {"params": no_decay, "weight_decay": 0.0, "group": "no_decay"},
-    ]
+__all__ = ["build_optimizer", "no_decay", "param_groups"]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:

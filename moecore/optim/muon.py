@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from moecore.config import OptimConfig
-from moecore.optim.adamw import _no_decay
+from moecore.optim.groups import no_decay
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
@@ -95,7 +95,7 @@ def build_muon(model: nn.Module, cfg: OptimConfig) -> CombinedOptimizer:
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if _no_decay(name, p):
+        if no_decay(name, p):
             adam_plain.append(p)
         elif "lm_head" in name or "router" in name:
             adam_decay.append(p)
