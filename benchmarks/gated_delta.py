@@ -10,7 +10,8 @@ Modes: `bf16` (q, k, v bf16; g, beta fp32), `layer` (q, k fp32 as prepare return
 after warm-up (the warm-up includes the kernels' autotuning), the peak memory of forward + backward above
 the inputs, the memory the forward keeps for backward, and relative errors (Frobenius) of o and of every
 input gradient against the PyTorch chunked path in float64 on the same inputs; on a GPU also the
-time per kernel of one forward + backward (torch.profiler).
+time per kernel of one forward + backward (torch.profiler), and flash-linear-attention's kernel where
+it is installed (its forward; its backward, or the error it raises).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from moecore.kernels.gated_delta import gated_delta_rule_triton
-from moecore.models.linear_attention import gated_delta_rule_chunked, l2_normalize
+from moecore.models.linear_attention import _fla_chunk_fn, gated_delta_rule_chunked, l2_normalize
 
 HK, HV, D, CHUNK = 16, 32, 128, 64  # Qwen3-Next's linear attention
 MODES = {  # (q/k dtype, v dtype)
@@ -112,6 +113,28 @@ def kernel_times(fn, inputs: list, do: torch.Tensor) -> dict:
     return {name: round(ms, 3) for name, ms in sorted(rows, key=lambda x: -x[1])[:15]}
 
 
+def _fla(inputs: list, do: torch.Tensor, o_ref: torch.Tensor, reps: int) -> dict:
+    """flash-linear-attention's kernel where installed, called as `gated_delta_rule(backend="fla")` calls it
+    (without that function's refusal to train on Hopper): the forward's time and error, and the forward +
+    backward's time or the error its backward raises."""
+    fla = _fla_chunk_fn()
+
+    def fn(q, k, v, g, beta):
+        rep = v.shape[2] // k.shape[2]
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        return fla(q.to(v.dtype), k.to(v.dtype), v, g=g.float(), beta=beta.to(v.dtype), scale=k.shape[-1] ** -0.5)[0]
+
+    with torch.no_grad():
+        out = {"rel_err_o_vs_fp64": float(f"{_rel(fn(*inputs), o_ref):.2e}")}
+        out["fwd_ms"] = round(_time_ms(lambda: fn(*inputs), reps, "cuda"), 3)
+    try:
+        _fwd_bwd(fn, inputs, do)
+        out["fwd_bwd_ms"] = round(_time_ms(lambda: _fwd_bwd(fn, inputs, do), reps, "cuda"), 3)
+    except Exception as e:  # its backward refuses Hopper with some Triton versions
+        out["fwd_bwd_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return out
+
+
 def bench(shape: dict, reps: int = 10, modes: tuple[str, ...] = tuple(MODES), device: str = "cuda") -> dict:
     """Measurements per mode and path (module docstring)."""
     out = {"shape": shape, "device": torch.cuda.get_device_name() if device == "cuda" else device}
@@ -140,6 +163,9 @@ def bench(shape: dict, reps: int = 10, modes: tuple[str, ...] = tuple(MODES), de
                 res[name]["kernel_ms"] = kernel_times(fn, inputs, do)
             print(mode, name, json.dumps(res[name]), flush=True)
         res["speedup_fwd_bwd"] = round(res["torch"]["fwd_bwd_ms"] / res["triton"]["fwd_bwd_ms"], 2)
+        if device == "cuda" and _fla_chunk_fn() is not None:
+            res["fla"] = _fla(inputs, do, ref[0], reps)
+            print(mode, "fla", json.dumps(res["fla"]), flush=True)
         out[mode] = res
     from moecore.kernels import gated_delta
 

@@ -5,9 +5,11 @@ tests/models/test_linear_attention.py. Compared here: the output, the final stat
 q, k, v, g and beta, with GQA head sharing and lengths that are not a multiple of the chunk.
 
 Tolerances are relative Frobenius errors (`rel_err`). Measured in the interpreter (fp32, exact dots):
-<= 5e-7 for everything, 1.3e-6 (dq) and 2.7e-6 (dg) under decays down to e^-20 per step: 1e-5. On CUDA: fp32 inputs (3xTF32 dots, about fp32 accuracy) against a float64 reference, 1e-4;
-bf16 inputs (TF32 dots, bf16 o and dv) against the float64 reference on the same bf16-rounded inputs,
-2e-2 (the bf16 rounding of o and dv alone is ~4e-3). The CUDA tests print their errors (pytest -s).
+<= 5e-7 for everything, 1.3e-6 (dq) and 2.7e-6 (dg) under decays down to e^-20 per step: 1e-5.
+On CUDA: fp32 inputs (3xTF32 dots, about fp32 accuracy) against a float64 reference, 1e-4; bf16
+inputs (TF32 dots, bf16 o and dv) against the float64 reference on the same bf16-rounded inputs,
+2e-2: the bf16 rounding of o and dv alone is ~3e-3, and the interpreter with dot operands rounded to
+TF32 measured <= 3.4e-3 for everything (S=300, D=128, weak decay). The CUDA tests print their errors.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def test_kernel_matches_float64_reference_cuda(backend, dtype):
     """Qwen3-Next head dims (128/128, 2 value heads per key head), S = 4000 (62.5 chunks of 64)."""
     if backend != "cuda":
         pytest.skip("realistic shapes need a GPU")
-    inputs = _inputs(1, 4000, 2, 4, 128, 128, "cuda", dtype=dtype)
+    inputs = _inputs(1, 4000, 2, 4, 128, 128, "cuda", dtype=dtype, decay=0.1)  # long memory, as Qwen3-Next
     got = _run(lambda *a: gated_delta_rule_triton(*a, chunk_size=64), inputs)
     ref = _run(lambda *a: gated_delta_rule_chunked(*a, chunk_size=64), inputs, work_dtype=torch.float64)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
