@@ -40,9 +40,7 @@ def _ranks(rank: int, world: int, cases: dict, ref_state: dict, data) -> dict:
         dims = make_dims(cfg, rank, world)
         model = MoETransformer(copy.deepcopy(cfg), dims)
         mismatched = [
-            n
-            for n, p in model.named_parameters()
-            if not torch.equal(p.detach(), get_shard(p).local_of(ref_state[n]))
+            n for n, p in model.named_parameters() if not torch.equal(p.detach(), get_shard(p).local_of(ref_state[n]))
         ]
         out[name] = {"mismatched": mismatched, "loss": train_steps(model, dims, data, steps=1)["losses"][0]}
     return out
