@@ -11,8 +11,8 @@ process draws for `layers.7`.
 
 The generator: splitmix64 over `key + counter * golden_gamma` (the standard splitmix64 sequence,
 written with int64 tensor ops: products wrap modulo 2^64 and logical right shifts are masked
-arithmetic shifts), 53 bits -> a uniform double in [0, 1). Normal values use Box-Muller on two
-counters per element (2i, 2i + 1). PyTorch's own generators cannot be positioned at an arbitrary
+arithmetic shifts), 53 bits -> a uniform double in [0, 1). Normal values use Box-Muller on the two
+32-bit halves of the element's hash. PyTorch's own generators cannot be positioned at an arbitrary
 element on CPU, which is why this small hash exists.
 
 What each parameter draws comes from `rule_for` (a table by module type and parameter name):
@@ -35,7 +35,9 @@ from torch import nn
 from moecore.parallel.sharding import get_shard
 
 _MASK64 = (1 << 64) - 1
-_CHUNK = 1 << 22  # elements generated at a time (bounds the temporaries)
+# Elements generated at a time: small on CPU, where temporaries that stay in cache make it ~7x faster
+# (about 60 ns per normal value on one core); large on GPU, where kernel launches are the cost.
+_CHUNK = {"cpu": 1 << 16, "cuda": 1 << 24}
 
 
 def _s64(x: int) -> int:
@@ -74,9 +76,12 @@ def uniform_at(key: int, counter: torch.Tensor) -> torch.Tensor:
 
 
 def normal_at(key: int, index: torch.Tensor) -> torch.Tensor:
-    """Standard normal doubles, one per element index (Box-Muller on counters 2i and 2i + 1)."""
-    u1 = 1.0 - uniform_at(key, 2 * index)  # (0, 1]: the log is finite
-    u2 = uniform_at(key, 2 * index + 1)
+    """Standard normal doubles, one per element index: Box-Muller on the two 32-bit halves of one hash.
+
+    u1 = (high + 0.5) / 2^32 lies in (0, 1), so the log is finite; values reach about 6.7 sigma."""
+    z = _mix(index * _GAMMA + key)
+    u1 = (_srl(z, 32).to(torch.float64) + 0.5) * (2.0**-32)
+    u2 = (z & 0xFFFFFFFF).to(torch.float64) * (2.0**-32)
     return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2.0 * math.pi) * u2)
 
 
@@ -143,8 +148,9 @@ def init_param_(param: torch.Tensor, name: str, seed: int, rule: InitRule) -> No
     spec = get_shard(param)
     key = param_key(seed, name)
     flat = param.view(-1) if param.is_contiguous() else torch.empty(param.numel(), dtype=param.dtype)
-    for start in range(0, param.numel(), _CHUNK):
-        end = min(start + _CHUNK, param.numel())
+    chunk = _CHUNK.get(param.device.type, 1 << 20)
+    for start in range(0, param.numel(), chunk):
+        end = min(start + chunk, param.numel())
         idx = _global_index(spec, start, end, param.device)
         if rule.kind == "normal":
             vals = rule.a + rule.b * normal_at(key, idx)
