@@ -43,3 +43,19 @@ def test_unknown_parameter_is_refused():
 
     with pytest.raises(ValueError, match="no seeded initialisation rule for parameter scale"):
         seeded_init_(Odd(), 0, 0.02)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_draws_the_cpu_values():
+    """The integer hash is exact on both devices; log / cos may differ in the last bit of a double."""
+    from moecore.config import Config
+    from moecore.models.transformer import MoETransformer
+
+    cfg = Config()
+    cfg.model.vocab_size = 256
+    cpu = dict(MoETransformer(cfg).named_parameters())
+    with torch.device("cuda"):
+        gpu = dict(MoETransformer(cfg).named_parameters())
+    for name, p in cpu.items():
+        torch.testing.assert_close(gpu[name].cpu(), p, rtol=1e-6, atol=0, msg=name)

@@ -9,11 +9,14 @@ import pickle
 import threading
 import time
 
+import pytest
 import rich.style  # noqa: F401  (imported first: it draws from Python's global random at import)
+import torch
 from reliability_common import TINY
 
 import moecore.checkpoint.saver as saver_mod
 from moecore.checkpoint import verify_checkpoint
+from moecore.checkpoint.saver import CheckpointSaver
 from moecore.config import load_config
 from moecore.train.loop import Trainer
 
@@ -62,3 +65,26 @@ def test_async_save_overlaps_steps_and_equals_sync_save(tmp_path, monkeypatch):
         # .metadata also records the folder and a random save id; everything else in it is equal.
         ma, mb = (pickle.loads((d / ".metadata").read_bytes()) for d in (a, b))
         assert ma.state_dict_metadata == mb.state_dict_metadata and ma.storage_data == mb.storage_data
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_async_save_on_gpu_equals_sync_save_of_the_same_state(tmp_path):
+    """On GPU (async by default): a synchronous and an asynchronous save of one state, then more steps
+    while the second is written; the files match (independent of GPU kernel determinism)."""
+    args = [*TINY, "train.steps=6", "train.device=cuda", f"train.run_dir={tmp_path / 'run'}"]
+    trainer = Trainer(load_config("tiny-moe", args))
+    assert trainer.saver.async_save
+    trainer.train_step()
+    extra = {"step": 1, "data": trainer.data.train.state_dict()}
+    sync = CheckpointSaver(async_save=False)
+    a = sync.save(tmp_path / "sync", trainer.model, trainer.optimizer, extra, "x", None)
+    b = trainer.saver.save(tmp_path / "asyn", trainer.model, trainer.optimizer, extra, "x", None)
+    for _ in range(3):
+        trainer.train_step()
+    trainer.saver.wait()
+    fa = json.loads((a / "manifest.json").read_text())["files"]
+    fb = json.loads((b / "manifest.json").read_text())["files"]
+    for name in fa:
+        if name not in (".metadata", "rank-0.pt"):  # .metadata: folder and save id; rank-0.pt: RNG drawn since
+            assert fa[name] == fb[name], name
