@@ -98,6 +98,8 @@ class StepGuard:
     def skip_step(self, trainer, lm_sum: torch.Tensor, global_tokens: torch.Tensor, grad_norm: float) -> dict:
         """Finish a skipped step without touching the weights; returns its metrics."""
         rt = trainer.rt
+        if rt.scaler is not None:  # fp16: close the scaler's step (its unscale_ ran in the clip); lowers the scale
+            rt.scaler.update()
         for moe_layer in trainer.model.moe_layers():
             moe_layer.update_expert_bias()  # token counts are finite: the bias moves as on any step
         trainer.step += 1

@@ -77,9 +77,11 @@ def _nan_at(monkeypatch, steps) -> None:
     monkeypatch.setattr(StepGuard, "check", poisoned)
 
 
-def test_skip_mode_skips_and_counts(tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])  # fp16: the loss scaler's step is closed on a skip
+def test_skip_mode_skips_and_counts(tmp_path, monkeypatch, precision):
     _nan_at(monkeypatch, {3})
-    cfg = load_config("tiny-moe", [*TINY, "train.steps=6", "train.on_nonfinite=skip", f"train.run_dir={tmp_path}"])
+    args = [*TINY, "train.steps=6", "train.on_nonfinite=skip", f"train.precision={precision}"]
+    cfg = load_config("tiny-moe", [*args, f"train.run_dir={tmp_path}"])
     trainer = Trainer(cfg)
     result = trainer.run()
     assert result.last_step == 6
@@ -87,9 +89,9 @@ def test_skip_mode_skips_and_counts(tmp_path, monkeypatch):
     assert [rows[s]["skipped_steps"] for s in range(1, 7)] == [0, 0, 1, 1, 1, 1]
     assert rows[3].get("skipped") == 1 and all("skipped" not in rows[s] for s in (1, 2, 4, 5, 6))
     assert all(math.isfinite(rows[s]["loss"]) for s in (4, 5, 6))
-    # 6 steps, one update skipped: AdamW took 5 steps.
-    steps = {float(st["step"]) for st in trainer.optimizer.state.values()}
-    assert steps == {5.0}
+    if precision == "fp32":  # 6 steps, one update skipped: AdamW took 5 steps (fp16's scaler may skip more)
+        steps = {float(st["step"]) for st in trainer.optimizer.state.values()}
+        assert steps == {5.0}
 
 
 def test_skip_mode_stops_after_too_many_in_a_row(tmp_path, monkeypatch):
