@@ -131,6 +131,10 @@ def verify_checkpoint(folder: Path, rank: int = 0, world: int = 1, hashes: bool 
     except (OSError, ValueError) as e:
         return Verification(folder, False, f"{MANIFEST} cannot be read ({e.__class__.__name__}: {e})")
     if manifest is None:
+        if not (folder / COMPLETE).exists() and not (folder / ".metadata").exists():
+            return Verification(
+                folder, False, f"not a moecore checkpoint folder (no {MANIFEST}, .metadata or {COMPLETE})"
+            )
         if not (folder / COMPLETE).exists():
             return Verification(folder, False, "incomplete (no manifest and no 'complete' marker: an interrupted save)")
         if not (folder / ".metadata").exists():
