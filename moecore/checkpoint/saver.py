@@ -35,9 +35,7 @@ class CheckpointSaver:
 
     def __init__(self, async_save: bool) -> None:
         self.async_save = async_save
-        self.group = None
-        if async_save and dist.is_available() and dist.is_initialized():
-            self.group = dist.new_group(backend="gloo")  # collective: every rank builds the saver
+        self.group = None  # the background saves' own gloo group, made at the first save (collective)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.steps_overlapped = 0  # train steps run while a save was being written (for tests and logs)
@@ -64,6 +62,8 @@ class CheckpointSaver:
     ) -> Path:
         """Write a checkpoint to `path` (returns at once when asynchronous: call `wait` for durability)."""
         self.wait()
+        if self.async_save and self.group is None and dist.is_available() and dist.is_initialized():
+            self.group = dist.new_group(backend="gloo")  # every rank saves at the same step
         extra = {**extra, "rng": rng_state()}
         step, layout = extra.get("step"), layout_of(model)
         tmp = begin_save(path, config_yaml, self.group)

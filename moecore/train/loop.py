@@ -13,6 +13,7 @@ One optimizer step:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -239,9 +240,13 @@ class Trainer:
         """Train to `train.steps` (or `train.exit_interval`, or a stop signal); checkpoints are durable on return."""
         try:
             with self.stop:
-                return self._run()
-        finally:
-            self.saver.wait()
+                result = self._run()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the save in flight completes; the first error is the one shown
+                self.saver.wait()
+            raise
+        self.saver.wait()
+        return result
 
     def _run(self) -> TrainResult:
         from moecore.train.logger import RunLogger
