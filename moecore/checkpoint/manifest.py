@@ -68,7 +68,8 @@ def hash_files(folder: Path, names: list[str], rank: int = 0, world: int = 1) ->
     return out
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """Flush a file (or folder) to stable storage."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -92,7 +93,7 @@ def write_manifest(folder: Path, files: dict[str, dict], step: int | None, layou
     """
     folder = Path(folder)
     for name in files:
-        _fsync(folder / name)
+        fsync(folder / name)
     body = {
         "format": FORMAT,
         "step": step,
@@ -103,10 +104,10 @@ def write_manifest(folder: Path, files: dict[str, dict], step: int | None, layou
     }
     path = folder / MANIFEST
     path.write_text(json.dumps(body, indent=1) + "\n")
-    _fsync(path)
+    fsync(path)
     (folder / COMPLETE).write_text("ok\n")
-    _fsync(folder / COMPLETE)
-    _fsync(folder)
+    fsync(folder / COMPLETE)
+    fsync(folder)
     return path
 
 

@@ -46,6 +46,7 @@ from moecore.checkpoint.manifest import (
     COMPLETE,
     Verification,
     data_files,
+    fsync,
     hash_files,
     merge_verifications,
     verify_checkpoint,
@@ -199,11 +200,14 @@ def state_for_save(model: torch.nn.Module, optimizer, to_cpu: bool = False) -> t
 def write_state(tmp: Path, state: dict, optim_shard: dict | None, extra: dict, group=None) -> None:
     """Write the tensors (dcp, collective over `group`) and this rank's files into `tmp`."""
     tmp = Path(tmp)
-    torch.save(extra, tmp / f"rank-{_rank()}.pt")
+    mine = [(extra, tmp / f"rank-{_rank()}.pt")]
     if optim_shard is not None:
-        torch.save(optim_shard, tmp / f"optim-rank-{_rank()}.pt")
+        mine.append((optim_shard, tmp / f"optim-rank-{_rank()}.pt"))
+    for obj, file in mine:
+        torch.save(obj, file)
+        fsync(file)  # durable on this rank's node before the manifest (written by rank 0) lists it
     with _quiet_single_process():
-        dcp.save(state, checkpoint_id=str(tmp), process_group=group)
+        dcp.save(state, checkpoint_id=str(tmp), process_group=group)  # its writer fsyncs the .distcp files
 
 
 def _prune(root: Path, keep_last: int) -> None:

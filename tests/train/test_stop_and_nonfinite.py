@@ -105,3 +105,18 @@ def _rows(run_dir) -> dict[int, dict]:
     import json
 
     return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.parametrize(
+    "override, word",
+    [
+        ("train.on_nonfinite=ignore", "train.on_nonfinite='ignore' is invalid: allowed: error | skip"),
+        ("train.max_skipped_steps=0", "train.max_skipped_steps=0 is invalid: must be in [1, inf]"),
+        ("train.stop_signals=[SIGKILL]", "train.stop_signals='SIGKILL' is invalid: allowed: SIGTERM"),
+        ("train.stop_signals=SIGTERM", "train.stop_signals='SIGTERM' is invalid: expected a list"),
+    ],
+)
+def test_bad_reliability_settings_are_one_line(override, word, capsys):
+    assert main(["train", override]) == 2
+    err = capsys.readouterr().err
+    assert word in err and len(err.strip().splitlines()) == 1
