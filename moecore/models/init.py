@@ -147,7 +147,7 @@ def init_param_(param: torch.Tensor, name: str, seed: int, rule: InitRule) -> No
         return
     spec = get_shard(param)
     key = param_key(seed, name)
-    flat = param.view(-1) if param.is_contiguous() else torch.empty(param.numel(), dtype=param.dtype)
+    flat = param.view(-1) if param.is_contiguous() else param.new_empty(param.numel())
     chunk = _CHUNK.get(param.device.type, 1 << 20)
     for start in range(0, param.numel(), chunk):
         end = min(start + chunk, param.numel())
