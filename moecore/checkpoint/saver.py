@@ -1,7 +1,7 @@
 """Checkpoint saving for the training loop, synchronous or asynchronous (`checkpoint.async_save`).
 
 An asynchronous save copies the training state to host memory (the only part the step loop waits
-for), then writes it in a background thread: torch.distributed.checkpoint's `save` on a process
+for; the host buffers, pinned for GPU tensors, are kept for the next save), then writes it in a background thread: torch.distributed.checkpoint's `save` on a process
 group of its own (gloo), the manifest and the `complete` marker after every rank's data is on disk
 (fsynced), then the rename to `step-N/`. At most one save is in flight: a new save, the end of the
 run and any early exit first wait for the previous one. Its own process group keeps the
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from moecore.checkpoint.state import (
+    HostStager,
     begin_save,
     finish_save,
     layout_of,
@@ -38,6 +39,7 @@ class CheckpointSaver:
         self.group = None  # the background saves' own gloo group, made at the first save (collective)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.stager = HostStager()  # host buffers reused by every asynchronous save
         self.steps_overlapped = 0  # train steps run while a save was being written (for tests and logs)
 
     @property
@@ -71,9 +73,9 @@ class CheckpointSaver:
             state, shard = state_for_save(model, optimizer)
             write_state(tmp, state, shard, extra)
             return finish_save(tmp, path, step, layout, keep_last)
-        state, shard = state_for_save(model, optimizer, to_cpu=True)
+        state, shard = state_for_save(model, optimizer, self.stager)
         if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the host copies are complete before the thread reads them
+            torch.cuda.synchronize()  # the (non-blocking) host copies are complete before the thread reads them
 
         def job() -> None:
             try:

@@ -169,31 +169,58 @@ def begin_save(path: Path, config_yaml: str, group=None) -> Path:
     return tmp
 
 
-def _to_cpu(obj):
-    """A deep copy with every tensor copied to host memory (what an asynchronous save writes from)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return copy.deepcopy(obj)
+class HostStager:
+    """Copies a state (nested dicts / lists of tensors) into host buffers kept from one save to the next.
+
+    What an asynchronous save writes from: the training may change the model as soon as `stage`
+    returns. Buffers are reused while shapes and dtypes stay the same (at most one save is in flight,
+    so the previous save is done with them) and pinned for device tensors, so after the first save a
+    stage costs one device-to-host copy per tensor and no allocation. Call `synchronize` (the saver
+    does) before another thread reads the buffers.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def _buffer(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            if t.is_cuda:
+                try:
+                    buf = buf.pin_memory()
+                except RuntimeError:  # no page-locked memory left: pageable buffers work, more slowly
+                    pass
+            self.buffers[key] = buf
+        return buf
+
+    def stage(self, obj, key: tuple = ()):
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            buf = self._buffer(key, t)
+            buf.copy_(t, non_blocking=t.is_cuda and buf.is_pinned())
+            return buf
+        if isinstance(obj, dict):
+            return {k: self.stage(v, (*key, k)) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.stage(v, (*key, i)) for i, v in enumerate(obj))
+        return copy.deepcopy(obj)
 
 
-def state_for_save(model: torch.nn.Module, optimizer, to_cpu: bool = False) -> tuple[dict, dict | None]:
+def state_for_save(model: torch.nn.Module, optimizer, stager: HostStager | None = None) -> tuple[dict, dict | None]:
     """(state dict for dcp with sharded tensors wrapped, per-rank optimizer shard or None).
 
-    `to_cpu`: copy every tensor to host memory first, so that training may go on changing the model
-    while the copy is written (asynchronous save).
+    `stager`: copy every tensor to its host buffers first, so that training may go on changing the
+    model while the copy is written (asynchronous save).
     """
-    stage = _to_cpu if to_cpu else (lambda x: x)
+    stage = (lambda x, key: x) if stager is None else stager.stage
     if _sharded(optimizer):
         # The model stays layout-free; each rank's AdamW shard goes to its own file.
-        model_sd = stage(get_model_state_dict(model))
-        return {"model": wrap_for_checkpoint(model, model_sd)[0]}, stage(optimizer.state_dict())
+        model_sd = stage(get_model_state_dict(model), ("model",))
+        return {"model": wrap_for_checkpoint(model, model_sd)[0]}, stage(optimizer.state_dict(), ("optim",))
     model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
     # Sharded (TP / EP) tensors are saved as chunks of their global tensors: layout-free files.
-    model_sd, optim_sd = wrap_for_checkpoint(model, stage(model_sd), stage(optim_sd))
+    model_sd, optim_sd = wrap_for_checkpoint(model, stage(model_sd, ("model",)), stage(optim_sd, ("optim",)))
     return {"model": model_sd, "optim": optim_sd}, None
 
 

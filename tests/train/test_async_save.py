@@ -1,6 +1,6 @@
 """Asynchronous checkpoints (`checkpoint.async_save=true`): the step loop goes on while a checkpoint is
-written, at most one save is in flight, the manifest and `complete` come after the data, and the files
-are bit-identical to a synchronous save's."""
+written, at most one save is in flight, the manifest and `complete` come after the data, the host
+buffers are reused from save to save, and the files are bit-identical to a synchronous save's."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_async_save_overlaps_steps_and_equals_sync_save(tmp_path, monkeypatch):
     sync = _run(tmp_path / "sync", async_save=False)
 
     write_state = saver_mod.write_state
-    active, seen = [], {"max_active": 0, "final_existed": False}
+    active, seen = [], {"max_active": 0, "final_existed": False, "buffers": []}
     lock = threading.Lock()
 
     def slow_write(tmp, *args, **kwargs):  # a slow file system: the loop must not wait for it
@@ -41,6 +41,7 @@ def test_async_save_overlaps_steps_and_equals_sync_save(tmp_path, monkeypatch):
             seen["max_active"] = max(seen["max_active"], len(active))
         final = tmp.with_name(tmp.name[: -len(".tmp")])
         seen["final_existed"] |= final.exists() or (tmp / "manifest.json").exists()
+        seen["buffers"].append(sorted(t.data_ptr() for t in args[0]["model"].values()))
         time.sleep(0.4)
         write_state(tmp, *args, **kwargs)
         with lock:
@@ -51,6 +52,7 @@ def test_async_save_overlaps_steps_and_equals_sync_save(tmp_path, monkeypatch):
 
     assert asyn.saver.steps_overlapped >= 2  # steps 3 and 4 (and 5, 6) ran while step 2's save was written
     assert seen["max_active"] == 1 and not seen["final_existed"]
+    assert len(seen["buffers"]) == 3 and seen["buffers"][0] == seen["buffers"][2]  # host buffers reused
     assert dict(asyn.result.losses) == dict(sync.result.losses)
     for step in (2, 4, 6):
         a = tmp_path / "sync" / "checkpoints" / f"step-{step}"
