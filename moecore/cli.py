@@ -1,8 +1,13 @@
-"""The `moecore` command line: train, recipes, generate, convert, preprocess, plot, bench.
+"""The `moecore` command line: train, recipes, generate, convert, preprocess, plot, bench, checkpoint.
 
 Each subcommand is a thin layer over a Python function. Bad input (a `ConfigError` or a missing
 file) prints one line naming the field or file, the value and what is allowed, and exits with
 code 2; `--debug` before the subcommand shows the traceback instead.
+
+Exit codes of `moecore train`: 0 done; 2 bad input (config, corrupt `checkpoint.load`); 3 non-finite
+loss or gradients (moecore/train/guards.py); 75 stopped by a stop signal after saving a checkpoint
+(moecore/train/signals.py; run the same command with checkpoint.resume=true to continue); 130 Ctrl-C.
+`moecore checkpoint verify PATH`: 0 intact, 1 corrupt or incomplete, 2 no such checkpoint.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import sys
 from pathlib import Path
 
 from moecore.config import ConfigError
+from moecore.train.signals import EXIT_PREEMPTED
 
 EXIT_BAD_INPUT = 2
 
@@ -29,6 +35,7 @@ def _console():
 
 def cmd_train(args: argparse.Namespace) -> int:
     from moecore.config import load_config
+    from moecore.train.guards import NonFiniteError
     from moecore.train.loop import preflight, train
 
     console = _console()
@@ -38,9 +45,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(recipe, overrides)
     preflight(cfg)
     console.print(f"[bold]moecore train[/bold] recipe={cfg.recipe}")
-    if _is_main_process():
-        console.print(cfg.to_yaml(), highlight=False, markup=False)
-    result = train(cfg, console)
+    try:
+        result = train(cfg, console)
+    except NonFiniteError as e:
+        if args.debug:
+            raise
+        if _is_main_process():
+            print(f"moecore: error: {e}", file=sys.stderr)
+        return e.exit_code
+    if result.stopped_by is not None:
+        if _is_main_process():
+            print(
+                f"moecore: stopped by {result.stopped_by} after step {result.last_step}; checkpoint "
+                f"{result.checkpoint} saved; resume with checkpoint.resume=true (exit code {EXIT_PREEMPTED})",
+                file=sys.stderr,
+            )
+        return EXIT_PREEMPTED
     if _is_main_process() and result.losses:
         val = f", validation loss {result.val_losses[-1][1]:.4f}" if result.val_losses else ""
         console.print(
@@ -48,6 +68,24 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"loss {result.first_loss:.4f} -> {result.final_loss:.4f}{val}; run folder {result.run_dir}"
         )
     return 0
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from moecore.checkpoint import checkpoint_dirs, verify_checkpoint
+
+    path = Path(args.path)
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint verify {str(path)!r} is invalid: no such folder")
+    is_run = (path / "checkpoints").is_dir() and not (path / ".metadata").exists()
+    targets = sorted((path / "checkpoints").glob("step-*"), key=lambda p: p.name) if is_run else [path]
+    if is_run and not checkpoint_dirs(path) and not targets:
+        raise ConfigError(f"checkpoint verify {str(path)!r} is invalid: the run folder has no checkpoints")
+    bad = 0
+    for target in targets:
+        result = verify_checkpoint(target)
+        bad += not result.ok
+        print(result.message(), file=sys.stdout if result.ok else sys.stderr)
+    return 1 if bad else 0
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
@@ -104,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=50)
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("checkpoint", help="check a checkpoint folder (or every checkpoint of a run folder)")
+    csub = c.add_subparsers(dest="action", required=True)
+    v = csub.add_parser("verify", help="verify files, sizes and sha256 against the checkpoint's manifest")
+    v.add_argument("path", help="a checkpoint folder (checkpoints/step-N) or a run folder")
+    v.set_defaults(func=cmd_checkpoint)
 
     # Subcommands implemented in their own modules take the rest of the command line as is.
     for name, module, help_ in (

@@ -435,6 +435,11 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     deterministic: bool = False
     cpu_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (one per core)
+    on_nonfinite: str = "error"  # error (stop with one line, exit code 3) | skip (drop the step's update)
+    max_skipped_steps: int = 5  # on_nonfinite=skip: stop after this many non-finite steps in a row
+    stop_signals: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # save, then exit 75
+
+    STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 
     def validate(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "seq_length", "eval_iters"):
@@ -460,6 +465,12 @@ class TrainConfig:
         _check_choice("train.device", self.device, ("auto", "cpu", "cuda"))
         if self.cpu_threads is not None:
             _check_range("train.cpu_threads", self.cpu_threads, 1)
+        _check_choice("train.on_nonfinite", self.on_nonfinite, ("error", "skip"))
+        _check_range("train.max_skipped_steps", self.max_skipped_steps, 1)
+        if not isinstance(self.stop_signals, list):
+            _fail("train.stop_signals", self.stop_signals, "a list, e.g. [SIGTERM,SIGUSR1] ([] for none)")
+        for s in self.stop_signals:
+            _check_choice("train.stop_signals", s, self.STOP_SIGNALS)
 
 
 @dataclass
@@ -471,6 +482,7 @@ class CheckpointConfig:
     load: str | None = None  # start from this checkpoint (weights only unless resume)
     keep_last: int | None = None
     upcycle_from: str | None = None  # a dense moecore checkpoint folder (moe.num_experts=0): experts start from it
+    async_save: bool | None = None  # write checkpoints in the background; None: true on GPU, false on CPU
 
     def validate(self) -> None:
         _check_range("checkpoint.interval", self.interval, 0)

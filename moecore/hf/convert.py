@@ -4,8 +4,8 @@
     moecore convert --to-hf CKPT HF_DIR          # CKPT: a converted folder or a run's checkpoints/step-N
 
 A moecore checkpoint folder is what training writes (`moecore.checkpoint.state`): the model's tensors
-under "model" through torch.distributed.checkpoint (`*.distcp` + `.metadata`), `config.yaml` and a
-`complete` marker. A converted folder also carries the Hugging Face tokenizer files, and its
+under "model" through torch.distributed.checkpoint (`*.distcp` + `.metadata`), `config.yaml`,
+`manifest.json` (checksums) and a `complete` marker. A converted folder also carries the Hugging Face tokenizer files, and its
 config.yaml points `data.tokenizer` at them. Both directions stream one Hugging Face tensor at a time
 behind a progress bar; peak memory is about one copy of the model.
 """
@@ -68,7 +68,9 @@ def save_model_checkpoint(model: nn.Module, cfg: Config, path: str | Path) -> Pa
     with _single_process_quiet():
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp))
     (tmp / "config.yaml").write_text(cfg.to_yaml())
-    (tmp / "complete").write_text("ok\n")
+    from moecore.checkpoint.manifest import data_files, hash_files, write_manifest
+
+    write_manifest(tmp, hash_files(tmp, data_files(tmp)), step=None)  # checksums, then `complete`
     if path.exists():
         shutil.rmtree(path)
     os.replace(tmp, path)

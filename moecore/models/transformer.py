@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from moecore.config import Config, ModelConfig
 from moecore.kernels.cross_entropy import linear_cross_entropy
 from moecore.models.attention import Attention
+from moecore.models.init import seeded_init_
 from moecore.models.mlp import MLP
 from moecore.models.norms import RMSNorm
 from moecore.models.recompute import recompute_output
@@ -144,7 +145,12 @@ class MoETransformer(nn.Module):
 
     # ------------------------------------------------------------------ initialisation
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) for every matrix; norms to identity; biases to zero."""
+        """Normal(0, init_std) for every matrix; norms to identity; biases to zero.
+
+        The random values come from `train.seed` and each element's position in its global tensor
+        (moecore/models/init.py), not from torch's generator: every parallel layout starts from the
+        single process's weights. The modules' own initialisation below sets the deterministic parts.
+        """
         std = self.cfg.model.init_std
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -157,6 +163,7 @@ class MoETransformer(nn.Module):
                 # Modules with parameters of their own (grouped experts, routers, DeltaNet) initialise them.
                 if any(True for _ in module.parameters(recurse=False)):
                     module.reset_parameters()
+        seeded_init_(self, self.cfg.train.seed, std)
 
     # ------------------------------------------------------------------ forward
     def output_weight(self) -> torch.Tensor:

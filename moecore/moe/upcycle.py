@@ -154,7 +154,7 @@ def upcycle_from_checkpoint(model: nn.Module, folder: str | Path, cfg: Config) -
             _fail(f"the dense run has model.{name}={a!r}, this run {b!r}")
     with torch.device("cpu"):
         dense = MoETransformer(dense_cfg)
-    load_model_weights(Path(folder), dense)
+    load_model_weights(Path(folder), dense, what="checkpoint.upcycle_from")
     init_sd = model.state_dict()
     new_sd = upcycle_state_dict(dense.state_dict(), cfg, init_sd)
     model.load_state_dict({k: v.to(init_sd[k].device) for k, v in new_sd.items()})

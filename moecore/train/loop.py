@@ -13,7 +13,7 @@ One optimizer step:
 
 from __future__ import annotations
 
-import math
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -21,11 +21,16 @@ from pathlib import Path
 
 import torch
 
-from moecore.checkpoint import latest_checkpoint, load_model_weights, load_training_state, save_training_state
+from moecore.checkpoint import latest_checkpoint, load_model_weights, load_training_state
+from moecore.checkpoint.saver import CheckpointSaver
 from moecore.config import Config, ConfigError
 from moecore.models.transformer import MoETransformer
 from moecore.optim.schedule import lr_at
+from moecore.train.guards import StepGuard
+from moecore.train.resume import resolve_resume
 from moecore.train.runtime import Runtime, setup_runtime
+from moecore.train.signals import StopRequest
+from moecore.train.summary import run_summary
 
 
 @dataclass
@@ -39,6 +44,8 @@ class TrainResult:
     first_loss: float | None = None
     final_loss: float | None = None
     seconds: float = 0.0
+    stopped_by: str | None = None  # the stop signal (SIGTERM, ...) that ended the run early, after a checkpoint
+    checkpoint: Path | None = None  # the newest checkpoint this run saved
 
 
 def resolve_run_dir(cfg: Config) -> Path:
@@ -110,8 +117,9 @@ class Trainer:
         from moecore.data import build_data
 
         self.cfg = cfg
-        self.resume_from = check_resume(cfg)
+        check_resume(cfg)
         self.rt = setup_runtime(cfg)
+        self.resume_from = resolve_resume(cfg)  # the newest intact checkpoint (verified on every rank)
         self.console = console
         self.data = build_data(cfg, dp_rank=self.rt.dp_rank, dp_size=self.rt.dp_size)
         if cfg.model.vocab_size <= 0:
@@ -135,12 +143,16 @@ class Trainer:
         self.optimizer = self.rt.build_optimizer(self.model, cfg)
         if self.resume_from is not None:
             with self.rt.master_weights_in_model():
-                extra = load_training_state(self.resume_from, self.model, self.optimizer)
+                extra = load_training_state(self.resume_from, self.model, self.optimizer, verify_files=False)
             self.step = extra["step"]
             self.data.train.load_state_dict(extra["data"])
         from moecore.moe.router_replay import setup_router_replay
 
         self.router_replay = setup_router_replay(self.model, cfg.moe, self.rt.dims.rank, self.rt.world_size)
+        async_save = cfg.checkpoint.async_save
+        self.saver = CheckpointSaver(self.rt.device.type == "cuda" if async_save is None else async_save)
+        self.stop = StopRequest(cfg.train.stop_signals)
+        self.guard = StepGuard(cfg.train, self.rt.device, self.run_dir, self.stop, self.saver, self.rt.scaler)
 
     # ------------------------------------------------------------------ one step
     def train_step(self, with_moe_metrics: bool = True) -> dict:
@@ -181,6 +193,8 @@ class Trainer:
             stats_per_mb.append(out.moe_stats)
         rt.finish_grad_sync(model)
         grad_norm = rt.clip_grad_norm(model, cfg.optim.clip_grad)
+        if self.guard.check(self.step + 1, lm_sum, grad_norm):  # non-finite, on_nonfinite=skip (train/guards.py)
+            return self.guard.skip_step(self, lm_sum, global_tokens, grad_norm)
         lr = lr_at(self.step + 1, cfg.train.steps, cfg.optim)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -217,12 +231,24 @@ class Trainer:
         path = self.run_dir / "checkpoints" / f"step-{self.step}"
         extra = {"step": self.step, "data": self.data.train.state_dict()}
         with self.rt.master_weights_in_model():  # files hold the fp32 masters: precision-free checkpoints
-            return save_training_state(
+            return self.saver.save(
                 path, self.model, self.optimizer, extra, self.cfg.to_yaml(), keep_last=self.cfg.checkpoint.keep_last
             )
 
     # ------------------------------------------------------------------ the run
     def run(self) -> TrainResult:
+        """Train to `train.steps` (or `train.exit_interval`, or a stop signal); checkpoints are durable on return."""
+        try:
+            with self.stop:
+                result = self._run()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the save in flight completes; the first error is the one shown
+                self.saver.wait()
+            raise
+        self.saver.wait()
+        return result
+
+    def _run(self) -> TrainResult:
         from moecore.train.logger import RunLogger
         from moecore.train.logger import flops_per_token as flops_per_token_of
         from moecore.train.profiling import Profiler, enable_oom_snapshot
@@ -232,6 +258,9 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
         rt.barrier()
+        if rt.is_main and self.console is not None:
+            for line in run_summary(cfg, self.model, rt, self.run_dir, self.step):
+                self.console.print(line, highlight=False, markup=False, soft_wrap=True)
         resumed = self.resume_from is not None
         logger = RunLogger(self.run_dir, cfg.log, rt.is_main, cfg.to_dict(), resume_step=self.step if resumed else None)
         if cfg.log.oom_snapshot and rt.device.type == "cuda":
@@ -256,14 +285,15 @@ class Trainer:
                     next_step % cfg.train.eval_interval == 0 or next_step == stop
                 )
                 metrics = self.train_step(with_moe_metrics=log_now or evaluate_now)
+                self.saver.note_step()
+                if cfg.train.on_nonfinite == "skip":
+                    metrics["skipped_steps"] = self.guard.skipped_total
                 if profiler is not None:
                     profiler.step_end(self.step)
                 window_steps += 1
                 result.losses.append((self.step, metrics["loss"]))
                 if result.first_loss is None:
                     result.first_loss = metrics["loss"]
-                if not math.isfinite(metrics["loss"]):
-                    raise FloatingPointError(f"loss became {metrics['loss']} at step {self.step}")
                 if evaluate_now:
                     val = self.evaluate()
                     metrics["val_loss"] = val
@@ -280,8 +310,11 @@ class Trainer:
                     window_t, window_steps = time.perf_counter(), 0
                 progress.update(self.step, metrics)
                 interval = cfg.checkpoint.interval
-                if (interval and self.step % interval == 0) or self.step == stop:
-                    self.save()
+                if (interval and self.step % interval == 0) or self.step == stop or self.guard.stop_now:
+                    result.checkpoint = self.save()
+                if self.guard.stop_now:  # a stop signal: every rank agreed on it during this step
+                    result.stopped_by = self.stop.signal_name or "a stop signal (on another rank)"
+                    break
         logger.close()
         if self.router_replay is not None and self.router_replay.mode == "record":
             from moecore.moe.router_replay import rank_path

@@ -115,7 +115,11 @@ def test_bf16_run_tracks_the_fp32_run(tmp_path, mode):
     for step in range(1, 7):
         a, b = got[step]["loss"], ref[step]["loss"]
         assert abs(a - b) / b < 5e-4, (step, a, b)
-    assert ref[6]["loss"] < ref[1]["loss"] - 0.05  # the run moves: the comparison is not of constants
+    # The run moves, so the comparison is not of constants: every step updates (lr and gradient norm > 0; an
+    # Adam / Muon step moves each weight by about lr whatever the gradient's scale) and the losses vary.
+    # (Loss at step 6 below step 1 by a margin held for one initial draw only: different batches per step.)
+    assert all(ref[s]["lr"] > 0 and ref[s]["grad_norm"] > 1e-3 for s in range(1, 7))
+    assert len({ref[s]["loss"] for s in range(1, 7)}) == 6
 
 
 def test_checkpoint_holds_masters_and_resume_is_exact(tmp_path):
