@@ -17,7 +17,8 @@ Kernels, forward: `_wy_fwd` (one program per chunk: A, T blockwise, W, U0), `_st
 (one program per head and Dv tile, sequential over chunks: U and the state at every chunk start),
 `_out_fwd` (one program per chunk and Dv tile: O). Saved for backward: the chunk-start states
 (S/C * Dk * Dv per head), T (S * C), W, U and G (S * D): memory O(S*D + S/C*D^2). Block sizes,
-warps and pipeline stages are autotuned once per head dims (the interpreter takes the first config).
+warps and pipeline stages are autotuned once per head dims and the timings cached on disk (the
+interpreter takes the first config).
 
 Backward. Write U = T R with R = diag(beta) (V - diag(Gam) K S), the right-hand side of the UT solve;
 then dR = T^T dU and dA = -dR U^T (strict lower part), the usual triangular-solve gradient. With dS'
@@ -65,8 +66,12 @@ if triton_importable():
         return configs[:1] if os.environ.get("TRITON_INTERPRET") == "1" else configs
 
     def _autotune(configs: list):
+        # cache_results: timings go to Triton's disk cache, so later processes compile only the winner
         return triton.autotune(
-            configs, key=["DK", "DV", "C", "PREC"], prune_configs_by={"early_config_prune": _first_when_interpreted}
+            configs,
+            key=["DK", "DV", "C", "PREC"],
+            prune_configs_by={"early_config_prune": _first_when_interpreted},
+            cache_results=True,
         )
 
     @triton.jit

@@ -42,6 +42,8 @@ def _interpreted(obj, mp: pytest.MonkeyPatch):
         inner = _interpreted(obj.fn, mp)
         if inner is not None:
             mp.setattr(obj, "fn", inner)
+        if isinstance(obj, Autotuner):  # as under TRITON_INTERPRET=1: no disk cache of timings
+            mp.setattr(obj, "cache_results", False)
         return obj
     return None
 
