@@ -1,0 +1,239 @@
+"""Per-GPU peak memory of a training step for one layout: the planner's memory model.
+
+For every pipeline stage the estimate adds, per rank:
+- `params`, `grads`, `optimizer`: exact bytes from moecore.plan.params (precision mode, sharding);
+- `activations`: what one micro-batch's decoder layers keep for backward (moecore.plan.activations),
+  times the micro-batches in flight on that stage (1F1B: stage s holds min(m, pp - s); interleaved
+  with vpp chunks: (pp - s) + (pp - 1 - s) / vpp, Korthikanti et al. 2022); under autocast on fp32
+  parameters, the bf16 weight copies the matmuls keep are counted here too;
+- `loss`: the logits / loss chunk of the last stage (one micro-batch);
+- `workspace`: the largest transient of backward: a layer's activation gradients (routed rows with
+  the load-imbalance margin and the all-to-all buffers under ep), the activations a recomputed layer
+  rebuilds, or the loss backward's fp32 head gradient;
+- the step's transients after backward: the embedding gradient's fp32 accumulation, the distributed
+  optimizer's fp32 gradient shard and all-gather buffers (moecore/parallel/distributed_optimizer.py).
+
+The peak is params + optimizer + the largest of three phases: start of backward (activations +
+workspace, plus the gradients when they accumulate over micro-batches), end of backward (all
+gradients + the embedding transient) and the optimizer step (all gradients + its buffers).
+`framework` (CUDA context, cuBLAS / NCCL workspaces, allocator fragmentation) is added for the fit
+decision only: `peak_allocated` is what torch.cuda.max_memory_allocated would report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from moecore.config import Config
+from moecore.plan.activations import (
+    ActContext,
+    layer_backward_workspace,
+    layer_modules,
+    layer_saved,
+    loss_bytes,
+)
+from moecore.plan.layout import Layout
+from moecore.plan.params import PrecisionMode, param_entries, precision_mode, stage_layers, state_bytes
+
+GiB = float(2**30)
+IMBALANCE_MARGIN = 1.25  # routed rows on the busiest expert rank / the mean, under ep > 1 (dropless)
+FRAMEWORK_BASE_GIB = 1.0  # CUDA context and cuBLAS workspaces (outside torch's allocator counters)
+NCCL_PER_GROUP_GIB = 0.25  # NCCL buffers per communicator kind in use
+FRAGMENTATION = 0.05  # allocator reserve beyond the allocated peak
+
+
+@dataclass
+class PlanOptions:
+    """The stated assumptions of an estimate."""
+
+    imbalance: float = IMBALANCE_MARGIN
+    device: str = "cuda"  # cuda: fused kernels, bf16 by default; cpu: unfused ops, fp32 by default
+    mode: PrecisionMode | None = None  # force a precision mode (e.g. a model cast to bf16 with bf16 AdamW state)
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per rank on the worst pipeline stage; `by_kind` holds the table's columns."""
+
+    stage: int
+    micro_batches: int
+    in_flight: float
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    loss: float
+    workspace: float
+    step_transient: float
+    peak_allocated: float
+    framework: float
+    phase: str  # which phase sets the peak: backward_start | backward_end | optimizer_step
+    mode: str
+    per_stage: list = field(default_factory=list)  # peak_allocated of each stage
+
+    @property
+    def total(self) -> float:
+        return self.peak_allocated + self.framework
+
+    def by_kind(self) -> dict[str, float]:
+        """GiB per kind (as the table prints them)."""
+        other = self.loss + self.workspace + self.step_transient
+        return {
+            "params": self.params / GiB,
+            "grads": self.grads / GiB,
+            "optimizer": self.optimizer / GiB,
+            "activations": self.activations / GiB,
+            "other": other / GiB,
+            "framework": self.framework / GiB,
+            "total": self.total / GiB,
+        }
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["total"] = self.total
+        return out
+
+
+def micro_batches_per_step(cfg: Config, layout: Layout) -> int:
+    """m: micro-batches each data-parallel rank runs per optimizer step (at least 1)."""
+    return max(1, cfg.train.global_batch_size // (layout.micro_batch_size * layout.dp))
+
+
+def in_flight(layout: Layout, stage: int, m: int) -> float:
+    """Micro-batches whose activations stage `stage` holds at once under (interleaved) 1F1B."""
+    if layout.pp == 1:
+        return 1.0
+    base = layout.pp - stage
+    if layout.vpp > 1:
+        return min(float(m), base + (layout.pp - 1 - stage) / layout.vpp)
+    return float(min(m, base))
+
+
+def act_context(cfg: Config, layout: Layout, mode: PrecisionMode, opts: PlanOptions) -> ActContext:
+    tokens = layout.micro_batch_size * cfg.train.seq_length // layout.cp
+    residual = 4 if mode.autocast else mode.act_bytes
+    return ActContext(tokens, mode.act_bytes, residual, opts.device == "cuda", opts.imbalance)
+
+
+def _optimizer_step_transient(cfg: Config, layout: Layout, stage: int, mode: PrecisionMode) -> float:
+    """The distributed optimizer's step: fp32 gradient and master slices of a shard, then the all-gather
+    of the largest flat buffer (every rank's shard, and their concatenation)."""
+    if not layout.distributed_optimizer or layout.fsdp:
+        return 0.0
+    entries = param_entries(cfg, layout, stage)
+    worst = 0.0
+    for decay in (True, False):
+        for expert in (False, True):
+            n = sum(e.numel for e in entries if e.decay == decay and e.expert == expert)
+            g = layout.edp if expert else layout.dp_cp
+            if n and g > 1:
+                shard = -(-n // g)
+                worst = max(worst, 2 * shard * 4 + 2 * shard * g * 4)
+    return worst
+
+
+def _weight_copies(cfg: Config, layout: Layout, stage: int, mode: PrecisionMode) -> float:
+    """Autocast on fp32 parameters: the bf16 copies of the matrices the kept matmuls saved (one micro-batch)."""
+    if not mode.autocast:
+        return 0.0
+    if layout.recompute_granularity == "full":
+        return 0.0
+    rec = set(layout.recompute_modules) if layout.recompute_granularity == "selective" else set()
+    n = 0
+    for e in param_entries(cfg, layout, stage):
+        if not e.decay or e.name.startswith("embed"):
+            continue
+        if "moe" in rec and ".mlp." in e.name and ("experts" in e.name or "router" in e.name):
+            continue
+        n += e.numel
+    return 2.0 * n
+
+
+def _largest_layer_grads(cfg: Config, layout: Layout, stage: int, mode: PrecisionMode) -> float:
+    """Gradient bytes of the stage's largest decoder layer (made before that layer's activations are freed)."""
+    per_layer: dict[str, int] = {}
+    for e in param_entries(cfg, layout, stage):
+        if e.name.startswith("layers."):
+            key = e.name.split(".")[1]
+            per_layer[key] = per_layer.get(key, 0) + e.numel
+    return max(per_layer.values(), default=0) * mode.grad
+
+
+def estimate_stage(cfg: Config, layout: Layout, stage: int, opts: PlanOptions) -> MemoryEstimate:
+    """The memory estimate of one rank of pipeline stage `stage`."""
+    m_cfg = cfg.model
+    m = micro_batches_per_step(cfg, layout)
+    mode = opts.mode or precision_mode(cfg, layout, m, opts.device)
+    c = act_context(cfg, layout, mode, opts)
+    state = state_bytes(cfg, layout, stage, mode)
+    layers = stage_layers(m_cfg.num_layers, layout.pp)[stage]
+    first, last = stage == 0, stage == layout.pp - 1
+    per_mb = 0.0
+    workspace = 0.0
+    for i in layers:
+        is_moe = cfg.moe.is_moe_layer(i, m_cfg.num_layers)
+        saved, recomputed = layer_saved(cfg, i, is_moe, layout, c)
+        per_mb += saved
+        workspace = max(workspace, layer_backward_workspace(cfg, is_moe, layout, c) + recomputed)
+    loss_kept, loss_bwd = (0.0, 0.0)
+    if last:
+        h = m_cfg.hidden_size
+        per_mb += c.tokens / layout.tp * (h * c.residual_bytes + 4)  # the final norm's input and 1/rms
+        loss_kept, loss_bwd = loss_bytes(cfg, layout, c, mode.param)
+        for _ in range(m_cfg.mtp_num_layers):  # MTP depth: input norms, projection input, an MoE block, its loss
+            blk = sum(layer_modules(cfg, 0, cfg.moe.num_experts > 0, layout, c).values())
+            per_mb += blk + c.tokens * h * c.act_bytes * 4
+            loss_kept += loss_bytes(cfg, layout, c, mode.param)[0]
+    if first:
+        per_mb += c.tokens * 8  # token ids kept by the embedding
+    flight = in_flight(layout, stage, m)
+    activations = (per_mb + _weight_copies(cfg, layout, stage, mode)) * flight
+    grads_during_forward = state["grads"] if m > 1 else 0.0
+    if layout.fsdp:  # one layer gathered unsharded, and its unsharded gradient before the reduce-scatter
+        layer_params = max((e.numel for e in param_entries(cfg, Layout(), 0)), default=0)
+        workspace += 2 * layer_params * mode.param
+    # Start of backward: the loss backward (its fp32 head gradient) with everything kept, then the
+    # first layer's backward: its gradient workspace, its weight gradients and the head's already made.
+    head_grad = (m_cfg.vocab_size / layout.tp * m_cfg.hidden_size * mode.grad) if last else 0.0
+    layer_grads = _largest_layer_grads(cfg, layout, stage, mode)
+    fresh_grads = 0.0 if m > 1 else head_grad + layer_grads
+    backward_start = grads_during_forward + activations + max(loss_kept + loss_bwd, fresh_grads + workspace)
+    embed_tmp = m_cfg.vocab_size / layout.tp * m_cfg.hidden_size * 4 if first and mode.param == 2 else 0.0
+    backward_end = state["grads"] + embed_tmp
+    opt_tmp = _optimizer_step_transient(cfg, layout, stage, mode)
+    optimizer_step = state["grads"] + opt_tmp
+    phases = {"backward_start": backward_start, "backward_end": backward_end, "optimizer_step": optimizer_step}
+    phase = max(phases, key=phases.get)
+    static = state["params"] + state["optimizer"]
+    peak = static + phases[phase]
+    groups = sum(
+        1
+        for d in (layout.tp, layout.pp, layout.cp, layout.ep, layout.etp, layout.dp_cp, layout.edp)
+        if d > 1
+    )
+    framework = (FRAMEWORK_BASE_GIB + NCCL_PER_GROUP_GIB * groups) * GiB + FRAGMENTATION * peak
+    return MemoryEstimate(
+        stage=stage,
+        micro_batches=m,
+        in_flight=flight,
+        params=state["params"],
+        grads=state["grads"],
+        optimizer=state["optimizer"],
+        activations=activations,
+        loss=loss_kept,
+        workspace=max(loss_bwd, workspace) + fresh_grads,
+        step_transient=max(embed_tmp, opt_tmp),
+        peak_allocated=peak,
+        framework=framework,
+        phase=phase,
+        mode=mode.name,
+    )
+
+
+def estimate_memory(cfg: Config, layout: Layout, opts: PlanOptions | None = None) -> MemoryEstimate:
+    """The worst pipeline stage's estimate (with every stage's peak in `per_stage`)."""
+    opts = opts or PlanOptions()
+    stages = [estimate_stage(cfg, layout, s, opts) for s in range(layout.pp)]
+    worst = max(stages, key=lambda e: e.peak_allocated)
+    worst.per_stage = [s.peak_allocated for s in stages]
+    return worst
