@@ -37,6 +37,7 @@ class Layout:
     recompute_modules: tuple = ()
     micro_batch_size: int = 1
     offload_modules: tuple = field(default=())
+    precision: str = ""  # "": the config's; adam_bf16: bf16 Adam moments; master_bf16: bf16 master weights and moments
 
     @property
     def world(self) -> int:
@@ -78,6 +79,8 @@ class Layout:
         parts.append(f"rc={self.recompute_label()}")
         if self.offload_modules:
             parts.append("off=" + "+".join(self.offload_modules))
+        if self.precision:
+            parts.append(self.precision)
         return " ".join(parts)
 
     def overrides(self) -> list[str]:
@@ -97,6 +100,10 @@ class Layout:
         ]
         if self.offload_modules:
             out.append(f"model.offload_modules=[{','.join(self.offload_modules)}]")
+        if self.precision in ("adam_bf16", "master_bf16"):
+            out.append("optim.state_dtype=bf16")
+        if self.precision == "master_bf16":
+            out.append("optim.master_weights=bf16")
         return out
 
 
@@ -133,6 +140,10 @@ def layout_config(cfg: Config, layout: Layout) -> Config:
     m.recompute_modules = list(layout.recompute_modules)
     if hasattr(m, "offload_modules"):
         m.offload_modules = list(layout.offload_modules)
+    if layout.precision and hasattr(out.optim, "state_dtype"):
+        out.optim.state_dtype = "bf16"
+        if layout.precision == "master_bf16":
+            out.optim.master_weights = "bf16"
     out.train.micro_batch_size = layout.micro_batch_size
     return out
 
@@ -141,6 +152,10 @@ def unsupported_reason(cfg: Config, layout: Layout) -> str | None:
     """None when this version's trainer runs the layout, else the one-line reason it gives."""
     from moecore.parallel.layout import check_layout
 
+    if layout.precision and not hasattr(cfg.optim, "state_dtype"):
+        return "optim.state_dtype / optim.master_weights (bf16 optimizer state) are not in this version"
+    if layout.offload_modules and not hasattr(cfg.model, "offload_modules"):
+        return "model.offload_modules (activation offloading) is not in this version"
     if layout.vpp > 1 and not hasattr(cfg.parallel, "vpp"):
         return "virtual pipeline stages (vpp) are not implemented yet"
     try:

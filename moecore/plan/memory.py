@@ -33,7 +33,7 @@ from moecore.plan.activations import (
     loss_bytes,
 )
 from moecore.plan.layout import Layout
-from moecore.plan.params import PrecisionMode, param_entries, precision_mode, stage_layers, state_bytes
+from moecore.plan.params import ParamSummary, PrecisionMode, param_summary, precision_mode, stage_layers, state_bytes
 
 GiB = float(2**30)
 IMBALANCE_MARGIN = 1.25  # routed rows on the busiest expert rank / the mean, under ep > 1 (dropless)
@@ -49,6 +49,7 @@ class PlanOptions:
     imbalance: float = IMBALANCE_MARGIN
     device: str = "cuda"  # cuda: fused kernels, bf16 by default; cpu: unfused ops, fp32 by default
     mode: PrecisionMode | None = None  # force a precision mode (e.g. a model cast to bf16 with bf16 AdamW state)
+    cache: dict = field(default_factory=dict, repr=False)  # memoised per-layout pieces (one model per cache)
 
 
 @dataclass
@@ -69,7 +70,7 @@ class MemoryEstimate:
     framework: float
     phase: str  # which phase sets the peak: backward_start | backward_end | optimizer_step
     mode: str
-    per_stage: list = field(default_factory=list)  # peak_allocated of each stage
+    per_stage: list = field(default_factory=list)  # peak_allocated of the first and the last stage
 
     @property
     def total(self) -> float:
@@ -115,66 +116,71 @@ def act_context(cfg: Config, layout: Layout, mode: PrecisionMode, opts: PlanOpti
     return ActContext(tokens, mode.act_bytes, residual, opts.device == "cuda", opts.imbalance)
 
 
-def _optimizer_step_transient(cfg: Config, layout: Layout, stage: int, mode: PrecisionMode) -> float:
+def _optimizer_step_transient(layout: Layout, summary: ParamSummary) -> float:
     """The distributed optimizer's step: fp32 gradient and master slices of a shard, then the all-gather
     of the largest flat buffer (every rank's shard, and their concatenation)."""
     if not layout.distributed_optimizer or layout.fsdp:
         return 0.0
-    entries = param_entries(cfg, layout, stage)
     worst = 0.0
-    for decay in (True, False):
-        for expert in (False, True):
-            n = sum(e.numel for e in entries if e.decay == decay and e.expert == expert)
-            g = layout.edp if expert else layout.dp_cp
-            if n and g > 1:
-                shard = -(-n // g)
-                worst = max(worst, 2 * shard * 4 + 2 * shard * g * 4)
+    for (_, expert), n in summary.groups.items():
+        g = layout.edp if expert else layout.dp_cp
+        if n and g > 1:
+            shard = -(-n // g)
+            worst = max(worst, 2 * shard * 4 + 2 * shard * g * 4)
     return worst
 
 
-def _weight_copies(cfg: Config, layout: Layout, stage: int, mode: PrecisionMode) -> float:
+def _weight_copies(layout: Layout, summary: ParamSummary, mode: PrecisionMode) -> float:
     """Autocast on fp32 parameters: the bf16 copies of the matrices the kept matmuls saved (one micro-batch)."""
-    if not mode.autocast:
+    if not mode.autocast or layout.recompute_granularity == "full":
         return 0.0
-    if layout.recompute_granularity == "full":
-        return 0.0
-    rec = set(layout.recompute_modules) if layout.recompute_granularity == "selective" else set()
-    n = 0
-    for e in param_entries(cfg, layout, stage):
-        if not e.decay or e.name.startswith("embed"):
-            continue
-        if "moe" in rec and ".mlp." in e.name and ("experts" in e.name or "router" in e.name):
-            continue
-        n += e.numel
+    n = summary.matmuls
+    if layout.recompute_granularity == "selective" and "moe" in layout.recompute_modules:
+        n -= summary.moe_matmuls
     return 2.0 * n
 
 
-def _largest_layer_grads(cfg: Config, layout: Layout, stage: int, mode: PrecisionMode) -> float:
-    """Gradient bytes of the stage's largest decoder layer (made before that layer's activations are freed)."""
-    per_layer: dict[str, int] = {}
-    for e in param_entries(cfg, layout, stage):
-        if e.name.startswith("layers."):
-            key = e.name.split(".")[1]
-            per_layer[key] = per_layer.get(key, 0) + e.numel
-    return max(per_layer.values(), default=0) * mode.grad
+def _stage_kinds(cfg: Config, pp: int, stage: int, cache: dict) -> list[tuple[int, int]]:
+    """[(a representative layer index, how many layers of that kind)] of one stage; kind = (linear attention, MoE)."""
+    key = ("kinds", pp, stage)
+    if key not in cache:
+        m = cfg.model
+        kinds: dict[tuple[bool, bool], list[int]] = {}
+        for i in stage_layers(m.num_layers, pp)[stage]:
+            linear = m.layer_types is not None and m.layer_types[i] == "linear_attention"
+            kinds.setdefault((linear, cfg.moe.is_moe_layer(i, m.num_layers)), []).append(i)
+        cache[key] = [(idx[0], len(idx)) for idx in kinds.values()]
+    return cache[key]
+
+
+def _layer_terms(cfg: Config, i: int, layout: Layout, c: ActContext, cache: dict) -> tuple[float, float, float]:
+    """(saved, recomputed, backward workspace) bytes of decoder layer i, memoised per layer kind."""
+    m = cfg.model
+    kind = (m.layer_types is not None and m.layer_types[i] == "linear_attention", cfg.moe.is_moe_layer(i, m.num_layers))
+    key = ("layer", kind, layout.tp, layout.ep, layout.etp, layout.recompute_granularity,
+           layout.recompute_modules, layout.offload_modules, c)  # fmt: skip
+    if key not in cache:
+        saved, recomputed = layer_saved(cfg, i, kind[1], layout, c)
+        cache[key] = (saved, recomputed, layer_backward_workspace(cfg, kind[1], layout, c))
+    return cache[key]
 
 
 def estimate_stage(cfg: Config, layout: Layout, stage: int, opts: PlanOptions) -> MemoryEstimate:
     """The memory estimate of one rank of pipeline stage `stage`."""
     m_cfg = cfg.model
+    cache = opts.cache
     m = micro_batches_per_step(cfg, layout)
     mode = opts.mode or precision_mode(cfg, layout, m, opts.device)
     c = act_context(cfg, layout, mode, opts)
-    state = state_bytes(cfg, layout, stage, mode)
-    layers = stage_layers(m_cfg.num_layers, layout.pp)[stage]
+    summary = param_summary(cfg, layout, stage, cache)
+    state = state_bytes(cfg, layout, stage, mode, cache)
     first, last = stage == 0, stage == layout.pp - 1
     per_mb = 0.0
     workspace = 0.0
-    for i in layers:
-        is_moe = cfg.moe.is_moe_layer(i, m_cfg.num_layers)
-        saved, recomputed = layer_saved(cfg, i, is_moe, layout, c)
-        per_mb += saved
-        workspace = max(workspace, layer_backward_workspace(cfg, is_moe, layout, c) + recomputed)
+    for i, count in _stage_kinds(cfg, layout.pp, stage, cache):
+        saved, recomputed, ws = _layer_terms(cfg, i, layout, c, cache)
+        per_mb += saved * count
+        workspace = max(workspace, ws + recomputed)
     loss_kept, loss_bwd = (0.0, 0.0)
     if last:
         h = m_cfg.hidden_size
@@ -187,30 +193,25 @@ def estimate_stage(cfg: Config, layout: Layout, stage: int, opts: PlanOptions) -
     if first:
         per_mb += c.tokens * 8  # token ids kept by the embedding
     flight = in_flight(layout, stage, m)
-    activations = (per_mb + _weight_copies(cfg, layout, stage, mode)) * flight
+    activations = (per_mb + _weight_copies(layout, summary, mode)) * flight
     grads_during_forward = state["grads"] if m > 1 else 0.0
     if layout.fsdp:  # one layer gathered unsharded, and its unsharded gradient before the reduce-scatter
-        layer_params = max((e.numel for e in param_entries(cfg, Layout(), 0)), default=0)
-        workspace += 2 * layer_params * mode.param
+        workspace += summary.largest_layer * (mode.param + mode.grad)
     # Start of backward: the loss backward (its fp32 head gradient) with everything kept, then the
     # first layer's backward: its gradient workspace, its weight gradients and the head's already made.
     head_grad = (m_cfg.vocab_size / layout.tp * m_cfg.hidden_size * mode.grad) if last else 0.0
-    layer_grads = _largest_layer_grads(cfg, layout, stage, mode)
-    fresh_grads = 0.0 if m > 1 else head_grad + layer_grads
+    fresh_grads = 0.0 if m > 1 else head_grad + summary.largest_layer * mode.grad
     backward_start = grads_during_forward + activations + max(loss_kept + loss_bwd, fresh_grads + workspace)
     embed_tmp = m_cfg.vocab_size / layout.tp * m_cfg.hidden_size * 4 if first and mode.param == 2 else 0.0
     backward_end = state["grads"] + embed_tmp
-    opt_tmp = _optimizer_step_transient(cfg, layout, stage, mode)
+    opt_tmp = _optimizer_step_transient(layout, summary)
     optimizer_step = state["grads"] + opt_tmp
     phases = {"backward_start": backward_start, "backward_end": backward_end, "optimizer_step": optimizer_step}
     phase = max(phases, key=phases.get)
     static = state["params"] + state["optimizer"]
     peak = static + phases[phase]
-    groups = sum(
-        1
-        for d in (layout.tp, layout.pp, layout.cp, layout.ep, layout.etp, layout.dp_cp, layout.edp)
-        if d > 1
-    )
+    degrees = (layout.tp, layout.pp, layout.cp, layout.ep, layout.etp, layout.dp_cp, layout.edp)
+    groups = sum(1 for d in degrees if d > 1)
     framework = (FRAMEWORK_BASE_GIB + NCCL_PER_GROUP_GIB * groups) * GiB + FRAGMENTATION * peak
     return MemoryEstimate(
         stage=stage,
@@ -221,7 +222,7 @@ def estimate_stage(cfg: Config, layout: Layout, stage: int, opts: PlanOptions) -
         optimizer=state["optimizer"],
         activations=activations,
         loss=loss_kept,
-        workspace=max(loss_bwd, workspace) + fresh_grads,
+        workspace=max(loss_bwd, workspace + fresh_grads),
         step_transient=max(embed_tmp, opt_tmp),
         peak_allocated=peak,
         framework=framework,
@@ -231,9 +232,13 @@ def estimate_stage(cfg: Config, layout: Layout, stage: int, opts: PlanOptions) -
 
 
 def estimate_memory(cfg: Config, layout: Layout, opts: PlanOptions | None = None) -> MemoryEstimate:
-    """The worst pipeline stage's estimate (with every stage's peak in `per_stage`)."""
+    """The worst pipeline stage's estimate (`per_stage`: the peaks of the first and the last stage).
+
+    Only those two can be the worst: stages get contiguous layers with the extra ones first, the
+    first stage holds the most micro-batches in flight and the embedding, the last the head and loss.
+    """
     opts = opts or PlanOptions()
-    stages = [estimate_stage(cfg, layout, s, opts) for s in range(layout.pp)]
+    stages = [estimate_stage(cfg, layout, s, opts) for s in sorted({0, layout.pp - 1})]
     worst = max(stages, key=lambda e: e.peak_allocated)
     worst.per_stage = [s.peak_allocated for s in stages]
     return worst

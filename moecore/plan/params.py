@@ -14,8 +14,8 @@ over the expert data-parallel group, not dp x cp).
 | mode | parameter | master | gradient | Adam moments |
 |---|---|---|---|---|
 | fp32 | 4 | - | 4 | 8 |
-| bf16 params (`optim.master_weights` exists) | 2 | 4 (0 with master_weights=bf16) | 4 when summed, else 2 | 8 (4 with state_dtype=bf16) |
-| autocast (bf16 / fp16 on fp32 parameters) | 4 | - | 4 | 8 |
+| bf16 | 2 | 4 (0 with master_weights=bf16) | 4 when summed, else 2 | 8 (4 with state_dtype=bf16) |
+| fp16 (autocast on fp32 parameters) | 4 | - | 4 | 8 |
 
 "Summed" gradients: more than one micro-batch per step or a data-parallel reduction. With the
 distributed optimizer the master weights and moments of each (parameter group, reduction domain)
@@ -183,20 +183,29 @@ class PrecisionMode:
     act_bytes: int  # activation element size
 
 
+PRECISIONS = ("", "adam_bf16", "master_bf16")  # Layout.precision: the config's; bf16 moments; bf16 master and moments
+
+
 def precision_mode(cfg: Config, layout: Layout, micro_batches: int, device: str = "cuda") -> PrecisionMode:
-    """The precision mode of a run (train.precision auto means bf16 on GPU, fp32 on CPU)."""
+    """The precision mode of a run (train.precision auto means bf16 on GPU, fp32 on CPU).
+
+    bf16 follows the bf16-parameter scheme (bf16 parameters, fp32 master weights and moments unless
+    `optim.master_weights` / `optim.state_dtype` or the layout's `precision` say bf16); fp16 keeps
+    autocast on fp32 parameters.
+    """
     prec = cfg.train.precision
     if prec == "auto":
         prec = "bf16" if device == "cuda" else "fp32"
     if prec == "fp32":
         return PrecisionMode("fp32", 4, 0, 4, 8, False, 4)
+    if prec == "fp16":
+        return PrecisionMode("fp16-autocast", 4, 0, 4, 8, True, 2)
     o = cfg.optim
-    if prec == "bf16" and hasattr(o, "master_weights"):
-        summed = micro_batches > 1 or layout.dp_cp > 1 or layout.edp > 1
-        master = 0 if getattr(o, "master_weights", "fp32") == "bf16" else 4
-        moments = 4 if getattr(o, "state_dtype", "fp32") == "bf16" else 8
-        return PrecisionMode("bf16", 2, master, 4 if summed else 2, moments, False, 2)
-    return PrecisionMode(f"{prec}-autocast", 4, 0, 4, 8, True, 2)
+    master_bf16 = getattr(o, "master_weights", "fp32") == "bf16" or layout.precision == "master_bf16"
+    state_bf16 = getattr(o, "state_dtype", "fp32") == "bf16" or layout.precision in ("adam_bf16", "master_bf16")
+    summed = micro_batches > 1 or layout.dp_cp > 1 or layout.edp > 1
+    name = "bf16" + ("/bf16-master" if master_bf16 else "") + ("/bf16-adam" if state_bf16 else "")
+    return PrecisionMode(name, 2, 0 if master_bf16 else 4, 4 if summed else 2, 4 if state_bf16 else 8, False, 2)
 
 
 def _flat_shard(n: int, g: int) -> int:
@@ -204,28 +213,71 @@ def _flat_shard(n: int, g: int) -> int:
     return -(-n // g)
 
 
-def state_bytes(cfg: Config, layout: Layout, stage: int, mode: PrecisionMode) -> dict[str, int]:
-    """{"params", "grads", "optimizer"} bytes on one rank of `stage` (Muon keeps one momentum: 4 bytes)."""
+@dataclass(frozen=True)
+class ParamSummary:
+    """The sums of one rank's parameter entries the memory and time models need."""
+
+    groups: dict  # (decay, expert) -> elements: the distributed optimizer's flat buffers
+    largest_layer: int  # elements of the largest decoder layer
+    matmuls: int  # decayed (matrix) elements outside the embedding: what autocast casts to bf16
+    moe_matmuls: int  # of which router and routed experts (dropped from the casts by "moe" recomputation)
+
+    @property
+    def total(self) -> int:
+        return sum(self.groups.values())
+
+    @property
+    def expert(self) -> int:
+        return sum(n for (_, expert), n in self.groups.items() if expert)
+
+
+def param_summary(cfg: Config, layout: Layout, stage: int = 0, cache: dict | None = None) -> ParamSummary:
+    """`ParamSummary` of one rank of `stage`; `cache` (a dict) memoises it per sharding-relevant degrees."""
+    key = ("params", layout.tp, layout.ep, layout.etp, layout.pp, stage)
+    if cache is not None and key in cache:
+        return cache[key]
     entries = param_entries(cfg, layout, stage)
+    groups: dict = {(d, x): 0 for d in (True, False) for x in (False, True)}
+    per_layer: dict[str, int] = {}
+    matmuls = moe_matmuls = 0
+    for e in entries:
+        groups[(e.decay, e.expert)] += e.numel
+        if e.name.startswith("layers."):
+            k = e.name.split(".")[1]
+            per_layer[k] = per_layer.get(k, 0) + e.numel
+        if e.decay and not e.name.startswith("embed"):
+            matmuls += e.numel
+            if ".mlp.experts" in e.name or ".mlp.router" in e.name:
+                moe_matmuls += e.numel
+    out = ParamSummary(groups, max(per_layer.values(), default=0), matmuls, moe_matmuls)
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+def state_bytes(
+    cfg: Config, layout: Layout, stage: int, mode: PrecisionMode, cache: dict | None = None
+) -> dict[str, int]:
+    """{"params", "grads", "optimizer"} bytes on one rank of `stage` (Muon keeps one momentum: 4 bytes)."""
+    summary = param_summary(cfg, layout, stage, cache)
     moments = mode.moments if cfg.optim.name == "adamw" else mode.moments // 2
     params = grads = opt = 0
     sharded = layout.distributed_optimizer or layout.fsdp
-    for decay in (True, False):
-        for expert in (False, True):
-            n = sum(e.numel for e in entries if e.decay == decay and e.expert == expert)
-            if not n:
-                continue
-            g = layout.edp if expert else layout.dp_cp
-            if sharded and g > 1:
-                shard = _flat_shard(n, g)
-                master = mode.master if mode.master else (4 if mode.param == 4 else 0)
-                opt += shard * (master + moments)
-                params += (shard if layout.fsdp else n) * mode.param
-                grads += (shard if layout.fsdp else n) * mode.grad
-            else:
-                opt += n * (mode.master + moments)
-                params += n * mode.param
-                grads += n * mode.grad
+    for (_, expert), n in summary.groups.items():
+        if not n:
+            continue
+        g = layout.edp if expert else layout.dp_cp
+        if sharded and g > 1:
+            shard = _flat_shard(n, g)
+            # the distributed optimizer keeps an fp32 master shard even when the parameters are fp32
+            master = mode.master if mode.master else (4 if mode.param == 4 else 0)
+            opt += shard * (master + moments)
+            params += (shard if layout.fsdp else n) * mode.param
+            grads += (shard if layout.fsdp else n) * mode.grad
+        else:
+            opt += n * (mode.master + moments)
+            params += n * mode.param
+            grads += n * mode.grad
     return {"params": params, "grads": grads, "optimizer": opt}
 
 
