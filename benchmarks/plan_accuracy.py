@@ -160,7 +160,9 @@ def markdown(records: list[dict]) -> str:
             meas, err, step = f"{r['measured_gib']:.2f}", f"{r['error_pct']:+.1f}%", f"{r['step_s']:.3f}"
         else:
             meas, err, step = r["status"], "—", "—"
-        lines.append(f"| {r['name']} | {r.get('mode', '—')} | {est} | {meas} | {err} | {r.get('phase', '—')} | {step} |")
+        lines.append(
+            f"| {r['name']} | {r.get('mode', '—')} | {est} | {meas} | {err} | {r.get('phase', '—')} | {step} |"
+        )
     ok = [abs(r["error_pct"]) for r in records if r["status"] == "ok"]
     if ok:
         lines.append("")

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from moecore.config import Config, ConfigError, load_config
-from moecore.plan.memory import GiB, IMBALANCE_MARGIN, PlanOptions
+from moecore.plan.memory import IMBALANCE_MARGIN, PlanOptions
 from moecore.plan.params import total_params
 from moecore.plan.search import Candidate, best_supported, search
 from moecore.plan.throughput import (
@@ -91,21 +91,19 @@ def explain(cands: list[Candidate], gpus: int, gpu_mem: float) -> str:
 def _dominant_cost(c: Candidate) -> str:
     s = c.step
     parts = {
-        "tensor-parallel": s.tp_s,
+        "tensor-parallel communication": s.tp_s,
         "expert all-to-all": s.ep_s,
-        "context-parallel": s.cp_s,
-        "pipeline bubble": s.bubble_s + s.pp_s,
-        "data-parallel": s.dp_exposed_s,
+        "context-parallel communication": s.cp_s,
+        "the pipeline bubble": s.bubble_s + s.pp_s,
+        "exposed data-parallel communication": s.dp_exposed_s,
     }
     name, sec = max(parts.items(), key=lambda kv: kv[1])
     if sec < 0.02 * s.step_s:
-        return "communication under 2% of the step"
-    return f"{name} communication is {100 * sec / s.step_s:.0f}% of the step"
+        return "communication and bubble under 2% of the step"
+    return f"{name} takes {100 * sec / s.step_s:.0f}% of the step"
 
 
-def plan(
-    cfg: Config, gpus: int, gpu_mem: float, hw: Hardware, opts: PlanOptions
-) -> list[Candidate]:
+def plan(cfg: Config, gpus: int, gpu_mem: float, hw: Hardware, opts: PlanOptions) -> list[Candidate]:
     """Validate the inputs (ConfigError on bad ones) and search."""
     if gpus < 1:
         raise ConfigError(f"--gpus={gpus} is invalid: must be >= 1")
@@ -143,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--top", type=int, default=5, help="rows of the table")
     p.add_argument("--json", default=None, help="write every candidate's estimate here")
-    p.add_argument("--imbalance", type=float, default=IMBALANCE_MARGIN, help="routed rows on the busiest expert rank / mean")
+    p.add_argument(
+        "--imbalance", type=float, default=IMBALANCE_MARGIN, help="routed rows on the busiest expert rank / mean"
+    )
     p.add_argument("--efficiency", type=float, default=MATMUL_EFFICIENCY, help="achieved fraction of the peak")
     p.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     p.add_argument("--intra-gbps", type=float, default=INTRA_NODE_GBPS, help="NVLink GB/s per GPU")

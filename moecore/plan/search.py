@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from moecore.config import Config
 from moecore.plan.layout import Layout, unsupported_reason
-from moecore.plan.params import PRECISIONS
 from moecore.plan.memory import GiB, MemoryEstimate, PlanOptions, estimate_memory
+from moecore.plan.params import PRECISIONS
 from moecore.plan.throughput import Hardware, StepEstimate, estimate_step
 
 LIGHT = ("core_attn", "mla_up_proj", "moe_act", "norm", "shared_experts", "mlp")
@@ -99,16 +99,17 @@ def recompute_options(cfg: Config) -> list[tuple[str, tuple]]:
     return opts
 
 
-def candidate_layouts(
-    cfg: Config, gpus: int, gpus_per_node: int = 8, precisions: tuple = ("",)
-) -> list[Layout]:
+def candidate_layouts(cfg: Config, gpus: int, gpus_per_node: int = 8, precisions: tuple = ("",)) -> list[Layout]:
     """Every valid layout of cfg on `gpus` GPUs (supported by the trainer or not), for each Layout.precision."""
     m, e, t = cfg.model, cfg.moe, cfg.train
     out = []
     tps = [
         tp
         for tp in _pow2_upto(min(gpus_per_node, gpus))
-        if gpus % tp == 0 and m.num_attention_heads % tp == 0 and m.kv_heads % tp == 0 and t.seq_length % tp == 0
+        if gpus % tp == 0
+        and m.num_attention_heads % tp == 0
+        and m.kv_heads % tp == 0
+        and t.seq_length % tp == 0
         and (not m.vocab_size or m.vocab_size % tp == 0)
     ]
     cps = [1, 2] + ([4] if t.seq_length >= 16384 else [])

@@ -92,7 +92,9 @@ def recompute_flops_per_token(cfg: Config, layout: Layout) -> float:
     return extra
 
 
-def estimate_step(cfg: Config, layout: Layout, hw: Hardware | None = None, opts: PlanOptions | None = None) -> StepEstimate:
+def estimate_step(
+    cfg: Config, layout: Layout, hw: Hardware | None = None, opts: PlanOptions | None = None
+) -> StepEstimate:
     """The step-time estimate of one layout (module docstring)."""
     from moecore.train.logger import flops_per_token
 

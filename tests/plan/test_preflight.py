@@ -1,0 +1,39 @@
+"""train.preflight_memory: warn (default) returns one line, error raises it, off skips; fitting runs pass."""
+
+from __future__ import annotations
+
+import pytest
+
+from moecore.config import ConfigError, load_config
+from moecore.plan.preflight import check_memory
+
+GiB = 2**30
+
+
+def _cfg(mode: str | None = None):
+    cfg = load_config("qwen3-30b-a3b", ["model.num_layers=4", "parallel.ep=1"])
+    if mode is not None:
+        cfg.train.preflight_memory = mode
+    return cfg
+
+
+def test_warn_is_the_default_and_names_the_kinds_and_a_layout() -> None:
+    cfg = _cfg()
+    assert cfg.train.preflight_memory == "warn"
+    msg = check_memory(cfg, 8, 40 * GiB)
+    assert msg is not None and "\n" not in msg
+    for word in ("params", "grads", "optimizer", "activations", "40.0 GiB", "would pick", "parallel.ep="):
+        assert word in msg, msg
+    assert check_memory(cfg, 8, 400 * GiB) is None
+
+
+def test_error_raises_and_off_skips() -> None:
+    with pytest.raises(ConfigError, match="memory preflight"):
+        check_memory(_cfg("error"), 1, 10 * GiB)
+    assert check_memory(_cfg("off"), 1, 10 * GiB) is None
+    assert check_memory(_cfg(), 1, None) is None  # no memory size known (CPU)
+
+
+def test_bad_value_is_refused() -> None:
+    with pytest.raises(ConfigError, match="train.preflight_memory"):
+        load_config("tiny-moe", ["train.preflight_memory=maybe"]).validate()
