@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from moecore.config import Config, ConfigError, load_config
-from moecore.plan.memory import IMBALANCE_MARGIN, PlanOptions
+from moecore.plan.memory import IMBALANCE_MARGIN, GiB, PlanOptions
 from moecore.plan.params import total_params
 from moecore.plan.search import Candidate, best_supported, search
 from moecore.plan.throughput import (
@@ -124,6 +124,21 @@ def plan(cfg: Config, gpus: int, gpu_mem: float, hw: Hardware, opts: PlanOptions
     return cands
 
 
+def smallest_fit(cfg: Config, gpus: int, gpu_mem: float, hw: Hardware, opts: PlanOptions) -> str:
+    """Where nothing fits: the smallest of 2x, 4x, 8x the GPUs on which a layout fits (its fastest)."""
+    for factor in (2, 4, 8):
+        n = gpus * factor
+        cands = [c for c in search(cfg, n, gpu_mem, hw, opts) if c.fits]
+        if cands:
+            best = cands[0]
+            runs = "runs today" if best.unsupported is None else "the trainer does not run yet"
+            return (
+                f"On {n} GPUs it fits: {best.layout.label()} at {best.memory.total / GiB:.1f} GiB per GPU, "
+                f"{best.step.tokens_per_s:,.0f} tokens/s (a layout {runs})."
+            )
+    return f"No layout fits on up to {8 * gpus} GPUs of {gpu_mem:g} GiB."
+
+
 def _resolve_vocab(cfg: Config) -> None:
     """Recipes with model.vocab_size 0 take the embedded tokenizer's vocabulary, as `moecore train` does."""
     if cfg.model.vocab_size <= 0:
@@ -178,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
         print("best layout the trainer runs today:")
         print(format_table([best], cands.index(best) + 1).splitlines()[-1])
     print(explain(cands, args.gpus, args.gpu_mem))
+    if not any(c.fits for c in cands):
+        print(smallest_fit(cfg, args.gpus, args.gpu_mem, hw, opts))
     print(
         f"assumptions: matmuls at {hw.efficiency:g} x {hw.peak_tflops:g} TFLOP/s, NVLink {hw.intra_gbps:g} GB/s, "
         f"inter-node {hw.inter_gbps:g} GB/s per GPU, expert load imbalance x{opts.imbalance:g}, "
