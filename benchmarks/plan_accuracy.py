@@ -38,6 +38,8 @@ CONFIGS = [
                                "train.micro_batch_size=4", "train.global_batch_size=4"]),
     ("qwen3-8L-bf16state-mbs2", Q, ["model.num_layers=8", "optim.state_dtype=bf16", "optim.master_weights=bf16",
                                     "train.micro_batch_size=2", "train.global_batch_size=2"]),
+    ("qwen3-8L-norm-mbs2", Q, ["model.num_layers=8", "model.recompute_modules=[norm]",
+                             "train.micro_batch_size=2", "train.global_batch_size=2"]),
     ("qwen3-8L-offload-moe_act-mbs2", Q, ["model.num_layers=8", "model.recompute_modules=[norm]",
                                           "model.offload_modules=[moe_act]",
                                           "train.micro_batch_size=2", "train.global_batch_size=2"]),

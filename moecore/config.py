@@ -117,6 +117,8 @@ class ModelConfig:
     recompute_modules: list = field(default_factory=list)
     recompute_granularity: str = "none"  # none | selective | full
     fused_cross_entropy: bool = True  # chunked linear + cross-entropy, never materialising all logits
+    # Activation offloading: modules (names as recompute_modules) whose saved tensors wait in host memory.
+    offload_modules: list = field(default_factory=list)
 
     RECOMPUTE_CHOICES = ("core_attn", "mla_up_proj", "moe", "mlp", "moe_act", "norm", "shared_experts")
 
@@ -169,6 +171,8 @@ class ModelConfig:
             _check_choice("model.rope_scaling.type", self.rope_scaling["type"], ("yarn", "linear", "default"))
         for m in self.recompute_modules:
             _check_choice("model.recompute_modules", m, self.RECOMPUTE_CHOICES)
+        for m in self.offload_modules:
+            _check_choice("model.offload_modules", m, self.RECOMPUTE_CHOICES)
         _check_choice("model.recompute_granularity", self.recompute_granularity, ("none", "selective", "full"))
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:

@@ -22,7 +22,9 @@ expert rank holds: T/tp x top-k x etp, times the load-imbalance margin when ep >
 | experts | expert input rows [N, H], w13 output [N, 2F/etp], probabilities; unfused: activation intermediates | moe (moe_act: the intermediates) |
 | shared_experts | the shared expert MLP's intermediates | shared_experts, moe |
 
-With full recomputation a layer keeps only its input (T/tp x H x b). The numbers were checked
+With full recomputation a layer keeps only its input (T/tp x H x b). `model.offload_modules` moves the
+keys of `OFFLOADS` to host memory; the memory model keeps two layers' worth of them on the GPU (the
+group being consumed and the one prefetched). The numbers were checked
 against the H200 measurements of benchmarks/recompute_memory.py (docs/benchmarks.md) and are
 checked again by benchmarks/plan_accuracy.py.
 """
@@ -120,7 +122,7 @@ def ffn_modules(cfg: Config, is_moe: bool, layout: Layout, c: ActContext) -> dic
     if not e.apply_probs_on_input:
         perm += n * h * b + n * 4  # unpermute keeps the expert outputs and probabilities to weight them
     out["permute"] = perm
-    if swiglu and c.fused and e.grouped_gemm:
+    if swiglu and c.fused and e.grouped_gemm and b == 2:  # the fused expert FFN runs in bf16 on GPUs
         out["experts"] = n * h * b + n * 2 * f * b + n * 4
         out["moe_act"] = 0.0
     else:
@@ -153,9 +155,33 @@ DROPS = {
 }
 
 
+# module keys whose tensors `model.offload_modules` sends to host memory (moecore/models/offload.py)
+_ATTN = ("attn.norm_out", "attn.qk_norm", "attn.core_attn", "attn.attn_out", "attn.attn_gate", "attn.mla_latent",
+         "attn.mla_up")  # fmt: skip
+OFFLOADS = {
+    "moe": ("ffn.norm_out", "ffn.router", "ffn.permute", "ffn.experts", "ffn.moe_act", "ffn.shared_experts"),
+    "moe_act": ("ffn.experts", "ffn.moe_act"),
+    "shared_experts": ("ffn.shared_experts",),
+    "mlp": ("ffn.norm_out", "ffn.mlp"),
+    "core_attn": _ATTN,
+    "mla_up_proj": _ATTN,
+    "norm": ("attn.norm_in", "ffn.norm_in"),
+}
+
+
+def offloaded_keys(layout: Layout, is_moe: bool) -> set[str]:
+    """Module keys of one layer whose saved tensors wait in host memory."""
+    out: set[str] = set()
+    for name in layout.offload_modules:
+        if (name == "moe" and not is_moe) or (name == "mlp" and is_moe):
+            continue
+        out.update(OFFLOADS.get(name, ()))
+    return out
+
+
 def dropped_keys(cfg: Config, layout: Layout, is_moe: bool) -> set[str]:
-    """Module keys that a layer's selective recomputation (or offloading) does not keep on the GPU."""
-    rec = _recompute_set(layout) | set(layout.offload_modules)
+    """Module keys that a layer's selective recomputation does not keep for backward."""
+    rec = _recompute_set(layout)
     out: set[str] = set()
     for name in rec:
         if name == "moe" and not is_moe:
@@ -173,27 +199,31 @@ def dropped_keys(cfg: Config, layout: Layout, is_moe: bool) -> set[str]:
     return out
 
 
-def layer_saved(cfg: Config, layer: int, is_moe: bool, layout: Layout, c: ActContext) -> tuple[float, float]:
-    """(bytes one layer keeps for backward, bytes its backward recomputes at once)."""
+def layer_saved(cfg: Config, layer: int, is_moe: bool, layout: Layout, c: ActContext) -> tuple[float, float, float]:
+    """(bytes one layer keeps on the GPU for backward, bytes its backward recomputes at once, bytes it
+    keeps in host memory instead)."""
     mods = layer_modules(cfg, layer, is_moe, layout, c)
     h = cfg.model.hidden_size
     total = sum(mods.values())
     if layout.recompute_granularity == "full":
         kept = c.tokens / layout.tp * h * c.residual_bytes
-        return kept, total
+        return kept, total, 0.0
     drop = dropped_keys(cfg, layout, is_moe)
-    saved = 0.0
-    recomputed = 0.0
+    host = offloaded_keys(layout, is_moe)
+    saved = recomputed = offloaded = 0.0
     for key, v in mods.items():
         if key in drop:
             recomputed += v
-        elif key == "attn.core_attn" and "attn.core_attn:recomputed" in drop:
+            continue
+        if key == "attn.core_attn" and "attn.core_attn:recomputed" in drop:
             keep = _core_attn_inputs(cfg, layout, c)
-            saved += keep
             recomputed += v - keep
+            v = keep
+        if key in host:
+            offloaded += v
         else:
             saved += v
-    return saved, recomputed
+    return saved, recomputed, offloaded
 
 
 def _core_attn_inputs(cfg: Config, layout: Layout, c: ActContext) -> float:

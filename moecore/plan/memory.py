@@ -154,14 +154,16 @@ def _stage_kinds(cfg: Config, pp: int, stage: int, cache: dict) -> list[tuple[in
 
 
 def _layer_terms(cfg: Config, i: int, layout: Layout, c: ActContext, cache: dict) -> tuple[float, float, float]:
-    """(saved, recomputed, backward workspace) bytes of decoder layer i, memoised per layer kind."""
+    """(saved on the GPU, recomputed, backward workspace incl. offloaded groups back on the GPU) bytes of
+    decoder layer i, memoised per layer kind."""
     m = cfg.model
     kind = (m.layer_types is not None and m.layer_types[i] == "linear_attention", cfg.moe.is_moe_layer(i, m.num_layers))
     key = ("layer", kind, layout.tp, layout.ep, layout.etp, layout.recompute_granularity,
            layout.recompute_modules, layout.offload_modules, c)  # fmt: skip
     if key not in cache:
-        saved, recomputed = layer_saved(cfg, i, kind[1], layout, c)
-        cache[key] = (saved, recomputed, layer_backward_workspace(cfg, kind[1], layout, c))
+        saved, recomputed, offloaded = layer_saved(cfg, i, kind[1], layout, c)
+        ws = layer_backward_workspace(cfg, kind[1], layout, c)
+        cache[key] = (saved, recomputed, ws + 2 * offloaded)  # offloaded: the group in use and the one prefetched
     return cache[key]
 
 
