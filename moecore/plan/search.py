@@ -113,6 +113,7 @@ def candidate_layouts(cfg: Config, gpus: int, gpus_per_node: int = 8, precisions
         and (not m.vocab_size or m.vocab_size % tp == 0)
     ]
     cps = [1, 2] + ([4] if t.seq_length >= 16384 else [])
+    offload = tuple(getattr(m, "offload_modules", ()) or ())  # the config's offloading, in every candidate
     eps = [d for d in _divisors(e.num_experts)] if e.num_experts else [1]
     for tp, cp in itertools.product(tps, cps):
         if gpus % (tp * cp) or t.seq_length % (2 * cp * tp) and cp > 1:
@@ -139,9 +140,7 @@ def candidate_layouts(cfg: Config, gpus: int, gpus_per_node: int = 8, precisions
                             shardings.append((False, True))
                         combos = itertools.product(shardings, recompute_options(cfg), precisions)
                         for (dist, fsdp), (gran, mods), prec in combos:
-                            out.append(
-                                Layout(tp, pp, vpp, cp, ep, etp, dp, dist, fsdp, gran, mods, mbs, precision=prec)
-                            )
+                            out.append(Layout(tp, pp, vpp, cp, ep, etp, dp, dist, fsdp, gran, mods, mbs, offload, prec))
     return out
 
 

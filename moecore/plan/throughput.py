@@ -7,6 +7,8 @@
                 and backward, again for a recomputed MoE layer; the busiest rank's rows: x imbalance),
                 context-parallel key/value all-gather and its reduce-scatter, pipeline sends
     bubble    = (pp - 1) / (vpp x m) of the pipelined part (1F1B, m micro-batches per step)
+    offload   = activation offloading's host copies (HOST_GBPS each way), hidden behind forward / backward
+                compute except what exceeds it
     dp        = gradient all-reduce (reduce-scatter + all-gather with the distributed optimizer, plus
                 the parameter all-gathers under fsdp), overlapped with backward except what exceeds it
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from moecore.config import Config
-from moecore.plan.activations import routed_rows
+from moecore.plan.activations import layer_saved, routed_rows
 from moecore.plan.layout import Layout, group_span
 from moecore.plan.memory import PlanOptions, act_context, micro_batches_per_step
 from moecore.plan.params import param_summary, precision_mode
@@ -30,6 +32,7 @@ PEAK_TFLOPS = 989.0  # H100 / H200 SXM dense bf16 datasheet peak
 MATMUL_EFFICIENCY = 0.44  # of the datasheet peak: the Qwen3 proxy's measured train step on an H200 (docs/benchmarks.md)
 INTRA_NODE_GBPS = 360.0  # NVLink bus bandwidth per GPU, GB/s (H100 / H200, NCCL all-reduce)
 INTER_NODE_GBPS = 45.0  # per GPU across nodes (one 400 Gb/s NIC per GPU), GB/s
+HOST_GBPS = 25.0  # device <-> pinned host copies per GPU and direction (PCIe), GB/s: activation offloading
 
 
 @dataclass
@@ -164,7 +167,16 @@ def estimate_step(
         dp_s += vol / _bw(layout, group, hw)
     backward = compute * 2 / 3
     dp_exposed = max(0.0, dp_s - backward) + 0.05 * dp_s
-    step = pipelined + bubble + dp_exposed
+    offload_exposed = 0.0
+    if layout.offload_modules:  # copies out in forward, back in backward, each overlapping that pass
+        host = (
+            sum(layer_saved(cfg, i, e.is_moe_layer(i, m_cfg.num_layers), layout, c)[2] for i in range(m_cfg.num_layers))
+            / layout.pp
+            * m
+        )
+        copy = host / (HOST_GBPS * 1e9)
+        offload_exposed = max(0.0, copy - compute / 3) + max(0.0, copy - 2 * compute / 3)  # forward, backward
+    step = pipelined + bubble + dp_exposed + offload_exposed
     tps = global_tokens / step
     mfu = model_fpt * tps / (layout.world * hw.peak_tflops * 1e12)
     return StepEstimate(compute, tp_s, ep_s, cp_s, pp_s, bubble, dp_exposed, step, tps, mfu)
