@@ -442,7 +442,7 @@ class TrainConfig:
     on_nonfinite: str = "error"  # error (stop with one line, exit code 3) | skip (drop the step's update)
     max_skipped_steps: int = 5  # on_nonfinite=skip: stop after this many non-finite steps in a row
     stop_signals: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # save, then exit 75
-    preflight_memory: str = "warn"  # error | warn | off: when `moecore plan`'s estimate exceeds the GPU's memory
+    preflight_memory: str | bool = "warn"  # error | warn | off: when `moecore plan`'s estimate exceeds the GPU's memory
 
     STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 
@@ -476,6 +476,8 @@ class TrainConfig:
             _fail("train.stop_signals", self.stop_signals, "a list, e.g. [SIGTERM,SIGUSR1] ([] for none)")
         for s in self.stop_signals:
             _check_choice("train.stop_signals", s, self.STOP_SIGNALS)
+        if self.preflight_memory is False:  # YAML reads a bare `off` as false
+            self.preflight_memory = "off"
         _check_choice("train.preflight_memory", self.preflight_memory, ("error", "warn", "off"))
 
 

@@ -39,7 +39,7 @@ def memory_message(cfg: Config, world_size: int, device_bytes: float, device: st
 def check_memory(cfg: Config, world_size: int, device_bytes: float | None, device: str = "cuda") -> str | None:
     """Apply `train.preflight_memory` (module docstring); returns the warning line, if any, for the caller to print."""
     mode = getattr(cfg.train, "preflight_memory", "warn")
-    if mode == "off" or device_bytes is None:
+    if mode in ("off", False) or device_bytes is None:  # YAML reads a bare `off` as false
         return None
     msg = memory_message(cfg, world_size, device_bytes, device)
     if msg is not None and mode == "error":

@@ -56,3 +56,23 @@ def test_markdown_table(pa) -> None:
     assert lines[3] == "| b | bf16 | 150.00 | oom | — | backward_start | — |"
     assert lines[4] == "| c | — | — | skipped | — | — | — |"
     assert "largest |error| 5.3%" in md
+
+
+def test_one_configuration_runs_through_the_real_trainer(pa, monkeypatch) -> None:
+    """`run_one` on CPU with the CUDA memory counters stubbed: the Trainer path, the record, no GPU needed."""
+    import torch
+
+    calls = {"reset": 0}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 2**30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: calls.__setitem__("reset", 1))
+    overrides = ["model.num_layers=1", "train.micro_batch_size=1", "train.global_batch_size=1", "train.precision=fp32",
+                 "train.device=cpu"]  # fmt: skip
+    rec = pa.run_one("tiny", "tiny-moe", overrides, steps=1)
+    assert rec["status"] == "ok", rec.get("traceback", rec)
+    assert rec["measured_gib"] == 1.0 and rec["step_s"] > 0 and calls["reset"] == 1
+    assert rec["error_pct"] == pytest.approx(100 * (rec["estimate_gib"] - 1.0))
+    bad = pa.run_one("bad", "tiny-moe", ["model.no_such_field=1"], steps=1)
+    assert bad["status"] == "skipped" and "no_such_field" in bad["error"]

@@ -34,6 +34,11 @@ def test_error_raises_and_off_skips() -> None:
     assert check_memory(_cfg(), 1, None) is None  # no memory size known (CPU)
 
 
+def test_off_from_the_command_line() -> None:
+    cfg = load_config("qwen3-30b-a3b", ["train.preflight_memory=off"]).validate()  # YAML: off -> false
+    assert cfg.train.preflight_memory == "off" and check_memory(cfg, 1, 1 * GiB) is None
+
+
 def test_bad_value_is_refused() -> None:
     with pytest.raises(ConfigError, match="train.preflight_memory"):
         load_config("tiny-moe", ["train.preflight_memory=maybe"]).validate()
