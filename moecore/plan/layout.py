@@ -138,9 +138,8 @@ def layout_config(cfg: Config, layout: Layout) -> Config:
     p.distributed_optimizer, p.fsdp = layout.distributed_optimizer, layout.fsdp
     m.recompute_granularity = layout.recompute_granularity
     m.recompute_modules = list(layout.recompute_modules)
-    if hasattr(m, "offload_modules"):
-        m.offload_modules = list(layout.offload_modules)
-    if layout.precision and hasattr(out.optim, "state_dtype"):
+    m.offload_modules = list(layout.offload_modules)
+    if layout.precision:
         out.optim.state_dtype = "bf16"
         if layout.precision == "master_bf16":
             out.optim.master_weights = "bf16"
@@ -152,14 +151,12 @@ def unsupported_reason(cfg: Config, layout: Layout) -> str | None:
     """None when this version's trainer runs the layout, else the one-line reason it gives."""
     from moecore.parallel.layout import check_layout
 
-    if layout.precision and not hasattr(cfg.optim, "state_dtype"):
-        return "optim.state_dtype / optim.master_weights (bf16 optimizer state) are not in this version"
-    if layout.offload_modules and not hasattr(cfg.model, "offload_modules"):
-        return "model.offload_modules (activation offloading) is not in this version"
     if layout.vpp > 1 and not hasattr(cfg.parallel, "vpp"):
         return "virtual pipeline stages (vpp) are not implemented yet"
     try:
-        check_layout(layout_config(cfg, layout))
+        c = layout_config(cfg, layout)
+        c.validate()  # the rules that span sections (e.g. bf16 Adam moments without the distributed optimizer)
+        check_layout(c)
     except ConfigError as e:
         return str(e)
     return None

@@ -17,11 +17,12 @@ over the expert data-parallel group, not dp x cp).
 | bf16 | 2 | 4 (0 with master_weights=bf16) | 4 when summed, else 2 | 8 (4 with state_dtype=bf16) |
 | fp16 (autocast on fp32 parameters) | 4 | - | 4 | 8 |
 
-"Summed" gradients: more than one micro-batch per step or a data-parallel reduction. With the
+"Summed" gradients: more than one micro-batch per step, or more than one rank. With the
 distributed optimizer the master weights and moments of each (parameter group, reduction domain)
 are one flat buffer padded to a multiple of the domain's size and split evenly
-(moecore/parallel/distributed_optimizer.py; a domain of one rank stays unsharded); with fsdp the
-parameters and gradients are sharded the same way.
+(moecore/parallel/distributed_optimizer.py; a domain of one rank stays unsharded), while bf16
+training keeps its full fp32 master weights beside them; with fsdp the parameters, gradients, master
+weights and moments are all sharded.
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ def precision_mode(cfg: Config, layout: Layout, micro_batches: int, device: str 
     o = cfg.optim
     master_bf16 = getattr(o, "master_weights", "fp32") == "bf16" or layout.precision == "master_bf16"
     state_bf16 = getattr(o, "state_dtype", "fp32") == "bf16" or layout.precision in ("adam_bf16", "master_bf16")
-    summed = micro_batches > 1 or layout.dp_cp > 1 or layout.edp > 1
+    summed = micro_batches > 1 or layout.world > 1  # as moecore.train.runtime decides sum_in_fp32
     name = "bf16" + ("/bf16-master" if master_bf16 else "") + ("/bf16-adam" if state_bf16 else "")
     return PrecisionMode(name, 2, 0 if master_bf16 else 4, 4 if summed else 2, 4 if state_bf16 else 8, False, 2)
 
@@ -267,13 +268,18 @@ def state_bytes(
         if not n:
             continue
         g = layout.edp if expert else layout.dp_cp
-        if sharded and g > 1:
+        if sharded and g > 1 and layout.fsdp:
             shard = _flat_shard(n, g)
-            # the distributed optimizer keeps an fp32 master shard even when the parameters are fp32
-            master = mode.master if mode.master else (4 if mode.param == 4 else 0)
-            opt += shard * (master + moments)
-            params += (shard if layout.fsdp else n) * mode.param
-            grads += (shard if layout.fsdp else n) * mode.grad
+            opt += shard * (mode.master + moments)
+            params += shard * mode.param
+            grads += shard * mode.grad
+        elif sharded and g > 1:
+            # moecore's distributed optimizer: an fp32 shard and its moments per flat buffer, beside the
+            # full master weights that bf16 training keeps (moecore/optim/mixed_precision.py)
+            shard = _flat_shard(n, g)
+            opt += n * mode.master + shard * (4 + moments)
+            params += n * mode.param
+            grads += n * mode.grad
         else:
             opt += n * (mode.master + moments)
             params += n * mode.param

@@ -176,7 +176,7 @@ def _evaluate(cfg: Config, layouts: list[Layout], gpu_mem_gib: float, hw: Hardwa
         mem = estimate_memory(cfg, lay, opts)
         step = estimate_step(cfg, lay, hw, opts)
         key = (lay.pp, lay.vpp, lay.cp, lay.fsdp, lay.tp > 1, lay.ep > 1, lay.etp > 1, lay.distributed_optimizer)
-        key += (lay.precision, lay.offload_modules)
+        key += (lay.precision, lay.offload_modules, lay.recompute_granularity)
         if key not in reasons:
             reasons[key] = unsupported_reason(cfg, lay)
         fits = mem.total <= gpu_mem_gib * GiB

@@ -40,6 +40,34 @@ def _config(par: dict) -> Config:
     return cfg
 
 
+def _real_bytes_bf16(rank: int, world: int, par: dict) -> dict:
+    """The same through the runtime with bf16 parameters: fp32 masters, fp32 main gradients, the
+    distributed optimizer driven on the masters (moecore.train.runtime)."""
+    from moecore.optim.mixed_precision import grad_of
+    from moecore.train.runtime import Runtime
+
+    cfg = _config(par)
+    cfg.train.precision = "bf16"
+    dims = ParallelDims(cfg.parallel, world, rank, "cpu", num_experts=8, num_attention_heads=4, vocab_size=64)
+    rt = Runtime(dims=dims, device=torch.device("cpu"), autocast_dtype=torch.bfloat16, precision="bf16")
+    torch.manual_seed(0)
+    model = rt.wrap_model(MoETransformer(cfg, dims), 1)
+    opt = rt.build_optimizer(model, cfg)
+    ids = torch.randint(0, 64, (1, 8))  # the same on every rank (tensor-parallel ranks need it)
+    model(ids, labels=ids).loss.backward()
+    rt.finish_grad_sync(model)
+    size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    grads = size(grad_of(p) for p in model.parameters())  # the step hands them to the optimizer and frees them
+    rt.optimizer_step(opt)
+    dist_opt = opt.inner
+    moments = [t for s in dist_opt.inner.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    return {
+        "params": size(model.parameters()),
+        "grads": grads,
+        "optimizer": size(rt.mixed.masters.values()) + size(moments) + size(f.shard for f in dist_opt.flats),
+    }
+
+
 def _real_bytes(rank: int, world: int, par: dict) -> dict:
     cfg = _config(par)
     dims = ParallelDims(cfg.parallel, world, rank, "cpu", num_experts=8, num_attention_heads=4, vocab_size=64)
@@ -85,5 +113,19 @@ def test_planner_bytes_equal_the_real_tensors(world: int, par: dict) -> None:
     planned = state_bytes(cfg, layout, 0, mode)
     one = state_bytes(cfg, layout_of(_config({}), 1), 0, mode)
     assert planned["params"] + planned["optimizer"] < one["params"] + one["optimizer"]  # the layout shards something
+    for rank, r in enumerate(real):
+        assert r == planned, f"rank {rank}: real {r} planned {planned}"
+
+
+BF16 = [(2, {"ep": 2, "distributed_optimizer": True}), (4, {"tp": 2, "ep": 2, "distributed_optimizer": True})]
+
+
+@pytest.mark.parametrize("world,par", BF16, ids=[f"{w}-{'-'.join(f'{k}{v}' for k, v in p.items())}" for w, p in BF16])
+def test_planner_bf16_bytes_equal_the_runtime(world: int, par: dict) -> None:
+    real = run_local(_real_bytes_bf16, world, par)
+    cfg = _config(par)
+    cfg.train.precision = "bf16"
+    layout = layout_of(cfg, world)
+    planned = state_bytes(cfg, layout, 0, precision_mode(cfg, layout, micro_batches=1, device="cpu"))
     for rank, r in enumerate(real):
         assert r == planned, f"rank {rank}: real {r} planned {planned}"
