@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from moecore.config import Config, ConfigError, load_config
@@ -147,8 +148,16 @@ def _resolve_vocab(cfg: Config) -> None:
         cfg.model.vocab_size = load_tokenizer(cfg.data.tokenizer).vocab_size
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit code 2), like the rest of the CLI's bad input."""
+
+    def error(self, message: str):
+        print(f"moecore: error: plan: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moecore plan", description="What fits, on how many GPUs, in which layout.")
+    p = _Parser(prog="moecore plan", description="What fits, on how many GPUs, in which layout.")
     p.add_argument("recipe", help="a shipped recipe name or a YAML file")
     p.add_argument("overrides", nargs="*", help="section.field=value overrides")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")

@@ -68,3 +68,11 @@ def test_bad_input_is_one_line_exit_2(argv, needle, capsys) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_missing_option_is_one_line_exit_2(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "tiny-moe", "--gpus", "2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--gpu-mem" in err
