@@ -29,7 +29,9 @@ from moecore.plan.memory import PlanOptions, act_context, micro_batches_per_step
 from moecore.plan.params import param_summary, precision_mode
 
 PEAK_TFLOPS = 989.0  # H100 / H200 SXM dense bf16 datasheet peak
-MATMUL_EFFICIENCY = 0.44  # of the datasheet peak: the Qwen3 proxy's measured train step on an H200 (docs/benchmarks.md)
+# Achieved fraction of the datasheet peak, counting FLOPs as flops_per_token does (no embedding FLOPs): the
+# Qwen3 proxy's train step on an H200, 58,809-59,980 tokens/s x 5.40 GFLOP/token (docs/benchmarks.md).
+MATMUL_EFFICIENCY = 0.325
 INTRA_NODE_GBPS = 360.0  # NVLink bus bandwidth per GPU, GB/s (H100 / H200, NCCL all-reduce)
 INTER_NODE_GBPS = 45.0  # per GPU across nodes (one 400 Gb/s NIC per GPU), GB/s
 HOST_GBPS = 25.0  # device <-> pinned host copies per GPU and direction (PCIe), GB/s: activation offloading

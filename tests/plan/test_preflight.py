@@ -42,3 +42,17 @@ def test_off_from_the_command_line() -> None:
 def test_bad_value_is_refused() -> None:
     with pytest.raises(ConfigError, match="train.preflight_memory"):
         load_config("tiny-moe", ["train.preflight_memory=maybe"]).validate()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_trainer_refuses_a_layout_that_cannot_fit_before_building_the_model() -> None:
+    import torch
+
+    from moecore.train.loop import Trainer
+
+    cfg = load_config("qwen3-30b-a3b", ["parallel.ep=1", "train.preflight_memory=error", "log.progress=false"])
+    torch.cuda.reset_peak_memory_stats()
+    with pytest.raises(ConfigError, match="memory preflight"):
+        Trainer(cfg)
+    assert torch.cuda.max_memory_allocated() < 2**30  # refused before the 30B model was built
