@@ -18,6 +18,7 @@ from moecore.plan.memory import IMBALANCE_MARGIN, GiB, PlanOptions
 from moecore.plan.params import total_params
 from moecore.plan.search import Candidate, best_supported, search
 from moecore.plan.throughput import (
+    HBM_GBPS,
     INTER_NODE_GBPS,
     INTRA_NODE_GBPS,
     MATMUL_EFFICIENCY,
@@ -172,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS)
     p.add_argument("--intra-gbps", type=float, default=INTRA_NODE_GBPS, help="NVLink GB/s per GPU")
     p.add_argument("--inter-gbps", type=float, default=INTER_NODE_GBPS, help="inter-node GB/s per GPU")
+    p.add_argument("--hbm-gbps", type=float, default=HBM_GBPS, help="GPU memory GB/s (optimizer step)")
     return p
 
 
@@ -186,7 +188,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--imbalance={args.imbalance:g} is invalid: must be >= 1")
     if not 0 < args.efficiency <= 1:
         raise ConfigError(f"--efficiency={args.efficiency:g} is invalid: must be in (0, 1]")
-    hw = Hardware(args.gpus_per_node, args.peak_tflops, args.efficiency, args.intra_gbps, args.inter_gbps)
+    hw = Hardware(
+        args.gpus_per_node, args.peak_tflops, args.efficiency, args.intra_gbps, args.inter_gbps, args.hbm_gbps
+    )
     opts = PlanOptions(imbalance=args.imbalance)
     cands = plan(cfg, args.gpus, args.gpu_mem, hw, opts)
     total, active = total_params(cfg)
@@ -205,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
     if not any(c.fits for c in cands):
         print(smallest_fit(cfg, args.gpus, args.gpu_mem, hw, opts))
     print(
-        f"assumptions: matmuls at {hw.efficiency:g} x {hw.peak_tflops:g} TFLOP/s, NVLink {hw.intra_gbps:g} GB/s, "
+        f"assumptions: matmuls at {hw.efficiency:g} x {hw.peak_tflops:g} TFLOP/s, optimizer at {hw.hbm_gbps:g} GB/s, "
+        f"NVLink {hw.intra_gbps:g} GB/s, "
         f"inter-node {hw.inter_gbps:g} GB/s per GPU, expert load imbalance x{opts.imbalance:g}, "
         "framework = 1 GiB + 0.25 GiB per NCCL group + 5%; 'other' = loss, backward workspace, step buffers, framework"
     )

@@ -7,6 +7,7 @@
                 and backward, again for a recomputed MoE layer; the busiest rank's rows: x imbalance),
                 context-parallel key/value all-gather and its reduce-scatter, pipeline sends
     bubble    = (pp - 1) / (vpp x m) of the pipelined part (1F1B, m micro-batches per step)
+    optimizer = the optimizer step at the memory bound: the bytes it reads and writes / HBM bandwidth
     offload   = activation offloading's host copies (HOST_GBPS each way), hidden behind forward / backward
                 compute except what exceeds it
     dp        = gradient all-reduce (reduce-scatter + all-gather with the distributed optimizer, plus
@@ -29,9 +30,11 @@ from moecore.plan.memory import PlanOptions, act_context, micro_batches_per_step
 from moecore.plan.params import param_summary, precision_mode
 
 PEAK_TFLOPS = 989.0  # H100 / H200 SXM dense bf16 datasheet peak
-# Achieved fraction of the datasheet peak, counting FLOPs as flops_per_token does (no embedding FLOPs): the
-# Qwen3 proxy's train step on an H200, 58,809-59,980 tokens/s x 5.40 GFLOP/token (docs/benchmarks.md).
-MATMUL_EFFICIENCY = 0.325
+# Achieved fraction of the datasheet peak for forward + backward, FLOPs counted as flops_per_token does (no
+# embedding FLOPs): the Qwen3 proxy's train step on an H200 (docs/benchmarks.md, runs G / H, bf16 mode),
+# 44.26 TFLOP in 136.0 ms less the optimizer's 18.6 ms = 377 TFLOP/s.
+MATMUL_EFFICIENCY = 0.38
+HBM_GBPS = 4200.0  # optimizer step at the memory bound: the H200's device-to-device copy rate in the same runs
 INTRA_NODE_GBPS = 360.0  # NVLink bus bandwidth per GPU, GB/s (H100 / H200, NCCL all-reduce)
 INTER_NODE_GBPS = 45.0  # per GPU across nodes (one 400 Gb/s NIC per GPU), GB/s
 HOST_GBPS = 25.0  # device <-> pinned host copies per GPU and direction (PCIe), GB/s: activation offloading
@@ -46,6 +49,7 @@ class Hardware:
     efficiency: float = MATMUL_EFFICIENCY
     intra_gbps: float = INTRA_NODE_GBPS
     inter_gbps: float = INTER_NODE_GBPS
+    hbm_gbps: float = HBM_GBPS
 
 
 @dataclass
@@ -59,6 +63,7 @@ class StepEstimate:
     pp_s: float
     bubble_s: float
     dp_exposed_s: float
+    optimizer_s: float
     step_s: float
     tokens_per_s: float
     mfu: float
@@ -178,7 +183,25 @@ def estimate_step(
         )
         copy = host / (HOST_GBPS * 1e9)
         offload_exposed = max(0.0, copy - compute / 3) + max(0.0, copy - 2 * compute / 3)  # forward, backward
-    step = pipelined + bubble + dp_exposed + offload_exposed
+    optimizer = optimizer_bytes(cfg, layout, mode, summary) / (hw.hbm_gbps * 1e9)
+    step = pipelined + bubble + dp_exposed + offload_exposed + optimizer
     tps = global_tokens / step
     mfu = model_fpt * tps / (layout.world * hw.peak_tflops * 1e12)
-    return StepEstimate(compute, tp_s, ep_s, cp_s, pp_s, bubble, dp_exposed, step, tps, mfu)
+    return StepEstimate(compute, tp_s, ep_s, cp_s, pp_s, bubble, dp_exposed, optimizer, step, tps, mfu)
+
+
+def optimizer_bytes(cfg: Config, layout: Layout, mode, summary) -> float:
+    """Bytes the optimizer step moves on one rank: gradient read, master (or weight) read and written, the
+    compute weight written, both moments read and written (the fused AdamW kernel touches each once);
+    a sharded optimizer works on its shard and then writes the gathered update into every parameter."""
+    total = 0.0
+    moments = mode.moments if cfg.optim.name == "adamw" else mode.moments // 2
+    weight = 2 * mode.master + mode.param if mode.master else 2 * mode.param
+    for (_, expert), n in summary.groups.items():
+        g = layout.edp if expert else layout.dp_cp
+        sharded = (layout.distributed_optimizer or layout.fsdp) and g > 1
+        k = -(-n // g) if sharded else n
+        total += k * (mode.grad + weight + 2 * moments)
+        if sharded and not layout.fsdp:
+            total += n * mode.param
+    return total

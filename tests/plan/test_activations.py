@@ -48,3 +48,23 @@ def test_activations_and_peak_match_the_h200_measurements(rec: dict) -> None:
     after_forward = (est.activations + est.loss) / GiB  # what the forward leaves (loss keeps dh and dW)
     assert after_forward == pytest.approx(rec["activations_gb"], rel=0.02)
     assert est.peak_allocated / GiB == pytest.approx(rec["peak_mem_gb"], rel=0.06)
+
+
+TRAIN = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200-train.json"
+
+
+def test_peak_of_the_trainer_steps_measured_on_an_h200() -> None:
+    """Run H of docs/benchmarks.md: `Trainer.train_step` of the bench proxies (`moecore bench train`: the
+    Qwen3-30B-A3B proxy, 8 layers, and the DeepSeek-V3 proxy, 4 narrower layers with MLA and MTP; ep 1,
+    batch 2 x 4096), mixed (fp32 masters and moments) and bf16 (no masters, bf16 moments): the planner's
+    peak within 3% of torch.cuda.max_memory_allocated."""
+    from moecore.bench.train import MODES, PROXIES
+
+    recs = [r for r in json.loads(TRAIN.read_text()) if r.get("run") == "H" and r["impl"] == "moecore"]
+    assert len(recs) == 4
+    for r in recs:
+        model = "deepseek-v3" if r["shape"].startswith("deepseek-v3") else "qwen3-30b-a3b"
+        recipe, overrides = PROXIES[model]
+        cfg = load_config(recipe, [*overrides, *MODES[r["precision"]]])
+        est = estimate_memory(cfg, layout_of(cfg, 1))
+        assert est.peak_allocated / GiB == pytest.approx(r["peak_mem_gb"], rel=0.03), (model, r["precision"])
