@@ -97,7 +97,9 @@ class ActivationOffloader:
             side = self._side(t.device)
             side.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(side):
-                host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=True)
+                # t's strides when they are dense and non-overlapping, else contiguous (an expanded view)
+                stride = torch.empty_like(t, device="meta").stride()
+                host = torch.empty_strided(t.size(), stride, dtype=t.dtype, pin_memory=True)
                 host.copy_(t, non_blocking=True)
             t.record_stream(side)
             group.event = side.record_event()
