@@ -28,6 +28,7 @@ activations of these modules wait on the host (no per-stage budget yet).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +52,7 @@ def _is_param_like(t: torch.Tensor) -> bool:
 class _Group:
     """The tensors one module call saved, in order; `ready` when they are back on the device."""
 
-    items: list = field(default_factory=list)
+    items: list = field(default_factory=list)  # weak references: autograd owns the packed tensors
     event: object = None  # CUDA event of the device-to-host copies (or the prefetch)
     fetched: bool = False
 
@@ -59,7 +60,7 @@ class _Group:
 class _Saved:
     """A saved tensor waiting in host memory."""
 
-    __slots__ = ("group", "host", "device", "back")
+    __slots__ = ("group", "host", "device", "back", "__weakref__")
 
     def __init__(self, group: int, host: torch.Tensor, device: torch.device) -> None:
         self.group, self.host, self.device, self.back = group, host, device, None
@@ -108,7 +109,7 @@ class ActivationOffloader:
         self.stats["packed"] += 1
         self.stats["bytes"] += t.numel() * t.element_size()
         item = _Saved(gi, host, t.device)
-        group.items.append(item)
+        group.items.append(weakref.ref(item))
         return item
 
     # ------------------------------------------------------------------ backward: unpack
@@ -118,14 +119,15 @@ class ActivationOffloader:
             return
         group = self.groups[gi]
         group.fetched = True
-        for item in group.items:
+        items = [i for i in (ref() for ref in group.items) if i is not None and i.host is not None]
+        for item in items:
             if item.device.type != "cuda":
                 item.back = item.host
                 continue
             side = self._side(item.device)
             with torch.cuda.stream(side):
                 item.back = item.host.to(item.device, non_blocking=True)
-        cuda = [i for i in group.items if i.device.type == "cuda"]
+        cuda = [i for i in items if i.device.type == "cuda"]
         if cuda:
             group.event = self._side(cuda[0].device).record_event()
 
@@ -160,8 +162,13 @@ class ActivationOffloader:
 
     def new_step(self) -> None:
         """Forget the groups of finished backward passes (called before each forward of the model)."""
-        if not self._contexts:
-            self.groups = {k: g for k, g in self.groups.items() if any(i.host is not None for i in g.items)}
+        if not self._contexts:  # keep groups that a pending backward (a graph still alive) will unpack
+            self.groups = {k: g for k, g in self.groups.items() if any(_pending(r) for r in g.items)}
+
+
+def _pending(ref: weakref.ref) -> bool:
+    item = ref()
+    return item is not None and item.host is not None
 
 
 def modules_for(model: nn.Module, names: list[str] | tuple) -> list[nn.Module]:

@@ -112,3 +112,17 @@ def test_cuda_offloading_is_bit_identical_and_frees_device_memory() -> None:
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     assert all(torch.equal(grads[n], ref[n]) for n in ref)
     assert model._offloader.stats["packed"] > 0
+
+
+def test_a_dropped_graph_leaves_nothing_behind() -> None:
+    model = MoETransformer(_config(("moe", "core_attn")))
+    off = model._offloader
+    off.min_bytes = 0
+    ids = torch.randint(0, 64, (1, 8))
+    out = model(ids, labels=ids)  # forward whose backward never runs
+    first = len(off.groups)
+    assert first > 0
+    del out
+    model(ids, labels=ids).loss.backward()
+    model(ids, labels=ids)
+    assert len(off.groups) == first  # only the last forward's groups: the dropped ones were released
