@@ -1,4 +1,4 @@
-"""The `moecore` command line: train, recipes, generate, convert, preprocess, plot, bench, checkpoint.
+"""The `moecore` command line: train, recipes, generate, convert, preprocess, plot, bench, plan, checkpoint.
 
 Each subcommand is a thin layer over a Python function. Bad input (a `ConfigError` or a missing
 file) prints one line naming the field or file, the value and what is allowed, and exits with
@@ -155,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("preprocess", "moecore.data.preprocess", "tokenize jsonl/parquet into an indexed dataset (.bin/.idx)"),
         ("plot", "moecore.train.plot", "plot loss curves and expert load of a run"),
         ("bench", "moecore.bench", "benchmark the MoE layer or a training step"),
+        ("plan", "moecore.plan.report", "what fits, on how many GPUs, in which layout (memory and speed estimates)"),
     ):
         s = sub.add_parser(name, help=help_, add_help=False)
         s.add_argument("rest", nargs=argparse.REMAINDER)
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     # argparse's REMAINDER drops options like `--from-hf` after a subcommand; hand delegated subcommands
     # everything after their name untouched.
     first = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
-    if first is not None and argv[first] in ("convert", "preprocess", "plot", "bench"):
+    if first is not None and argv[first] in ("convert", "preprocess", "plot", "bench", "plan"):
         args = parser.parse_args(argv[: first + 1])
         args.rest = argv[first + 1 :]
     else:

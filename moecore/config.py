@@ -117,6 +117,8 @@ class ModelConfig:
     recompute_modules: list = field(default_factory=list)
     recompute_granularity: str = "none"  # none | selective | full
     fused_cross_entropy: bool = True  # chunked linear + cross-entropy, never materialising all logits
+    # Activation offloading: modules (names as recompute_modules) whose saved tensors wait in host memory.
+    offload_modules: list = field(default_factory=list)
 
     RECOMPUTE_CHOICES = ("core_attn", "mla_up_proj", "moe", "mlp", "moe_act", "norm", "shared_experts")
 
@@ -169,6 +171,8 @@ class ModelConfig:
             _check_choice("model.rope_scaling.type", self.rope_scaling["type"], ("yarn", "linear", "default"))
         for m in self.recompute_modules:
             _check_choice("model.recompute_modules", m, self.RECOMPUTE_CHOICES)
+        for m in self.offload_modules:
+            _check_choice("model.offload_modules", m, self.RECOMPUTE_CHOICES)
         _check_choice("model.recompute_granularity", self.recompute_granularity, ("none", "selective", "full"))
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
@@ -438,6 +442,7 @@ class TrainConfig:
     on_nonfinite: str = "error"  # error (stop with one line, exit code 3) | skip (drop the step's update)
     max_skipped_steps: int = 5  # on_nonfinite=skip: stop after this many non-finite steps in a row
     stop_signals: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # save, then exit 75
+    preflight_memory: str | bool = "warn"  # error | warn | off: when `moecore plan`'s estimate exceeds the GPU's memory
 
     STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 
@@ -471,6 +476,9 @@ class TrainConfig:
             _fail("train.stop_signals", self.stop_signals, "a list, e.g. [SIGTERM,SIGUSR1] ([] for none)")
         for s in self.stop_signals:
             _check_choice("train.stop_signals", s, self.STOP_SIGNALS)
+        if self.preflight_memory is False:  # YAML reads a bare `off` as false
+            self.preflight_memory = "off"
+        _check_choice("train.preflight_memory", self.preflight_memory, ("error", "warn", "off"))
 
 
 @dataclass

@@ -142,6 +142,10 @@ class MoETransformer(nn.Module):
             if isinstance(module, GroupedExperts):
                 module.name = name
         self.reset_parameters()
+        if m.offload_modules:  # saved activations of these modules wait in host memory (models/offload.py)
+            from moecore.models.offload import apply_offload
+
+            apply_offload(self, m.offload_modules)
 
     # ------------------------------------------------------------------ initialisation
     def reset_parameters(self) -> None:

@@ -125,6 +125,13 @@ class Trainer:
         if cfg.model.vocab_size <= 0:
             cfg.model.vocab_size = self.data.vocab_size
         cfg.validate(world_size=self.rt.world_size)
+        if self.rt.device.type == "cuda" and cfg.train.preflight_memory != "off":
+            from moecore.plan.preflight import check_memory
+
+            total = torch.cuda.get_device_properties(self.rt.device).total_memory
+            warning = check_memory(cfg, self.rt.world_size, total)
+            if warning and self.rt.is_main:
+                print(f"moecore: warning: {warning}", flush=True)
         self.run_dir = resolve_run_dir(cfg)
         torch.manual_seed(cfg.train.seed)
         with torch.device(self.rt.device):

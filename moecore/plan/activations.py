@@ -1,0 +1,270 @@
+"""Activation bytes one micro-batch leaves saved for the backward pass, per decoder layer and per module.
+
+Derived from what moecore's modules save (moecore/models, moecore/moe, moecore/kernels), for the
+GPU path (fused kernels; `fused` False describes the CPU / unfused ops). Legend: T tokens of the
+micro-batch on this rank (micro_batch_size x seq_length / cp), H hidden, b activation bytes, tp/ep/
+etp the degrees; under tensor parallel the norms see sequence shards (T / tp), attention and dense
+MLP internals see T tokens and heads / tp, an MoE layer routes T / tp tokens. N = routed rows an
+expert rank holds: T/tp x top-k x etp, times the load-imbalance margin when ep > 1.
+
+| module key | saved tensors | recomputation that drops it |
+|---|---|---|
+| norm_in | the norm's input (the residual stream) and 1/rms (fp32) | full |
+| norm_out | the norm's output kept by the next projections / router / shared experts | norm (not for attention under tp > 1: its consumers keep the gathered copy) |
+| qk_norm | q and k projections (inputs of the per-head norms) | full |
+| core_attn | SDPA's q, k and v (k, v expanded to every query head), output and log-sum-exp | core_attn (keeps q, k, v unexpanded) |
+| mla_up | MLA's up-projected q, k and the key/value projection v is a view of | mla_up_proj |
+| mla_latent | MLA's latent (its whole down-projection) and its normed copy; the q LoRA pair | full |
+| attn_out | the copy of the attention output that o_proj keeps | full |
+| mlp | dense SwiGLU: gate, up, silu(gate), product (GeLU: up and gelu) | mlp |
+| router | router logits (fp32), top-k indices (int64), valid mask | moe |
+| permute | permutation indices; with probabilities applied at combine also the expert outputs | moe |
+| experts | expert input rows [N, H], w13 output [N, 2F/etp], probabilities; unfused: activation intermediates | moe (moe_act: the intermediates) |
+| shared_experts | the shared expert MLP's intermediates | shared_experts, moe |
+
+With full recomputation a layer keeps only its input (T/tp x H x b). `model.offload_modules` moves the
+keys of `OFFLOADS` to host memory; the memory model keeps two layers' worth of them on the GPU (the
+group being consumed and the one prefetched). The numbers were checked
+against the H200 measurements of benchmarks/recompute_memory.py (docs/benchmarks.md) and are
+checked again by benchmarks/plan_accuracy.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moecore.config import Config
+from moecore.plan.layout import Layout
+
+FUSED_CE_CHUNK = 4096  # rows of moecore.kernels.cross_entropy.linear_cross_entropy's chunk
+
+
+@dataclass(frozen=True)
+class ActContext:
+    """The facts about a run the activation model needs."""
+
+    tokens: int  # T: micro_batch_size x seq_length / cp
+    act_bytes: int  # b
+    residual_bytes: int  # element size of the residual stream (4 under autocast on fp32 parameters)
+    fused: bool  # GPU kernels (fused router, permute, expert FFN, cross-entropy)
+    imbalance: float  # margin on routed rows per expert rank when ep > 1
+
+
+def _recompute_set(layout: Layout) -> set[str]:
+    if layout.recompute_granularity == "selective":
+        return set(layout.recompute_modules)
+    return set()
+
+
+def attention_modules(cfg: Config, layer: int, layout: Layout, c: ActContext) -> dict[str, float]:
+    """Saved bytes of one layer's attention half (norm, projections, attention), by module key."""
+    m = cfg.model
+    T, b, tp = c.tokens, c.act_bytes, layout.tp
+    h = m.hidden_size
+    out = {"norm_in": T / tp * (h * c.residual_bytes + 4), "norm_out": T * h * b}
+    if m.layer_types is not None and m.layer_types[layer] == "linear_attention":
+        kd = m.linear_num_key_heads * m.linear_key_head_dim
+        vd = m.linear_num_value_heads * m.linear_value_head_dim
+        # projections, conv input/output, q/k/v after the conv and norm, gate z, rule output, gated norm
+        out["core_attn"] = T * b * (2 * (2 * kd + 2 * vd) + 2 * (2 * kd + vd) + 3 * vd)
+        out["attn_out"] = T * vd * b
+        return out
+    if m.attention_type == "mla":
+        n, dn, dr, dv = m.num_attention_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        lat = T * (m.kv_lora_rank + dr) * b + T * 4 + T * m.kv_lora_rank * b
+        if m.q_lora_rank:
+            lat += 2 * T * m.q_lora_rank * b + T * 4
+        out["mla_latent"] = lat
+        up = T * n * (dn + dr) * b * 2 + T * n * (dn + dv) * b
+        if m.attention_backend == "flash" and dv != dn + dr:
+            up += T * n * (dn + dr) * b
+        out["mla_up"] = up
+        out["core_attn"] = T * n * dv * b + T * n * 4
+        out["attn_out"] = T * n * dv * b
+        return out
+    hd = m.resolved_head_dim
+    nh, nkv = m.num_attention_heads // tp, m.kv_heads // tp
+    kv_saved = nh if nkv < nh else nkv  # grouped-query keys/values are expanded before SDPA
+    if m.qk_norm:
+        out["qk_norm"] = T * (nh + nkv) * (hd * b + 4)
+    out["core_attn"] = T * hd * b * (2 * nh + 2 * kv_saved) + T * nh * 4
+    out["attn_out"] = T * nh * hd * b
+    if m.attn_output_gate:
+        out["attn_gate"] = 2 * T * nh * hd * b
+    return out
+
+
+def routed_rows(cfg: Config, layout: Layout, c: ActContext) -> float:
+    """N: routed rows one expert rank holds for a micro-batch (with the imbalance margin under ep > 1)."""
+    rows = c.tokens / layout.tp * cfg.moe.router_topk * layout.etp
+    return rows * (c.imbalance if layout.ep > 1 else 1.0)
+
+
+def ffn_modules(cfg: Config, is_moe: bool, layout: Layout, c: ActContext) -> dict[str, float]:
+    """Saved bytes of one layer's feed-forward half (norm, dense MLP or MoE block), by module key."""
+    m, e = cfg.model, cfg.moe
+    T, b, tp = c.tokens, c.act_bytes, layout.tp
+    h = m.hidden_size
+    swiglu = m.activation == "swiglu"
+    out = {"norm_in": T / tp * (h * c.residual_bytes + 4)}
+    if not is_moe:
+        out["norm_out"] = T * h * b
+        out["mlp"] = (4 if swiglu else 2) * T * m.ffn_hidden_size / tp * b
+        return out
+    tm = T / tp
+    out["norm_out"] = tm * h * b
+    k, n_exp = e.router_topk, e.num_experts
+    fused_router = c.fused and tp == 1 and e.router_fusion
+    out["router"] = tm * n_exp * 4 + tm * k * 8 + tm if fused_router else 3 * tm * n_exp * 4 + tm * k * 12
+    n = routed_rows(cfg, layout, c)
+    f = e.ffn_hidden_size // layout.etp
+    perm = tm * k * 16 + (n * 8 if layout.ep > 1 else 0)
+    if not e.apply_probs_on_input:
+        perm += n * h * b + n * 4  # unpermute keeps the expert outputs and probabilities to weight them
+    out["permute"] = perm
+    if swiglu and c.fused and e.grouped_gemm and b == 2:  # the fused expert FFN runs in bf16 on GPUs
+        out["experts"] = n * h * b + n * 2 * f * b + n * 4
+        out["moe_act"] = 0.0
+    else:
+        rows13 = 2 * f if swiglu else f
+        out["experts"] = n * h * b + n * rows13 * b + n * f * b + n * 4
+        out["moe_act"] = (2 if swiglu else 1) * n * f * b  # the activation's intermediates
+    if e.shared_expert_intermediate_size:
+        fs = e.shared_expert_intermediate_size
+        out["shared_experts"] = (4 if swiglu else 2) * tm * fs * b
+        if e.shared_expert_gate:
+            out["shared_experts"] += 2 * tm * b
+    return out
+
+
+def layer_modules(cfg: Config, layer: int, is_moe: bool, layout: Layout, c: ActContext) -> dict[str, float]:
+    """Both halves of one decoder layer, keys prefixed attn. / ffn."""
+    out = {f"attn.{k}": v for k, v in attention_modules(cfg, layer, layout, c).items()}
+    out.update({f"ffn.{k}": v for k, v in ffn_modules(cfg, is_moe, layout, c).items()})
+    return out
+
+
+# module keys each recomputation option drops (see the table in the module docstring)
+DROPS = {
+    "core_attn": ("attn.core_attn",),
+    "mla_up_proj": ("attn.mla_up",),
+    "mlp": ("ffn.mlp",),
+    "moe_act": ("ffn.moe_act",),
+    "shared_experts": ("ffn.shared_experts",),
+    "moe": ("ffn.router", "ffn.permute", "ffn.experts", "ffn.moe_act", "ffn.shared_experts"),
+}
+
+
+# module keys whose tensors `model.offload_modules` sends to host memory (moecore/models/offload.py)
+_ATTN = ("attn.norm_out", "attn.qk_norm", "attn.core_attn", "attn.attn_out", "attn.attn_gate", "attn.mla_latent",
+         "attn.mla_up")  # fmt: skip
+OFFLOADS = {
+    "moe": ("ffn.norm_out", "ffn.router", "ffn.permute", "ffn.experts", "ffn.moe_act", "ffn.shared_experts"),
+    "moe_act": ("ffn.experts", "ffn.moe_act"),
+    "shared_experts": ("ffn.shared_experts",),
+    "mlp": ("ffn.norm_out", "ffn.mlp"),
+    "core_attn": _ATTN,
+    "mla_up_proj": _ATTN,
+    "norm": ("attn.norm_in", "ffn.norm_in"),
+}
+
+
+def offloaded_keys(layout: Layout, is_moe: bool) -> set[str]:
+    """Module keys of one layer whose saved tensors wait in host memory."""
+    out: set[str] = set()
+    for name in layout.offload_modules:
+        if (name == "moe" and not is_moe) or (name == "mlp" and is_moe):
+            continue
+        out.update(OFFLOADS.get(name, ()))
+    return out
+
+
+def dropped_keys(cfg: Config, layout: Layout, is_moe: bool) -> set[str]:
+    """Module keys that a layer's selective recomputation does not keep for backward."""
+    rec = _recompute_set(layout)
+    out: set[str] = set()
+    for name in rec:
+        if name == "moe" and not is_moe:
+            continue
+        if name == "mlp" and is_moe:
+            continue
+        out.update(DROPS.get(name, ()))
+    if "norm" in rec:
+        out.add("ffn.norm_out")
+        if layout.tp == 1:
+            out.add("attn.norm_out")
+    if "core_attn" in rec and "attn.core_attn" in out:
+        out.discard("attn.core_attn")
+        out.add("attn.core_attn:recomputed")
+    return out
+
+
+def layer_saved(cfg: Config, layer: int, is_moe: bool, layout: Layout, c: ActContext) -> tuple[float, float, float]:
+    """(bytes one layer keeps on the GPU for backward, bytes its backward recomputes at once, bytes it
+    keeps in host memory instead)."""
+    mods = layer_modules(cfg, layer, is_moe, layout, c)
+    h = cfg.model.hidden_size
+    total = sum(mods.values())
+    if layout.recompute_granularity == "full":
+        kept = c.tokens / layout.tp * h * c.residual_bytes
+        return kept, total, 0.0
+    drop = dropped_keys(cfg, layout, is_moe)
+    host = offloaded_keys(layout, is_moe)
+    saved = recomputed = offloaded = 0.0
+    for key, v in mods.items():
+        if key in drop:
+            recomputed += v
+            continue
+        if key == "attn.core_attn" and "attn.core_attn:recomputed" in drop:
+            keep = _core_attn_inputs(cfg, layout, c)
+            recomputed += v - keep
+            v = keep
+        if key in host:
+            offloaded += v
+        else:
+            saved += v
+    return saved, recomputed, offloaded
+
+
+def _core_attn_inputs(cfg: Config, layout: Layout, c: ActContext) -> float:
+    """What a checkpointed core attention keeps: q, k, v before the grouped-query expansion."""
+    m = cfg.model
+    T, b = c.tokens, c.act_bytes
+    if m.attention_type == "mla":
+        return 0.0  # q, k, v are kept by mla_up already (or recomputed with it under mla_up_proj)
+    hd = m.resolved_head_dim
+    nh, nkv = m.num_attention_heads // layout.tp, m.kv_heads // layout.tp
+    return T * hd * b * (nh + 2 * nkv)
+
+
+def layer_backward_workspace(cfg: Config, is_moe: bool, layout: Layout, c: ActContext) -> float:
+    """Gradients of one layer's activations alive at once during its backward (the largest piece)."""
+    m, e = cfg.model, cfg.moe
+    T, b = c.tokens, c.act_bytes
+    h = m.hidden_size
+    if is_moe:
+        n = routed_rows(cfg, layout, c)
+        f = e.ffn_hidden_size // layout.etp
+        ws = n * b * (2 * h + 3 * f)
+        if layout.ep > 1:
+            ws += 2 * n * h * b  # all-to-all send and receive buffers of the gradient
+        return ws
+    return T * b * (2 * h + 3 * m.ffn_hidden_size / layout.tp)
+
+
+def loss_bytes(cfg: Config, layout: Layout, c: ActContext, param_bytes: int) -> tuple[float, float]:
+    """(bytes the LM loss keeps for backward, transient bytes of its backward) for one micro-batch.
+
+    The fused linear cross-entropy (GPU, tp = 1) computes the head's gradients in its forward: dh [T, H]
+    and dW [V, H] (fp32 when the micro-batch has more rows than one chunk, else in the compute dtype);
+    its backward scales dW in fp32 and casts it to the parameter dtype. Unfused: bf16 logits and the
+    fp32 softmax of this rank's vocabulary shard.
+    """
+    m = cfg.model
+    T, b = c.tokens, c.act_bytes
+    v, h = m.vocab_size // layout.tp, m.hidden_size
+    if c.fused and layout.tp == 1 and m.fused_cross_entropy:
+        dw_bytes = 4 if T > FUSED_CE_CHUNK else b
+        kept = T * h * b + v * h * dw_bytes
+        return kept, v * h * 4 + v * h * param_bytes
+    return T * v * (b + 4), T * v * 4

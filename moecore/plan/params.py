@@ -1,0 +1,300 @@
+"""Exact parameter counts per rank and pipeline stage, and the bytes of parameters, gradients and optimizer state.
+
+`param_entries(cfg, layout, layers)` lists every parameter tensor one rank holds for the given decoder
+layers (plus the embedding on the first pipeline stage, the final norm, head and MTP modules on the
+last), with the sharding moecore applies: q/k/v/gate/up projections split by output columns over tp,
+o/down projections by input rows, embedding and head rows by vocabulary; routed experts E / ep per
+rank, each with F / etp FFN columns; norms, routers, shared experts and MLA replicated (MLA and
+linear attention run with tp = 1 only). Each entry knows whether AdamW decays it (moecore.optim.adamw:
+matrices only, no embeddings or norms) and whether it is an expert parameter (reduced and sharded
+over the expert data-parallel group, not dp x cp).
+
+`state_bytes` turns the entries into bytes per rank under a precision mode:
+
+| mode | parameter | master | gradient | Adam moments |
+|---|---|---|---|---|
+| fp32 | 4 | - | 4 | 8 |
+| bf16 | 2 | 4 (0 with master_weights=bf16) | 4 when summed, else 2 | 8 (4 with state_dtype=bf16) |
+| fp16 (autocast on fp32 parameters) | 4 | - | 4 | 8 |
+
+"Summed" gradients: more than one micro-batch per step, or more than one rank. With the
+distributed optimizer the master weights and moments of each (parameter group, reduction domain)
+are one flat buffer padded to a multiple of the domain's size and split evenly
+(moecore/parallel/distributed_optimizer.py; a domain of one rank stays unsharded), while bf16
+training keeps its full fp32 master weights beside them; with fsdp the parameters, gradients, master
+weights and moments are all sharded.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from moecore.config import Config
+from moecore.plan.layout import Layout
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One parameter tensor on one rank."""
+
+    name: str
+    numel: int
+    decay: bool
+    expert: bool = False
+
+
+def _linear_attention_numels(cfg: Config) -> list[tuple[str, int, int]]:
+    """(name, numel, ndim) of a gated DeltaNet layer (moecore/models/linear_attention.py)."""
+    m = cfg.model
+    h = m.hidden_size
+    kd, vd = m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads * m.linear_value_head_dim
+    conv = 2 * kd + vd
+    nv = m.linear_num_value_heads
+    return [
+        ("attn.in_proj_qkvz.weight", h * (2 * kd + 2 * vd), 2),
+        ("attn.in_proj_ba.weight", h * 2 * nv, 2),
+        ("attn.conv1d.weight", conv * m.linear_conv_kernel_dim, 3),
+        ("attn.dt_bias", nv, 1),
+        ("attn.A_log", nv, 1),
+        ("attn.norm.weight", m.linear_value_head_dim, 1),
+        ("attn.out_proj.weight", vd * h, 2),
+    ]
+
+
+def _attention(cfg: Config, layer: int, tp: int, prefix: str) -> list[ParamEntry]:
+    m = cfg.model
+    h = m.hidden_size
+    out: list[ParamEntry] = []
+
+    def add(name: str, numel: int, ndim: int) -> None:
+        full = prefix + name
+        out.append(ParamEntry(full, numel, decay=ndim >= 2 and not name.endswith(".bias") and "norm" not in full))
+
+    if m.layer_types is not None and m.layer_types[layer] == "linear_attention":
+        for name, numel, ndim in _linear_attention_numels(cfg):
+            add(name, numel, ndim)
+        return out
+    if m.attention_type == "mla":
+        n = m.num_attention_heads
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        if m.q_lora_rank is None:
+            add("attn.q_proj.weight", h * n * qk, 2)
+        else:
+            add("attn.q_a_proj.weight", h * m.q_lora_rank, 2)
+            add("attn.q_a_layernorm.weight", m.q_lora_rank, 1)
+            add("attn.q_b_proj.weight", m.q_lora_rank * n * qk, 2)
+        add("attn.kv_a_proj_with_mqa.weight", h * (m.kv_lora_rank + m.qk_rope_head_dim), 2)
+        add("attn.kv_a_layernorm.weight", m.kv_lora_rank, 1)
+        add("attn.kv_b_proj.weight", m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim), 2)
+        add("attn.o_proj.weight", n * m.v_head_dim * h, 2)
+        return out
+    hd = m.resolved_head_dim
+    nq, nkv = m.num_attention_heads * hd, m.kv_heads * hd
+    q_out = nq * (2 if m.attn_output_gate else 1)
+    add("attn.q_proj.weight", h * q_out // tp, 2)
+    add("attn.k_proj.weight", h * nkv // tp, 2)
+    add("attn.v_proj.weight", h * nkv // tp, 2)
+    if m.qkv_bias:
+        add("attn.q_proj.bias", q_out // tp, 1)
+        add("attn.k_proj.bias", nkv // tp, 1)
+        add("attn.v_proj.bias", nkv // tp, 1)
+    add("attn.o_proj.weight", nq // tp * h, 2)
+    if m.attn_out_bias:
+        add("attn.o_proj.bias", h, 1)
+    if m.qk_norm:
+        add("attn.q_norm.weight", hd, 1)
+        add("attn.k_norm.weight", hd, 1)
+    return out
+
+
+def _ffn(cfg: Config, is_moe: bool, layout: Layout, prefix: str) -> list[ParamEntry]:
+    m, e = cfg.model, cfg.moe
+    h = m.hidden_size
+    mats = 3 if m.activation == "swiglu" else 2
+    if not is_moe:
+        return [ParamEntry(prefix + "mlp.proj", mats * h * m.ffn_hidden_size // layout.tp, True)]
+    out = [ParamEntry(prefix + "mlp.router.weight", e.num_experts * h, True)]
+    f_loc = e.ffn_hidden_size // layout.etp
+    e_loc = e.num_experts // layout.ep
+    out.append(ParamEntry(prefix + "mlp.experts.w13", e_loc * (mats - 1) * f_loc * h, True, expert=True))
+    out.append(ParamEntry(prefix + "mlp.experts.w2", e_loc * h * f_loc, True, expert=True))
+    if e.shared_expert_intermediate_size:
+        out.append(ParamEntry(prefix + "mlp.shared_experts", mats * h * e.shared_expert_intermediate_size, True))
+        if e.shared_expert_gate:
+            out.append(ParamEntry(prefix + "mlp.shared_expert_gate.weight", h, True))
+    return out
+
+
+def decoder_layer_entries(cfg: Config, layer: int, layout: Layout, is_moe: bool, prefix: str) -> list[ParamEntry]:
+    """Parameters of one decoder layer on one rank: two norms, attention, dense MLP or MoE block."""
+    h = cfg.model.hidden_size
+    out = [ParamEntry(prefix + "attn_norm.weight", h, False), ParamEntry(prefix + "mlp_norm.weight", h, False)]
+    return out + _attention(cfg, layer, layout.tp, prefix) + _ffn(cfg, is_moe, layout, prefix)
+
+
+def stage_layers(num_layers: int, pp: int) -> list[range]:
+    """Contiguous decoder layers of each pipeline stage, as even as possible (earlier stages take the extra)."""
+    base, extra = divmod(num_layers, pp)
+    out, start = [], 0
+    for s in range(pp):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def param_entries(cfg: Config, layout: Layout, stage: int = 0) -> list[ParamEntry]:
+    """Every parameter one rank of pipeline stage `stage` holds."""
+    m = cfg.model
+    h, v = m.hidden_size, m.vocab_size
+    layers = stage_layers(m.num_layers, layout.pp)[stage]
+    out: list[ParamEntry] = []
+    first, last = stage == 0, stage == layout.pp - 1
+    if first or (last and m.tie_embeddings):
+        out.append(ParamEntry("embed.weight", v // layout.tp * h, False))
+    for i in layers:
+        out += decoder_layer_entries(cfg, i, layout, cfg.moe.is_moe_layer(i, m.num_layers), f"layers.{i}.")
+    if last:
+        out.append(ParamEntry("norm.weight", h, False))
+        if not m.tie_embeddings:
+            out.append(ParamEntry("lm_head.weight", v // layout.tp * h, True))
+        for d in range(m.mtp_num_layers):
+            pre = f"mtp.layers.{d}."
+            out += [ParamEntry(pre + n, h, False) for n in ("enorm.weight", "hnorm.weight", "head_norm.weight")]
+            out.append(ParamEntry(pre + "eh_proj.weight", 2 * h * h, True))
+            blk = cfg
+            if m.layer_types is not None:  # MTP blocks always use full attention
+                blk = copy.deepcopy(cfg)
+                blk.model.layer_types = None
+            out += decoder_layer_entries(blk, 0, layout, cfg.moe.num_experts > 0, pre + "block.")
+    return out
+
+
+@dataclass
+class PrecisionMode:
+    """Bytes per parameter element of each kind (see the module docstring)."""
+
+    name: str
+    param: int
+    master: int
+    grad: int
+    moments: int
+    autocast: bool  # bf16 / fp16 autocast on fp32 parameters: casts of the weights live per micro-batch
+    act_bytes: int  # activation element size
+
+
+PRECISIONS = ("", "adam_bf16", "master_bf16")  # Layout.precision: the config's; bf16 moments; bf16 master and moments
+
+
+def precision_mode(cfg: Config, layout: Layout, micro_batches: int, device: str = "cuda") -> PrecisionMode:
+    """The precision mode of a run (train.precision auto means bf16 on GPU, fp32 on CPU).
+
+    bf16 follows the bf16-parameter scheme (bf16 parameters, fp32 master weights and moments unless
+    `optim.master_weights` / `optim.state_dtype` or the layout's `precision` say bf16); fp16 keeps
+    autocast on fp32 parameters.
+    """
+    prec = cfg.train.precision
+    if prec == "auto":
+        prec = "bf16" if device == "cuda" else "fp32"
+    if prec == "fp32":
+        return PrecisionMode("fp32", 4, 0, 4, 8, False, 4)
+    if prec == "fp16":
+        return PrecisionMode("fp16-autocast", 4, 0, 4, 8, True, 2)
+    o = cfg.optim
+    master_bf16 = getattr(o, "master_weights", "fp32") == "bf16" or layout.precision == "master_bf16"
+    state_bf16 = getattr(o, "state_dtype", "fp32") == "bf16" or layout.precision in ("adam_bf16", "master_bf16")
+    summed = micro_batches > 1 or layout.world > 1  # as moecore.train.runtime decides sum_in_fp32
+    name = "bf16" + ("/bf16-master" if master_bf16 else "") + ("/bf16-adam" if state_bf16 else "")
+    return PrecisionMode(name, 2, 0 if master_bf16 else 4, 4 if summed else 2, 4 if state_bf16 else 8, False, 2)
+
+
+def _flat_shard(n: int, g: int) -> int:
+    """Elements of one rank's shard of a flat buffer of n elements padded to a multiple of g."""
+    return -(-n // g)
+
+
+@dataclass(frozen=True)
+class ParamSummary:
+    """The sums of one rank's parameter entries the memory and time models need."""
+
+    groups: dict  # (decay, expert) -> elements: the distributed optimizer's flat buffers
+    largest_layer: int  # elements of the largest decoder layer
+    matmuls: int  # decayed (matrix) elements outside the embedding: what autocast casts to bf16
+    moe_matmuls: int  # of which router and routed experts (dropped from the casts by "moe" recomputation)
+
+    @property
+    def total(self) -> int:
+        return sum(self.groups.values())
+
+    @property
+    def expert(self) -> int:
+        return sum(n for (_, expert), n in self.groups.items() if expert)
+
+
+def param_summary(cfg: Config, layout: Layout, stage: int = 0, cache: dict | None = None) -> ParamSummary:
+    """`ParamSummary` of one rank of `stage`; `cache` (a dict) memoises it per sharding-relevant degrees."""
+    key = ("params", layout.tp, layout.ep, layout.etp, layout.pp, stage)
+    if cache is not None and key in cache:
+        return cache[key]
+    entries = param_entries(cfg, layout, stage)
+    groups: dict = {(d, x): 0 for d in (True, False) for x in (False, True)}
+    per_layer: dict[str, int] = {}
+    matmuls = moe_matmuls = 0
+    for e in entries:
+        groups[(e.decay, e.expert)] += e.numel
+        if e.name.startswith("layers."):
+            k = e.name.split(".")[1]
+            per_layer[k] = per_layer.get(k, 0) + e.numel
+        if e.decay and not e.name.startswith("embed"):
+            matmuls += e.numel
+            if ".mlp.experts" in e.name or ".mlp.router" in e.name:
+                moe_matmuls += e.numel
+    out = ParamSummary(groups, max(per_layer.values(), default=0), matmuls, moe_matmuls)
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+def state_bytes(
+    cfg: Config, layout: Layout, stage: int, mode: PrecisionMode, cache: dict | None = None
+) -> dict[str, int]:
+    """{"params", "grads", "optimizer"} bytes on one rank of `stage` (Muon keeps one momentum: 4 bytes)."""
+    summary = param_summary(cfg, layout, stage, cache)
+    moments = mode.moments if cfg.optim.name == "adamw" else mode.moments // 2
+    params = grads = opt = 0
+    sharded = layout.distributed_optimizer or layout.fsdp
+    for (_, expert), n in summary.groups.items():
+        if not n:
+            continue
+        g = layout.edp if expert else layout.dp_cp
+        if sharded and g > 1 and layout.fsdp:
+            shard = _flat_shard(n, g)
+            opt += shard * (mode.master + moments)
+            params += shard * mode.param
+            grads += shard * mode.grad
+        elif sharded and g > 1:
+            # moecore's distributed optimizer: an fp32 shard and its moments per flat buffer, beside the
+            # full master weights that bf16 training keeps (moecore/optim/mixed_precision.py)
+            shard = _flat_shard(n, g)
+            opt += n * mode.master + shard * (4 + moments)
+            params += n * mode.param
+            grads += n * mode.grad
+        else:
+            opt += n * (mode.master + moments)
+            params += n * mode.param
+            grads += n * mode.grad
+    return {"params": params, "grads": grads, "optimizer": opt}
+
+
+def total_params(cfg: Config) -> tuple[int, int]:
+    """(total parameters, parameters active per token) of the whole model, one copy."""
+    one = Layout()
+    entries = param_entries(cfg, one, 0)
+    total = sum(e.numel for e in entries)
+    e = cfg.moe
+    inactive = 0
+    if e.num_experts:
+        experts = sum(x.numel for x in entries if x.expert)
+        inactive = experts - experts * e.router_topk // e.num_experts
+    return total, total - inactive

@@ -1,0 +1,78 @@
+"""`moecore plan`: the table, the sentence, JSON, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moecore.cli import main
+
+
+def test_plan_prints_a_ranked_table_and_writes_json(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    rc = main(
+        ["plan", "tiny-moe", "model.num_layers=2", "--gpus", "2", "--gpu-mem", "16", "--top", "3", "--json", str(out)]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "tokens/s" in text and "MFU" in text
+    assert "is the fastest layout that fits" in text
+    data = json.loads(out.read_text())
+    cands = data["candidates"]
+    assert len(cands) > 3 and cands[0]["fits"]
+    # fitting layouts come first, by estimated tokens/s
+    fits = [c for c in cands if c["fits"]]
+    assert cands[: len(fits)] == fits
+    rates = [c["step"]["tokens_per_s"] for c in fits]
+    assert rates == sorted(rates, reverse=True)
+    # layouts the trainer does not run yet are listed, marked with the trainer's reason
+    pp = [c for c in cands if " pp2" in c["layout"]]
+    assert pp and all(not c["supported"] and "parallel.pp" in c["unsupported_reason"] for c in pp)
+
+
+def test_plan_says_when_nothing_fits(capsys) -> None:
+    assert main(["plan", "qwen3-30b-a3b", "--gpus", "1", "--gpu-mem", "8", "--top", "2"]) == 0
+    assert "Nothing fits in 8 GiB on 1 GPUs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["plan", "no-such-recipe", "--gpus", "8", "--gpu-mem", "80"], "recipe 'no-such-recipe'"),
+        (["plan", "tiny-moe", "--gpus", "0", "--gpu-mem", "80"], "--gpus=0 is invalid"),
+        (["plan", "tiny-moe", "--gpus", "12", "--gpu-mem", "80"], "--gpus=12 is invalid"),
+        (["plan", "tiny-moe", "--gpus", "8", "--gpu-mem", "0"], "--gpu-mem=0 is invalid"),
+        (["plan", "tiny-moe", "--gpus", "8", "--gpu-mem", "-3"], "--gpu-mem=-3 is invalid"),
+        (
+            [
+                "plan",
+                "tiny-moe",
+                "model.num_layers=1",
+                "model.num_attention_heads=1",
+                "model.num_kv_heads=1",
+                "train.seq_length=3",
+                "train.global_batch_size=3",
+                "train.micro_batch_size=3",
+                "--gpus",
+                "2",
+                "--gpu-mem",
+                "80",
+            ],
+            "--gpus=2 is invalid for recipe tiny-moe",
+        ),
+        (["plan", "tiny-moe", "moe.num_experts=-1", "--gpus", "1", "--gpu-mem", "80"], "moe.num_experts=-1"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(argv, needle, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_missing_option_is_one_line_exit_2(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "tiny-moe", "--gpus", "2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--gpu-mem" in err

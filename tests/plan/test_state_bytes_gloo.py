@@ -1,0 +1,131 @@
+"""Per-rank parameter, gradient and optimizer bytes: the planner against the real tensors on gloo ranks.
+
+For each layout that the trainer runs today (tp, ep, etp, dp with the distributed optimizer, and
+their mixes) every rank builds the model with its ParallelDims, the optimizer the trainer would wrap
+(AdamW, or DistributedOptimizer over it), gives every parameter a gradient and takes one step (so
+that the moments exist), then sums the bytes of its parameters, gradients and optimizer tensors
+(AdamW moments; the distributed optimizer's fp32 master shards and their moments). The planner's
+`state_bytes` for the same layout (fp32 precision, CPU) must equal them exactly on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moecore.config import Config
+from moecore.models.transformer import MoETransformer
+from moecore.optim.adamw import build_optimizer
+from moecore.parallel.dims import ParallelDims
+from moecore.parallel.distributed_optimizer import DistributedOptimizer
+from moecore.parallel.launch import run_local
+from moecore.plan.layout import layout_of
+from moecore.plan.params import precision_mode, state_bytes
+
+pytestmark = pytest.mark.distributed
+
+
+def _config(par: dict) -> Config:
+    """3 layers (first dense), 8 experts top-2 with a gated shared expert, q/k norm, untied head."""
+    cfg = Config()
+    m, e = cfg.model, cfg.moe
+    m.vocab_size, m.hidden_size, m.num_layers, m.ffn_hidden_size = 64, 32, 3, 48
+    m.num_attention_heads, m.num_kv_heads, m.qk_norm = 4, 2, True
+    e.num_experts, e.router_topk, e.ffn_hidden_size, e.first_k_dense_replace = 8, 2, 16, 1
+    e.shared_expert_intermediate_size, e.shared_expert_gate = 24, True
+    cfg.train.precision, cfg.train.seq_length = "fp32", 8
+    cfg.train.global_batch_size, cfg.train.micro_batch_size = 4, 1
+    for k, v in par.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+def _real_bytes_bf16(rank: int, world: int, par: dict) -> dict:
+    """The same through the runtime with bf16 parameters: fp32 masters, fp32 main gradients, the
+    distributed optimizer driven on the masters (moecore.train.runtime)."""
+    from moecore.optim.mixed_precision import grad_of
+    from moecore.train.runtime import Runtime
+
+    cfg = _config(par)
+    cfg.train.precision = "bf16"
+    dims = ParallelDims(cfg.parallel, world, rank, "cpu", num_experts=8, num_attention_heads=4, vocab_size=64)
+    rt = Runtime(dims=dims, device=torch.device("cpu"), autocast_dtype=torch.bfloat16, precision="bf16")
+    torch.manual_seed(0)
+    model = rt.wrap_model(MoETransformer(cfg, dims), 1)
+    opt = rt.build_optimizer(model, cfg)
+    ids = torch.randint(0, 64, (1, 8))  # the same on every rank (tensor-parallel ranks need it)
+    model(ids, labels=ids).loss.backward()
+    rt.finish_grad_sync(model)
+    size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    grads = size(grad_of(p) for p in model.parameters())  # the step hands them to the optimizer and frees them
+    rt.optimizer_step(opt)
+    dist_opt = opt.inner
+    moments = [t for s in dist_opt.inner.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    return {
+        "params": size(model.parameters()),
+        "grads": grads,
+        "optimizer": size(rt.mixed.masters.values()) + size(moments) + size(f.shard for f in dist_opt.flats),
+    }
+
+
+def _real_bytes(rank: int, world: int, par: dict) -> dict:
+    cfg = _config(par)
+    dims = ParallelDims(cfg.parallel, world, rank, "cpu", num_experts=8, num_attention_heads=4, vocab_size=64)
+    torch.manual_seed(0)
+    model = MoETransformer(cfg, dims)
+    opt = build_optimizer(model, cfg.optim)
+    if cfg.parallel.distributed_optimizer:
+        opt = DistributedOptimizer(model, opt, dims)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()
+    size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    state = opt.state if not cfg.parallel.distributed_optimizer else opt.inner.state
+    moments = [t for s in state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    masters = [f.shard for f in getattr(opt, "flats", [])]
+    return {
+        "params": size(model.parameters()),
+        "grads": size(p.grad for p in model.parameters()),
+        "optimizer": size(moments) + size(masters),
+    }
+
+
+LAYOUTS = [
+    (2, {"tp": 2}),
+    (2, {"ep": 2}),
+    (2, {"etp": 2}),
+    (2, {"distributed_optimizer": True}),
+    (2, {"ep": 2, "distributed_optimizer": True}),
+    (4, {"tp": 2, "ep": 2, "distributed_optimizer": True}),
+    (4, {"ep": 2, "distributed_optimizer": True}),
+]
+
+
+IDS = [f"{w}-{'-'.join(f'{k}{v}' for k, v in p.items())}" for w, p in LAYOUTS]
+
+
+@pytest.mark.parametrize("world,par", LAYOUTS, ids=IDS)
+def test_planner_bytes_equal_the_real_tensors(world: int, par: dict) -> None:
+    real = run_local(_real_bytes, world, par)
+    cfg = _config(par)
+    layout = layout_of(cfg, world)
+    mode = precision_mode(cfg, layout, micro_batches=1, device="cpu")
+    planned = state_bytes(cfg, layout, 0, mode)
+    one = state_bytes(cfg, layout_of(_config({}), 1), 0, mode)
+    assert planned["params"] + planned["optimizer"] < one["params"] + one["optimizer"]  # the layout shards something
+    for rank, r in enumerate(real):
+        assert r == planned, f"rank {rank}: real {r} planned {planned}"
+
+
+BF16 = [(2, {"ep": 2, "distributed_optimizer": True}), (4, {"tp": 2, "ep": 2, "distributed_optimizer": True})]
+
+
+@pytest.mark.parametrize("world,par", BF16, ids=[f"{w}-{'-'.join(f'{k}{v}' for k, v in p.items())}" for w, p in BF16])
+def test_planner_bf16_bytes_equal_the_runtime(world: int, par: dict) -> None:
+    real = run_local(_real_bytes_bf16, world, par)
+    cfg = _config(par)
+    cfg.train.precision = "bf16"
+    layout = layout_of(cfg, world)
+    planned = state_bytes(cfg, layout, 0, precision_mode(cfg, layout, micro_batches=1, device="cpu"))
+    for rank, r in enumerate(real):
+        assert r == planned, f"rank {rank}: real {r} planned {planned}"
