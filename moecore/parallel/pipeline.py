@@ -42,9 +42,9 @@ from torch.utils.checkpoint import checkpoint
 from moecore.config import Config, ConfigError
 from moecore.models.transformer import ModelParts, MoETransformer
 from moecore.parallel import comm
-from moecore.parallel.data_parallel import global_grad_norm
 from moecore.parallel.dims import ParallelDims
-from moecore.parallel.pipeline_layout import V_SCHEDULES, StageSpec, check_pipeline, stage_ranks
+from moecore.parallel.pipeline_layout import StageSpec, check_pipeline, stage_ranks
+from moecore.parallel.sharding import get_shard, replication_factor
 
 
 class _InjectLossGrad(torch.autograd.Function):
@@ -54,7 +54,9 @@ class _InjectLossGrad(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
         ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
-        return x.clone()  # not a view: torch's zero-bubble backward detaches stage outputs in place
+        # A contiguous copy, not a view: torch sends it as is and its zero-bubble backward detaches stage
+        # outputs in place.
+        return x.clone(memory_format=torch.contiguous_format)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -129,8 +131,8 @@ class StageModule(nn.Module):
                 objective = objective + extra * rec.extra_scale
             return objective.float().reshape(1)
         if extra is not None and torch.is_grad_enabled():
-            x = _InjectLossGrad.apply(x, extra, rec.extra_scale)
-        return x
+            return _InjectLossGrad.apply(x, extra, rec.extra_scale)
+        return x.contiguous()  # point-to-point sends need contiguous tensors
 
 
 # --------------------------------------------------------------------------------------------------
@@ -334,9 +336,22 @@ def parallelize_pipeline(cfg: Config, dims: ParallelDims, device: torch.device |
     return pipe
 
 
+def pipeline_grad_norm(pipe: Pipeline) -> torch.Tensor:
+    """L2 norm of the full gradient over every stage: each parameter once (replicas within a stage once,
+    shards from every shard, the copies of a shared weight once). Collective over the world, on every
+    rank even where no counted parameter has a gradient (a loss-only stage whose head is counted elsewhere)."""
+    total = torch.zeros((), dtype=torch.float64, device=pipe.device)
+    for prm in pipe.norm_params():
+        # Each copy within the stage contributes 1/copies of its square, so the world sum counts it once.
+        sq = torch.linalg.vector_norm(prm.grad.detach(), dtype=torch.float32).double().square()
+        total += sq / replication_factor(get_shard(prm), pipe.dims)
+    comm.all_reduce_(total, pipe.dims.world_group, "sum")
+    return total.sqrt().float()
+
+
 def clip_grad_norm_pipeline(pipe: Pipeline, max_norm: float) -> torch.Tensor:
-    """Global grad norm over every stage (each parameter once, shared weights once), then clip every grad."""
-    norm = global_grad_norm(pipe.norm_params(), pipe.dims)
+    """Global grad norm over every stage (`pipeline_grad_norm`), then every grad scaled to at most max_norm."""
+    norm = pipeline_grad_norm(pipe)
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for prm in pipe.model.parameters():
