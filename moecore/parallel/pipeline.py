@@ -321,6 +321,46 @@ class Pipeline:
         return zero, zero.clone()
 
 
+    # ------------------------------------------------------------------ across stages
+    def sum_over_stages(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over this rank's pipeline (a value that lives on one stage reaches all); a new tensor."""
+        t = t.detach().clone()
+        comm.all_reduce_(t, self.dims.pp_group, "sum")
+        return t
+
+    def gather_over_stages(self, obj: object) -> list:
+        """Every pipeline rank's `obj` (picklable), in pipeline-rank order."""
+        out: list = [None] * self.dims.pp_group.size
+        dist.all_gather_object(out, obj, group=self.dims.pp_group.pg)
+        return out
+
+    def summary(self, run_dir=None) -> list[dict]:
+        """Per pipeline rank: its stages (layout symbols), parameters held, peak memory; written to
+        `run_dir/pipeline_stages.json` when a folder is given."""
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+            kind = "cuda_max_allocated"
+        else:
+            import resource
+
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+            kind = "process_max_rss"
+        mine = {
+            "pp_rank": self.dims.pp_group.rank,
+            "stages": [f"{m.spec.index}:{m.spec.symbols}" for m in self.stage_modules],
+            "params": self.num_params(),
+            "peak_mem_gb": round(peak, 3),
+            "peak_mem_kind": kind,
+        }
+        rows = self.gather_over_stages(mine)
+        if run_dir is not None:
+            import json
+            from pathlib import Path
+
+            (Path(run_dir) / "pipeline_stages.json").write_text(json.dumps(rows, indent=1) + "\n")
+        return rows
+
+
 def _objective(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The schedule's loss function: the last stage already returns the micro-batch's objective."""
     return output.sum()
@@ -330,6 +370,9 @@ def parallelize_pipeline(cfg: Config, dims: ParallelDims, device: torch.device |
     """Build this rank's pipeline stages (its modules of the model, initialised; copies of shared weights equal)."""
     if dims.pp_group.size != cfg.parallel.pp:
         raise ValueError(f"dims has pp={dims.pp_group.size}, config parallel.pp={cfg.parallel.pp}")
+    # Each stage draws its initial weights from its own stream (the same on every rank of the stage), so
+    # equal-shaped layers of different stages do not start equal; copies of shared weights are then synced.
+    torch.manual_seed(cfg.train.seed + 7919 * dims.pp_group.rank)
     with torch.device(device):
         pipe = Pipeline(cfg, dims, torch.device(device))
     pipe.broadcast_shared()
