@@ -64,6 +64,22 @@ class _InjectLossGrad(torch.autograd.Function):
         return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
+class _CountInFlight(torch.autograd.Function):
+    """Identity that counts a stage's micro-batches between forward and the backward through its input
+    (those whose activations are held): +1 now, -1 when backward reaches this point."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, record: StepRecord, stage: int) -> torch.Tensor:
+        ctx.record, ctx.stage = record, stage
+        record.enter(stage)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.record.leave(ctx.stage)
+        return grad, None, None
+
+
 @dataclass
 class StepRecord:
     """What the stage modules of this rank record during one step (per micro-batch, in forward order)."""
@@ -76,6 +92,15 @@ class StepRecord:
     mtp_losses: list = field(default_factory=list)  # scaled MTP loss per micro-batch
     mtp_depths: list = field(default_factory=list)  # per micro-batch: per-depth unscaled losses
     moe_stats: dict = field(default_factory=dict)  # stage index -> [per micro-batch list of layer dicts]
+    live: dict = field(default_factory=dict)  # stage index -> micro-batches forwarded, not yet backpropagated
+    peak_live: int = 0  # most micro-batches held at once, summed over this rank's stages
+
+    def enter(self, stage: int) -> None:
+        self.live[stage] = self.live.get(stage, 0) + 1
+        self.peak_live = max(self.peak_live, sum(self.live.values()))
+
+    def leave(self, stage: int) -> None:
+        self.live[stage] -= 1
 
 
 class StageModule(nn.Module):
@@ -101,6 +126,8 @@ class StageModule(nn.Module):
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         if spec.embed:
             x = model.embed(x)
+        if torch.is_grad_enabled() and x.requires_grad:
+            x = _CountInFlight.apply(x, rec, spec.index)
         extra, stats = None, []
         for layer in self.layers:
             if model.full_recompute and self.training and torch.is_grad_enabled():
@@ -349,6 +376,7 @@ class Pipeline:
             "pp_rank": self.dims.pp_group.rank,
             "stages": [f"{m.spec.index}:{m.spec.symbols}" for m in self.stage_modules],
             "params": self.num_params(),
+            "peak_in_flight_microbatches": self.record.peak_live,
             "peak_mem_gb": round(peak, 3),
             "peak_mem_kind": kind,
         }
