@@ -343,10 +343,12 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # 1f1b | interleaved_1f1b | zero_bubble | zbv | dualpipev
     pp_layout: str | None = None  # stages in Megatron-Core notation, e.g. "Et*3|(tt|)*29,m|L"; None: even split
 
+    PP_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+
     def validate(self) -> None:
         for name in ("tp", "pp", "cp", "ep", "etp", "vpp"):
             _check_range(f"parallel.{name}", getattr(self, name), 1)
-        _check_choice("parallel.pp_schedule", self.pp_schedule, ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"))
+        _check_choice("parallel.pp_schedule", self.pp_schedule, self.PP_SCHEDULES)
         if self.vpp > 1 and self.pp == 1:
             _fail("parallel.vpp", self.vpp, "needs parallel.pp > 1 (virtual stages are stages of a pipeline)")
         if self.pp_layout is not None and self.pp == 1:

@@ -347,7 +347,6 @@ class Pipeline:
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         return zero, zero.clone()
 
-
     # ------------------------------------------------------------------ across stages
     def sum_over_stages(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over this rank's pipeline (a value that lives on one stage reaches all); a new tensor."""

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from moecore.config import Config, ConfigError
 
-SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 V_SCHEDULES = ("zbv", "dualpipev")
 
 
@@ -43,7 +42,12 @@ class StageSpec:
 
     @property
     def symbols(self) -> str:
-        return ("E" if self.embed else "") + "t" * len(self.layers) + ("m" if self.mtp else "") + ("L" if self.loss else "")
+        return (
+            ("E" if self.embed else "")
+            + "t" * len(self.layers)
+            + ("m" if self.mtp else "")
+            + ("L" if self.loss else "")
+        )
 
 
 _REPEAT = re.compile(r"(\([^()]*\)|[EtmL|])\*(\d+)")
@@ -63,7 +67,9 @@ def expand_layout(text: str) -> str:
             break
         s = new
     if set(s) & set("()*0123456789"):
-        raise ConfigError(f"parallel.pp_layout={text!r} is invalid: unbalanced '(' or a '*N' without a symbol before it")
+        raise ConfigError(
+            f"parallel.pp_layout={text!r} is invalid: unbalanced '(' or a '*N' without a symbol before it"
+        )
     return s
 
 
@@ -111,7 +117,13 @@ def default_layout(num_stages: int, num_layers: int, mtp_layers: int) -> list[St
         )
     per = num_layers // num_stages
     return [
-        StageSpec(i, i == 0, tuple(range(i * per, (i + 1) * per)), bool(mtp_layers) and i == num_stages - 1, i == num_stages - 1)
+        StageSpec(
+            i,
+            i == 0,
+            tuple(range(i * per, (i + 1) * per)),
+            bool(mtp_layers) and i == num_stages - 1,
+            i == num_stages - 1,
+        )
         for i in range(num_stages)
     ]
 
