@@ -84,6 +84,16 @@ def test_schedules_refuse_what_they_cannot_run(parallel, world, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_pipeline_groups_join_one_rank_per_stage():
+    from moecore.parallel.dims import _mesh_groups
+
+    # world 8 = tp 2 x dp 2 x pp 2 (dense mesh tp, cp, dp, pp): stage 0 is ranks 0-3, stage 1 ranks 4-7.
+    assert _mesh_groups(8, [2, 1, 2, 2], 3) == [[0, 4], [1, 5], [2, 6], [3, 7]]  # pp
+    assert _mesh_groups(8, [2, 1, 2, 2], (0, 1, 2)) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # stage
+    # The expert mesh (etp 1, ep 2, edp 2, pp 2) has the same stages: pp is outermost in both.
+    assert _mesh_groups(8, [1, 2, 2, 2], (0, 1, 2)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 def test_default_split_and_stage_placement():
     cfg = _cfg(pp=2, vpp=2, pp_schedule="interleaved_1f1b")
     assert [s.symbols for s in stage_layout(cfg)] == ["Et", "t", "t", "tL"]
