@@ -129,6 +129,12 @@ def _hybrid(**parallel) -> Config:
     return cfg
 
 
+def _recompute(granularity: str, modules: list[str], **parallel) -> Config:
+    cfg = _cfg(**parallel)
+    cfg.model.recompute_granularity, cfg.model.recompute_modules = granularity, modules
+    return cfg
+
+
 def _tied(**parallel) -> Config:
     cfg = _cfg(**parallel)
     cfg.model.tie_embeddings = True
@@ -146,6 +152,10 @@ CASES = {
         "pp2-vpp2-tied-embeddings-zbv": _tied(pp=2, vpp=2, pp_schedule=V),  # head and embedding on one rank
         "pp2-tied-embeddings-1f1b": _tied(pp=2),  # head and embedding on two ranks: gradients summed
         "pp2-vpp2-deltanet-hybrid-interleaved": _hybrid(pp=2, vpp=2, pp_schedule=IL),
+        "pp2-zero_bubble-full-recompute": _recompute("full", [], pp=2, pp_schedule=ZB),
+        "pp2-vpp2-zbv-selective-recompute": _recompute(
+            "selective", ["moe", "norm", "core_attn"], pp=2, vpp=2, pp_schedule=V
+        ),
         "deepseek-v3-mtp-stage-pp2-vpp2-zero_bubble": _deepseek_v3("Et|tt|m|L", pp=2, vpp=2, pp_schedule=ZB),
     },
     4: {
