@@ -41,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moecore.config import Config, ConfigError
 from moecore.models.transformer import ModelParts, MoETransformer
+from moecore.optim.mixed_precision import grad_of, set_grad
 from moecore.parallel import comm
 from moecore.parallel.dims import ParallelDims
 from moecore.parallel.pipeline_layout import StageSpec, check_pipeline, stage_ranks
@@ -228,14 +229,24 @@ class Pipeline:
         params = dict(self.model.named_parameters())
         for name, group, _ in self.shared:
             p = params[name]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            comm.all_reduce_(p.grad, group, "sum")
+            if grad_of(p) is None:
+                set_grad(p, torch.zeros_like(p, dtype=torch.float32 if hasattr(p, "main_grad") else p.dtype))
+            comm.all_reduce_(grad_of(p), group, "sum")
 
     def norm_params(self) -> list[torch.nn.Parameter]:
         """Parameters whose gradients count in the global norm here: one copy of each shared weight."""
         skip = {name for name, _, first in self.shared if not first}
-        return [p for n, p in self.model.named_parameters() if n not in skip and p.grad is not None]
+        return [p for n, p in self.model.named_parameters() if n not in skip and grad_of(p) is not None]
+
+    def _fold_weight_grads(self) -> None:
+        """Zero-bubble schedules compute weight gradients in a separate pass that writes `.grad` directly
+        (no post-accumulate hooks); where the run sums gradients in fp32 main gradients (bf16 training),
+        add what landed in `.grad` there, as the hook would have."""
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if hasattr(p, "main_grad") and p.grad is not None:
+                    p.main_grad = p.grad.float() if p.main_grad is None else p.main_grad.add_(p.grad)
+                    p.grad = None
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -317,6 +328,7 @@ class Pipeline:
         last = any(m.spec.loss for m in self.stage_modules)
         args = (input_ids,) if first else ()
         self.schedule.step(*args, target=labels if last else None, **kwargs)
+        self._fold_weight_grads()
         return rec
 
     @torch.no_grad()
@@ -413,18 +425,21 @@ def pipeline_grad_norm(pipe: Pipeline) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64, device=pipe.device)
     for prm in pipe.norm_params():
         # Each copy within the stage contributes 1/copies of its square, so the world sum counts it once.
-        sq = torch.linalg.vector_norm(prm.grad.detach(), dtype=torch.float32).double().square()
+        sq = torch.linalg.vector_norm(grad_of(prm).detach(), dtype=torch.float32).double().square()
         total += sq / replication_factor(get_shard(prm), pipe.dims)
     comm.all_reduce_(total, pipe.dims.world_group, "sum")
     return total.sqrt().float()
 
 
-def clip_grad_norm_pipeline(pipe: Pipeline, max_norm: float) -> torch.Tensor:
-    """Global grad norm over every stage (`pipeline_grad_norm`), then every grad scaled to at most max_norm."""
+def clip_grad_norm_pipeline(pipe: Pipeline, max_norm: float, optimizer: object = None) -> torch.Tensor:
+    """Global grad norm over every stage (`pipeline_grad_norm`), then gradients scaled to at most max_norm:
+    by the optimizer's fused update where it takes a coefficient (`grad_scale`), else in place."""
     norm = pipeline_grad_norm(pipe)
     if max_norm > 0:
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for prm in pipe.model.parameters():
-            if prm.grad is not None:
-                prm.grad.detach().mul_(coef.to(prm.grad.device, prm.grad.dtype))
+        coef = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        if hasattr(optimizer, "grad_scale"):
+            optimizer.grad_scale = coef
+        elif coef < 1.0:
+            grads = [g for g in (grad_of(p) for p in pipe.model.parameters()) if g is not None]
+            torch._foreach_mul_(grads, coef)
     return norm

@@ -227,7 +227,7 @@ class Trainer:
             )
         rt.finish_grad_sync(model)
         pipe.sync_shared_grads()  # copies of the embedding / head on several stages stay equal
-        grad_norm = clip_grad_norm_pipeline(pipe, cfg.optim.clip_grad)
+        grad_norm = clip_grad_norm_pipeline(pipe, cfg.optim.clip_grad, self.optimizer)
         lr = lr_at(self.step + 1, cfg.train.steps, cfg.optim)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
