@@ -145,9 +145,7 @@ ZB, IL, V = "zero_bubble", "interleaved_1f1b", "zbv"
 # Every schedule runs on several layouts; each layout of the issue runs under at least one schedule.
 CASES = {
     2: {
-        "pp2-1f1b": _cfg(pp=2),
         "pp2-vpp2-interleaved": _cfg(pp=2, vpp=2, pp_schedule=IL),
-        "pp2-zero_bubble": _cfg(pp=2, pp_schedule=ZB),
         "pp2-vpp2-dualpipev": _cfg(pp=2, vpp=2, pp_schedule="dualpipev"),
         "pp2-vpp2-tied-embeddings-zbv": _tied(pp=2, vpp=2, pp_schedule=V),  # head and embedding on one rank
         "pp2-tied-embeddings-1f1b": _tied(pp=2),  # head and embedding on two ranks: gradients summed
