@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -36,6 +37,17 @@ from torch.distributed.checkpoint.state_dict import (
 
 from moecore.config import ConfigError
 from moecore.parallel.sharding import wrap_for_checkpoint
+
+# Optimizer state keyed per parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): every
+# rank's entries are its own parameters', so the files stay layout-free also when ranks hold different
+# parameters (pipeline stages). Checkpoints written before keep one list of groups ("param_groups.0.lr").
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _flat_optim(path: Path) -> bool:
+    """Whether the checkpoint at `path` keys its optimizer hyper-parameters per parameter name."""
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return not any(k.startswith("optim.param_groups.") and k.split(".")[2].isdigit() for k in keys)
 
 
 def _sharded(optimizer) -> bool:
@@ -108,7 +120,7 @@ def save_training_state(
         dcp.save({"model": wrap_for_checkpoint(model, get_model_state_dict(model))[0]}, checkpoint_id=str(tmp))
         torch.save(optimizer.state_dict(), tmp / f"optim-rank-{_rank()}.pt")
     else:
-        model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
+        model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer), options=_FLAT)
         # Sharded (TP / EP) tensors are saved as chunks of their global tensors: layout-free files.
         model_sd, optim_sd = wrap_for_checkpoint(model, model_sd, optim_sd)
         with _quiet_single_process():
@@ -150,12 +162,19 @@ def load_training_state(path: Path, model: torch.nn.Module, optimizer) -> dict:
         load_model_weights(path, model)
         optimizer.load_state_dict(torch.load(optim_file, weights_only=False))
     else:
-        model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
+        options = _FLAT if _flat_optim(path) else None
+        model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer), options=options)
         with _quiet_single_process():
             wrapped = wrap_for_checkpoint(model, model_sd, optim_sd)
             dcp.load(dict(zip(("model", "optim"), wrapped)), checkpoint_id=str(path))
         state = {"model": model_sd, "optim": optim_sd}  # the wrapped shards were loaded in place
-        set_state_dict(model, _optimizers(optimizer), model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            model,
+            _optimizers(optimizer),
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=options,
+        )
     rank_file = path / f"rank-{_rank()}.pt"
     if not rank_file.exists():
         rank_file = path / "rank-0.pt"

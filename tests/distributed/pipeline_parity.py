@@ -103,3 +103,43 @@ def worst(ref: dict, results: list[dict]) -> dict:
     norm = max(abs(a - b) / abs(a) for r in results for a, b in zip(ref["norms"], r["norms"]))
     grad = max(results, key=lambda r: r["grad_err"])
     return {"loss": loss, "norm": norm, "grad": grad["grad_err"], "grad_param": grad["grad_param"]}
+
+
+def resume_same_layout(rank: int, world: int, cfg: Config, init: dict, data, path: str) -> dict:
+    """Train 2 steps, checkpoint, train a third; a fresh pipeline resumed from the checkpoint trains the
+    third again. Returns both third-step losses and grad norms (equal when resuming is exact)."""
+    from moecore.checkpoint import load_training_state, save_training_state
+    from moecore.optim.adamw import build_optimizer
+
+    dims = make_dims(cfg, rank, world)
+    out = {}
+    for name in ("run", "resumed"):
+        pipe = parallelize_pipeline(copy.deepcopy(cfg), dims, "cpu")
+        load_global_state_dict(pipe.model, init)
+        sync = wrap_model_for_data_parallel(pipe.model, dims, bucket_mb=0.002)
+        opt = build_optimizer(pipe.model, cfg.optim)  # the training loop's: decay and no-decay groups
+        first = 0
+        if name == "resumed":
+            load_training_state(path, pipe.model, opt)
+            first = 2
+        for step in range(first, 3):
+            ids, labels, mask = data[step]
+            opt.zero_grad(set_to_none=True)
+            dp, n_mb = dims.dp, GLOBAL_BATCH // MICRO_BATCH
+            per = n_mb // dp
+            rows = slice(dims.dp_group.rank * per * MICRO_BATCH, (dims.dp_group.rank + 1) * per * MICRO_BATCH)
+            with sync.no_sync():
+                rec = pipe.step(ids[rows], labels[rows], mask[rows], mask.sum().double(), dp, dp / n_mb, per)
+            sync.finish_grad_sync()
+            pipe.sync_shared_grads()
+            norm = float(clip_grad_norm_pipeline(pipe, CLIP))
+            opt.step()
+            for layer in pipe.model.moe_layers():
+                layer.update_expert_bias()
+            if name == "run" and step == 1:
+                save_training_state(path, pipe.model, opt, {"step": 2}, "")
+        lm = torch.stack(rec.lm_sums).double().sum() if rec.lm_sums else torch.zeros((), dtype=torch.float64)
+        comm.all_reduce_(lm, dims.dp_cp_group, "sum")
+        comm.all_reduce_(lm, dims.pp_group, "sum")
+        out[name] = (float(lm), norm)
+    return out

@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch.distributed as dist
 from dist_parity import make_data, tiny_config
-from pipeline_parity import reference, run_pipeline, worst
+from pipeline_parity import reference, resume_same_layout, run_pipeline, worst
 
 from moecore.config import Config, ConfigError
 from moecore.parallel.launch import run_local
@@ -195,3 +195,13 @@ def test_pipeline_layouts_train_like_one_process(world):
     assert not failures, "\n".join(failures)
     # Stages hold different parts: parameter counts differ between pipeline ranks of one layout.
     assert len({r[0]["params"] for r in results}) > 1
+
+
+def test_pipeline_checkpoint_resumes_under_the_same_layout(tmp_path):
+    """pp2 x ep2 x vpp2 (stages holding different parameters, optimizer state per parameter name)."""
+    cfg = _deepseek_v3("Et|t|t|mL", pp=2, ep=2, vpp=2, pp_schedule=IL)
+    data = make_data()
+    init = reference(cfg, data, 0)[0]
+    results = run_local(resume_same_layout, 4, cfg, init, data, str(tmp_path / "ckpt"))
+    for r in results:
+        assert r["run"] == r["resumed"]
