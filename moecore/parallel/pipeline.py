@@ -43,7 +43,7 @@ from moecore.config import Config, ConfigError
 from moecore.models.transformer import ModelParts, MoETransformer
 from moecore.optim.mixed_precision import grad_of, set_grad
 from moecore.parallel import comm
-from moecore.parallel.dims import ParallelDims
+from moecore.parallel.dims import Group, ParallelDims
 from moecore.parallel.pipeline_layout import StageSpec, check_pipeline, stage_ranks
 from moecore.parallel.sharding import get_shard, replication_factor
 
@@ -201,8 +201,9 @@ class Pipeline:
         self._n_microbatches = None
 
     # ------------------------------------------------------------------ weights on several stages
-    def _shared_params(self, tied: bool) -> list[tuple[str, object]]:
-        """(parameter name, group of the pipeline ranks holding a copy) for each weight used by several ranks."""
+    def _shared_params(self, tied: bool) -> list[tuple[str, Group, bool]]:
+        """(parameter name, group of the pipeline ranks holding a copy, whether this rank's copy is the one
+        the grad norm counts) for each weight this rank shares with other pipeline ranks."""
         users = {
             "embed.weight": [s for s in self.all_stages if s.embed or s.mtp or (s.loss and tied)],
             "lm_head.weight": [] if tied else [s for s in self.all_stages if s.loss or s.mtp],
