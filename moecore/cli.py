@@ -67,6 +67,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"[bold green]done[/bold green]: {result.last_step} steps in {result.seconds:.1f}s, "
             f"loss {result.first_loss:.4f} -> {result.final_loss:.4f}{val}; run folder {result.run_dir}"
         )
+        for row in result.stages:  # pipeline parallel: what each pipeline rank held
+            console.print(
+                f"pipeline rank {row['pp_rank']}: stages {' '.join(row['stages'])}, {row['params']:,} parameters, "
+                f"peak memory {row['peak_mem_gb']:.2f} GiB ({row['peak_mem_kind']})",
+                highlight=False,
+            )
     return 0
 
 

@@ -343,10 +343,20 @@ class ParallelConfig:
     grad_bucket_mb: float = 25.0
     overlap_grad_reduce: bool = True
     backend: str = "auto"  # auto | gloo | nccl
+    vpp: int = 1  # virtual pipeline stages per rank (interleaved / V-shaped schedules)
+    pp_schedule: str = "1f1b"  # 1f1b | interleaved_1f1b | zero_bubble | zbv | dualpipev
+    pp_layout: str | None = None  # stages in Megatron-Core notation, e.g. "Et*3|(tt|)*29,m|L"; None: even split
+
+    PP_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "cp", "ep", "etp"):
+        for name in ("tp", "pp", "cp", "ep", "etp", "vpp"):
             _check_range(f"parallel.{name}", getattr(self, name), 1)
+        _check_choice("parallel.pp_schedule", self.pp_schedule, self.PP_SCHEDULES)
+        if self.vpp > 1 and self.pp == 1:
+            _fail("parallel.vpp", self.vpp, "needs parallel.pp > 1 (virtual stages are stages of a pipeline)")
+        if self.pp_layout is not None and self.pp == 1:
+            _fail("parallel.pp_layout", self.pp_layout, "needs parallel.pp > 1")
         _check_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
         _check_range("parallel.grad_bucket_mb", self.grad_bucket_mb, 0.0)
 
@@ -601,6 +611,10 @@ def validate_layout(cfg: Config, world_size: int) -> None:
             cfg.train.global_batch_size,
             f"must be a multiple of train.micro_batch_size * data-parallel size = {mb_total}",
         )
+    if p.pp > 1:  # the schedule's micro-batch rules
+        from moecore.parallel.pipeline_layout import check_pipeline
+
+        check_pipeline(cfg, cfg.train.global_batch_size // mb_total)
 
 
 # --------------------------------------------------------------------------------------------------

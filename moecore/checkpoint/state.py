@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -54,6 +55,17 @@ from moecore.checkpoint.manifest import (
 )
 from moecore.config import ConfigError
 from moecore.parallel.sharding import get_shard, wrap_for_checkpoint
+
+# Optimizer state keyed per parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): every
+# rank's entries are its own parameters', so the files stay layout-free also when ranks hold different
+# parameters (pipeline stages). Checkpoints written before keep one list of groups ("param_groups.0.lr").
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _flat_optim(path: Path) -> bool:
+    """Whether the checkpoint at `path` keys its optimizer hyper-parameters per parameter name."""
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return not any(k.startswith("optim.param_groups.") and k.split(".")[2].isdigit() for k in keys)
 
 
 def _sharded(optimizer) -> bool:
@@ -218,7 +230,7 @@ def state_for_save(model: torch.nn.Module, optimizer, stager: HostStager | None 
         # The model stays layout-free; each rank's AdamW shard goes to its own file.
         model_sd = stage(get_model_state_dict(model), ("model",))
         return {"model": wrap_for_checkpoint(model, model_sd)[0]}, stage(optimizer.state_dict(), ("optim",))
-    model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
+    model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer), options=_FLAT)
     # Sharded (TP / EP) tensors are saved as chunks of their global tensors: layout-free files.
     model_sd, optim_sd = wrap_for_checkpoint(model, stage(model_sd, ("model",)), stage(optim_sd, ("optim",)))
     return {"model": model_sd, "optim": optim_sd}, None
@@ -398,12 +410,19 @@ def load_training_state(path: Path, model: torch.nn.Module, optimizer, verify_fi
         load_model_weights(path, model, verify_files=False)
         optimizer.load_state_dict(torch.load(optim_file, weights_only=False))
     else:
-        model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer))
+        options = _FLAT if _flat_optim(path) else None
+        model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer), options=options)
         with _quiet_single_process():
             wrapped = wrap_for_checkpoint(model, model_sd, optim_sd)
             dcp.load(dict(zip(("model", "optim"), wrapped)), checkpoint_id=str(path))
         state = {"model": model_sd, "optim": optim_sd}  # the wrapped shards were loaded in place
-        set_state_dict(model, _optimizers(optimizer), model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            model,
+            _optimizers(optimizer),
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=options,
+        )
     rank_file = path / f"rank-{_rank()}.pt"
     if not rank_file.exists():
         rank_file = path / "rank-0.pt"

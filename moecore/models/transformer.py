@@ -10,6 +10,9 @@ from `MoEConfig.is_moe_layer`. Parallel-aware pieces receive `dims` (a ParallelD
 
 The forward returns a `ModelOutput` carrying the LM loss, the MoE routing losses and statistics
 (returned, never stored in globals) and the MTP loss when multi-token prediction is on.
+
+`ModelParts` builds only some modules (a pipeline stage's share, moecore/parallel/pipeline.py); the
+others are left out (None, or `Absent` in `layers`) so built modules keep the full model's names.
 """
 
 from __future__ import annotations
@@ -46,6 +49,26 @@ class ModelOutput:
     mtp_losses: list = field(default_factory=list)  # per depth, unscaled, detached
     moe_stats: list = field(default_factory=list)  # one dict per MoE layer (layer index under "layer")
     hidden_states: torch.Tensor | None = None  # final hidden states before the norm
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """Which modules to build; the default is the whole model."""
+
+    embed: bool = True
+    layers: tuple[int, ...] | None = None  # decoder layer indices; None: every layer
+    norm: bool = True
+    lm_head: bool = True  # the untied output head (a tied head is `embed`)
+    mtp: bool = True
+
+
+class Absent(nn.Module):
+    """Placeholder for a decoder layer built elsewhere (another pipeline stage); holds no parameters."""
+
+    is_moe = False
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this layer is held by another pipeline stage")
 
 
 def build_attention(cfg: ModelConfig, layer_idx: int, dims=None) -> nn.Module:
@@ -115,25 +138,30 @@ class DecoderLayer(nn.Module):
 class MoETransformer(nn.Module):
     """A causal language model with MoE layers; `forward` returns a `ModelOutput`."""
 
-    def __init__(self, cfg: Config, dims=None) -> None:
+    def __init__(self, cfg: Config, dims=None, parts: ModelParts | None = None) -> None:
         super().__init__()
         if cfg.model.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (> 0) before building the model")
         self.cfg = cfg
         self.dims = dims
         m = cfg.model
+        parts = parts or ModelParts()
         # Tensor parallel: embedding rows and head columns split along the vocabulary.
-        self.embed = tpl.VocabParallelEmbedding(m.vocab_size, m.hidden_size, dims)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dims) for i in range(m.num_layers))
-        self.norm = RMSNorm(m.hidden_size, m.norm_eps, m.norm_zero_centered)
-        tpl.mark_sequence_parallel(self.norm, dims)
+        self.embed = tpl.VocabParallelEmbedding(m.vocab_size, m.hidden_size, dims) if parts.embed else None
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, dims) if parts.layers is None or i in parts.layers else Absent()
+            for i in range(m.num_layers)
+        )
+        self.norm = RMSNorm(m.hidden_size, m.norm_eps, m.norm_zero_centered) if parts.norm else None
+        if self.norm is not None:
+            tpl.mark_sequence_parallel(self.norm, dims)
         self.lm_head = (
             None
-            if m.tie_embeddings
+            if m.tie_embeddings or not parts.lm_head
             else tpl.ColumnParallelLinear(m.hidden_size, m.vocab_size, False, dims, name="model.vocab_size")
         )
         self.mtp = None
-        if m.mtp_num_layers > 0:
+        if m.mtp_num_layers > 0 and parts.mtp:
             from moecore.models.mtp import MTPStack
 
             self.mtp = MTPStack(cfg, dims)
@@ -249,7 +277,7 @@ class MoETransformer(nn.Module):
     # ------------------------------------------------------------------ helpers
     def moe_layers(self) -> list[nn.Module]:
         blocks = list(self.layers) + ([mod.block for mod in self.mtp.layers] if self.mtp is not None else [])
-        return [layer.mlp for layer in blocks if layer.is_moe]
+        return [layer.mlp for layer in blocks if layer.is_moe]  # Absent layers (other stages) are not MoE
 
     def num_params(self) -> tuple[int, int]:
         """(total parameters, parameters active per token)."""

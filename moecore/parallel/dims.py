@@ -12,7 +12,11 @@ the torch process group (None when the group has one member, so layers skip comm
 process needs no torch.distributed at all).
 
 Groups: `tp`, `cp`, `dp`, `dp_cp`, `tp_cp`, `ep`, `etp`, `edp`, `ep_etp` (expert model parallel:
-the ranks that together hold one copy of every expert), `world`.
+the ranks that together hold one copy of every expert), `pp` (the ranks of one pipeline: same
+position in every other dimension, one per stage), `stage` (every rank of this pipeline stage:
+tp x cp x dp, which is also etp x ep x edp since pp is the outermost axis of both meshes), `world`.
+`pp_subgroup(pp_ranks)` adds the groups joining some stages of every pipeline (the copies of the
+embedding and output head that first, MTP and last stages hold).
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ class ParallelDims:
         self.rank = int(rank)
         self.device = torch.device(device)
         self.tp, self.pp, self.cp, self.ep, self.etp = cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.etp
+        self.vpp = cfg.vpp
         self.sequence_parallel = bool(cfg.sequence_parallel and cfg.tp > 1)
         self._validate(num_experts, num_attention_heads, vocab_size)
         self.dp = self.world_size // (self.tp * self.cp * self.pp)
@@ -95,16 +100,13 @@ class ParallelDims:
             raise ConfigError(f"world size {self.world_size} is invalid: must be >= 1")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is invalid: must be in [0, {self.world_size})")
-        if self.pp > 1:
-            raise ConfigError(
-                f"parallel.pp={self.pp} is not supported yet: pipeline parallel is not implemented; use 1"
-            )
         if self.cp > 1:
             raise ConfigError(f"parallel.cp={self.cp} is not supported yet: context parallel is not implemented; use 1")
         dense = self.tp * self.cp * self.pp
         if self.world_size % dense:
+            name = "pp" if self.pp > 1 and self.world_size % (self.tp * self.cp) == 0 else "tp"
             raise ConfigError(
-                f"parallel.tp={self.tp}: tp*cp*pp={dense} does not divide the world size {self.world_size}"
+                f"parallel.{name}={getattr(self, name)}: tp*cp*pp={dense} does not divide the world size {self.world_size}"
             )
         expert = self.etp * self.ep * self.pp
         if self.world_size % expert:
@@ -135,6 +137,8 @@ class ParallelDims:
             ("ep", expert_sizes, 1),
             ("edp", expert_sizes, 2),
             ("ep_etp", expert_sizes, (0, 1)),
+            ("pp", dense_sizes, 3),
+            ("stage", dense_sizes, (0, 1, 2)),
             ("world", [ws], 0),
         ]
         use_dist = ws > 1
@@ -161,19 +165,42 @@ class ParallelDims:
         self.tp_group, self.cp_group, self.dp_group = g["tp"], g["cp"], g["dp"]
         self.dp_cp_group, self.tp_cp_group = g["dp_cp"], g["tp_cp"]
         self.ep_group, self.etp_group, self.edp_group, self.ep_etp_group = g["ep"], g["etp"], g["edp"], g["ep_etp"]
+        self.pp_group, self.stage_group = g["pp"], g["stage"]
         self.world_group = g["world"]
+        self._made = made
+
+    def pp_subgroup(self, pp_ranks: tuple[int, ...]) -> Group:
+        """The group of this rank's pipeline restricted to the given pipeline ranks (collective on first use).
+
+        Every rank must call it with the same `pp_ranks` in the same order (it creates the group of
+        every pipeline). This rank need not be in it: then a size-1 group of itself comes back.
+        """
+        pp_ranks = tuple(sorted(set(pp_ranks)))
+        name = "pp_sub" + "".join(f"_{r}" for r in pp_ranks)
+        if name not in self.groups:
+            mine = Group(name, [self.rank], 0, None)
+            for line in _mesh_groups(self.world_size, [self.tp, self.cp, self.dp, self.pp], 3):
+                ranks = [line[r] for r in pp_ranks]
+                key = tuple(ranks)
+                if key not in self._made:
+                    self._made[key] = None if len(ranks) == 1 else dist.new_group(ranks)
+                if self.rank in ranks:
+                    mine = Group(name, ranks, ranks.index(self.rank), self._made[key])
+            self.groups[name] = mine
+        return self.groups[name]
 
     # ------------------------------------------------------------------ reductions the model needs
     def all_reduce_moe_counts(self, t: torch.Tensor) -> torch.Tensor:
         """Sum per-rank token counts over every rank that routes distinct tokens (tp x cp x dp); a new tensor.
 
         Each such rank routes its own tokens (TP ranks hold sequence chunks inside MoE layers), so
-        the sum is the count of the whole global batch. With pp = 1 those ranks are the world.
+        the sum is the count of the whole global batch. Those ranks are this pipeline stage's (the
+        world when pp = 1).
         """
         t = t.detach().clone()
-        if self.world_group.pg is not None:
+        if self.stage_group.pg is not None:
             with torch.no_grad():
-                dist.all_reduce(t, group=self.world_group.pg)
+                dist.all_reduce(t, group=self.stage_group.pg)
         return t
 
     def all_reduce_dp(self, t: torch.Tensor) -> torch.Tensor:
@@ -199,7 +226,7 @@ class ParallelDims:
 
     def describe(self) -> str:
         return (
-            f"world={self.world_size} tp={self.tp} cp={self.cp} pp={self.pp} dp={self.dp} | "
+            f"world={self.world_size} tp={self.tp} cp={self.cp} pp={self.pp} vpp={self.vpp} dp={self.dp} | "
             f"ep={self.ep} etp={self.etp} edp={self.edp} | sequence_parallel={self.sequence_parallel}"
         )
 

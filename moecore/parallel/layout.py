@@ -15,7 +15,17 @@ def check_layout(cfg: Config) -> None:
     """Refuse degrees and combinations that are not implemented or do not divide the model's sizes."""
     p, m, e = cfg.parallel, cfg.model, cfg.moe
     if p.pp > 1:
-        raise ConfigError(f"parallel.pp={p.pp} is not supported yet: pipeline parallel is not implemented; use 1")
+        from moecore.parallel.pipeline_layout import check_pipeline
+
+        check_pipeline(cfg)  # stage layout and schedule (micro-batch counts: config.validate_layout)
+        not_yet = [
+            ("parallel.distributed_optimizer", p.distributed_optimizer, p.distributed_optimizer, "false"),
+            ("train.precision", cfg.train.precision, cfg.train.precision == "fp16", "auto | fp32 | bf16"),
+            ("moe.router_replay_mode", e.router_replay_mode, e.router_replay_mode != "none", "none"),
+        ]
+        for name, value, refused, allowed in not_yet:
+            if refused:
+                raise ConfigError(f"{name}={value!r} is not supported with parallel.pp={p.pp} yet; allowed: {allowed}")
     if p.cp > 1:
         raise ConfigError(f"parallel.cp={p.cp} is not supported yet: context parallel is not implemented; use 1")
     if p.fsdp:

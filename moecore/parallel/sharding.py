@@ -292,7 +292,8 @@ def wrap_for_checkpoint(
 ) -> tuple[dict, dict | None]:
     """Wrap the sharded tensors of `get_state_dict`-style dicts as `CheckpointShard`s (new dicts, same tensors).
 
-    model_sd: {fqn: tensor}; optim_sd: {"state": {fqn: {name: tensor}}, "param_groups": ...}. Optimizer
+    model_sd: {fqn: tensor}; optim_sd: {"state": {fqn: {name: tensor}}, "param_groups": ...} or its flattened
+    form {"state.<fqn>.<name>": tensor, "param_groups.<fqn>.<key>": value}. Optimizer
     states shaped like their sharded parameter (AdamW moments, ...) share its spec; scalars stay plain.
     Saving and loading the wrapped dicts with torch.distributed.checkpoint makes the files layout-free.
     """
@@ -310,6 +311,9 @@ def wrap_for_checkpoint(
     if optim_sd is None:
         return new_model, None
     new_optim = dict(optim_sd)
+    for key, v in optim_sd.items():  # flattened form: "state.<fqn>.<name>"
+        if key.startswith("state.") and isinstance(v, torch.Tensor):
+            new_optim[key] = wrap(key[len("state.") :].rsplit(".", 1)[0], v)
     if isinstance(optim_sd.get("state"), dict):
         new_optim["state"] = {
             fqn: ({k: wrap(fqn, v) for k, v in st.items()} if isinstance(st, dict) else st)

@@ -46,6 +46,7 @@ class TrainResult:
     seconds: float = 0.0
     stopped_by: str | None = None  # the stop signal (SIGTERM, ...) that ended the run early, after a checkpoint
     checkpoint: Path | None = None  # the newest checkpoint this run saved
+    stages: list = field(default_factory=list)  # pipeline parallel: per stage rank, its layers, parameters, peak memory
 
 
 def resolve_run_dir(cfg: Config) -> Path:
@@ -134,8 +135,15 @@ class Trainer:
                 print(f"moecore: warning: {warning}", flush=True)
         self.run_dir = resolve_run_dir(cfg)
         torch.manual_seed(cfg.train.seed)
-        with torch.device(self.rt.device):
-            self.model = MoETransformer(cfg, self.rt.dims)
+        self.pipeline = None
+        if cfg.parallel.pp > 1:  # this rank's pipeline stages only (moecore/parallel/pipeline.py)
+            from moecore.parallel.pipeline import parallelize_pipeline
+
+            self.pipeline = parallelize_pipeline(cfg, self.rt.dims, self.rt.device)
+            self.model = self.pipeline.model
+        else:
+            with torch.device(self.rt.device):
+                self.model = MoETransformer(cfg, self.rt.dims)
         self.step = 0
         t = cfg.train
         self.micro_batches_per_rank = t.global_batch_size // (t.micro_batch_size * self.rt.dp_size)
@@ -165,6 +173,8 @@ class Trainer:
     def train_step(self, with_moe_metrics: bool = True) -> dict:
         """One optimizer step. `with_moe_metrics`: aggregate the per-layer MoE statistics (host syncs;
         the loop asks for them only on steps it logs)."""
+        if self.pipeline is not None:
+            return self._pipeline_step(with_moe_metrics)
         cfg, rt = self.cfg, self.rt
         model = self.model
         model.train()
@@ -219,6 +229,43 @@ class Trainer:
             metrics.update(moe_metrics(stats_per_mb, rt))
         return metrics
 
+    def _pipeline_step(self, with_moe_metrics: bool) -> dict:
+        """`train_step` under pipeline parallel: the schedule runs forward + backward of every micro-batch
+        (same objective as above, `moecore.parallel.pipeline`); metrics of every stage are gathered."""
+        from moecore.parallel.pipeline import clip_grad_norm_pipeline
+        from moecore.train.pipeline_metrics import pipeline_metrics
+
+        cfg, rt, pipe, model = self.cfg, self.rt, self.pipeline, self.model
+        model.train()
+        batches = [_to(self.data.train.next_micro_batch(), rt.device) for _ in range(self.micro_batches_per_rank)]
+        ids, labels, mask = (torch.cat([b[k] for b in batches]) for k in ("input_ids", "labels", "loss_mask"))
+        global_tokens = rt.sum_over_dp(mask.sum().detach().double()).clamp(min=1)
+        n_mb_global = self.micro_batches_per_rank * rt.dp_size
+        self.optimizer.zero_grad(set_to_none=True)
+        with rt.grad_sync_context(model, last=False), autocast_context(rt):
+            record = pipe.step(
+                ids, labels, mask, global_tokens, rt.dp_size, rt.dp_size / n_mb_global, self.micro_batches_per_rank
+            )
+        rt.finish_grad_sync(model)
+        pipe.sync_shared_grads()  # copies of the embedding / head on several stages stay equal
+        grad_norm = clip_grad_norm_pipeline(pipe, cfg.optim.clip_grad, self.optimizer)
+        # Non-finite check and stop-signal agreement (train/guards.py). The loss lives on the last stage
+        # only; the global gradient norm, which every stage shares, carries a non-finite loss.
+        skip = self.guard.check(self.step + 1, torch.zeros((), device=rt.device), grad_norm)
+        lr = lr_at(self.step + 1, cfg.train.steps, cfg.optim)
+        if not skip:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            rt.optimizer_step(self.optimizer)
+        for moe_layer in model.moe_layers():
+            moe_layer.update_expert_bias()
+        self.step += 1
+        metrics = {"lr": lr, "grad_norm": float(grad_norm), "tokens": int(global_tokens.item())}
+        if skip:
+            metrics["skipped"] = 1
+        metrics.update(pipeline_metrics(pipe, record, rt, global_tokens, self.micro_batches_per_rank, with_moe_metrics))
+        return metrics
+
     @torch.no_grad()
     def evaluate(self) -> float:
         rt = self.rt
@@ -228,10 +275,16 @@ class Trainer:
         for b in self.data.valid_batches():
             b = _to(b, rt.device)
             with autocast_context(rt):
+                if self.pipeline is not None:  # sums land on the loss stage; summed over the pipeline below
+                    lm_sum, n = self.pipeline.evaluate_batch(b["input_ids"], b["labels"], b["loss_mask"])
+                    total, tokens = total + lm_sum, tokens + n
+                    continue
                 out = self.model(b["input_ids"], labels=b["labels"], loss_mask=b["loss_mask"])
             total += out.lm_loss_sum.double()
             tokens += out.num_tokens.double()
         self.model.train()
+        if self.pipeline is not None:
+            total, tokens = self.pipeline.sum_over_stages(total), self.pipeline.sum_over_stages(tokens)
         return (rt.sum_over_dp(total) / rt.sum_over_dp(tokens).clamp(min=1)).item()
 
     def save(self) -> Path:
@@ -330,6 +383,8 @@ class Trainer:
         result.last_step = self.step
         result.final_loss = result.losses[-1][1] if result.losses else None
         result.seconds = time.perf_counter() - start_time
+        if self.pipeline is not None:
+            result.stages = self.pipeline.summary(self.run_dir if rt.is_main else None)
         return result
 
 

@@ -20,7 +20,7 @@ from moecore.parallel.tensor_parallel import vocab_parallel_cross_entropy
     "par, world, kwargs, message",
     [
         ({"ep": 3}, 3, {"num_experts": 8}, "parallel.ep=3 does not divide moe.num_experts=8"),
-        ({"pp": 2}, 2, {}, "parallel.pp=2 is not supported yet"),
+        ({"pp": 2}, 3, {}, "parallel.pp=2: tp*cp*pp=2 does not divide the world size 3"),
         ({"cp": 2}, 2, {}, "parallel.cp=2 is not supported yet"),
         ({"tp": 2}, 3, {}, "parallel.tp=2: tp*cp*pp=2 does not divide the world size 3"),
         ({"ep": 2, "etp": 2}, 2, {"num_experts": 8}, "etp*ep*pp=4 (parallel.etp=2) does not divide the world size 2"),

@@ -1,0 +1,90 @@
+"""The CLI under torchrun with pipeline x expert parallel; checkpoints move between pp1 and pp2 x ep2.
+
+Run A (one process, tiny-deepseek-v3 with 2 layers and its MTP layer) trains 4 steps, evaluating and
+checkpointing after each. Run B resumes A's step-2 checkpoint with `torchrun --nproc-per-node 4 ...
+parallel.pp=2 parallel.ep=2` (2 stages x 2 expert-parallel ranks, 2 micro-batches per pipeline) and
+stops at `train.exit_interval=3`: its step 3 (loss, grad norm, MTP loss, MoE statistics, validation
+loss) must equal A's, it writes its checkpoint and the per-stage summary. Run C resumes B's step-3
+checkpoint in one process: its step 4 must equal A's. Optimizer state crosses both ways.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+COMMON = [
+    "tiny-deepseek-v3",
+    "model.num_layers=2",
+    "train.steps=4",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.seq_length=32",
+    "train.eval_interval=1",
+    "train.eval_iters=1",
+    "log.interval=1",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "checkpoint.interval=1",
+]
+KEYS = ("loss", "grad_norm", "mtp_loss", "val_loss", "moe/mean_imbalance", "moe/layer_1/seq_aux_loss")
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _resume_copy(src, dst, keep: int) -> None:
+    shutil.copytree(src, dst)
+    for ckpt in (dst / "checkpoints").iterdir():
+        if int(ckpt.name.split("-")[1]) > keep:
+            shutil.rmtree(ckpt)
+    (dst / "metrics.jsonl").unlink()
+
+
+def _same(ref: dict, got: dict) -> None:
+    assert set(got) - {"tokens_per_s", "step_time_s", "tflops_per_device", "mfu"} <= set(ref), set(got) - set(ref)
+    for key in KEYS:
+        assert abs(got[key] - ref[key]) <= 1e-5 * abs(ref[key]), (ref["step"], key, ref[key], got[key])
+    assert got["moe/layer_1/tokens_per_expert"] == ref["moe/layer_1/tokens_per_expert"]
+    assert got["moe/layer_2/tokens_per_expert"] == ref["moe/layer_2/tokens_per_expert"]  # the MTP block
+
+
+def test_torchrun_pipeline_expert_parallel_resumes_across_layouts(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    moecore = [sys.executable, "-m", "moecore", "train"]
+    _run([*moecore, *COMMON, f"train.run_dir={a}"])
+    ref = {m["step"]: m for m in _metrics(a)}
+
+    _resume_copy(a, b, keep=2)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "moecore", "train"]
+    pp = ["parallel.pp=2", "parallel.ep=2", "train.exit_interval=3", "checkpoint.resume=true"]
+    proc = _run([*torchrun, *COMMON, f"train.run_dir={b}", *pp])
+    out = proc.stdout + proc.stderr
+    assert out.count("done: ") == 1 and "pipeline rank 1: stages 1:tmL" in out, out[-2000:]
+    got = _metrics(b)
+    assert [m["step"] for m in got] == [3]
+    _same(ref[3], got[0])
+    stages = json.loads((b / "pipeline_stages.json").read_text())
+    assert [s["stages"] for s in stages] == [["0:Et"], ["1:tmL"]] and stages[0]["params"] < stages[1]["params"]
+    assert (b / "checkpoints" / "step-3" / "complete").exists() and not (b / "checkpoints" / "step-4").exists()
+
+    _resume_copy(b, c, keep=3)
+    _run([*moecore, *COMMON, f"train.run_dir={c}", "checkpoint.resume=true"])
+    got = _metrics(c)
+    assert [m["step"] for m in got] == [4]
+    _same(ref[4], got[0])
