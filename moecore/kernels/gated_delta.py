@@ -61,17 +61,12 @@ if triton_importable():
             for st in stages
         ]
 
-    def _first_when_interpreted(configs, named_args, **kwargs):
-        """The interpreter (CPU tensors) cannot time configs: take the first."""
-        return configs[:1] if os.environ.get("TRITON_INTERPRET") == "1" else configs
-
     def _autotune(configs: list):
-        # cache_results: timings go to Triton's disk cache, so later processes compile only the winner
+        # cache_results: timings go to Triton's disk cache, so later processes compile only the winner.
+        # The interpreter (CPU tensors) cannot time configs: it takes the first.
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
         return triton.autotune(
-            configs,
-            key=["DK", "DV", "C", "PREC"],
-            prune_configs_by={"early_config_prune": _first_when_interpreted},
-            cache_results=True,
+            configs[:1] if interpreted else configs, key=["DK", "DV", "C", "PREC"], cache_results=True
         )
 
     @triton.jit
