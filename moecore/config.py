@@ -66,11 +66,16 @@ def _check_range(name: str, value: float | int | None, lo: float | None = None, 
 # --------------------------------------------------------------------------------------------------
 
 
+MODEL_FAMILIES = (
+    "moecore", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "qwen3_next", "glm4_moe", "gpt_oss",
+)  # fmt: skip
+
+
 @dataclass
 class ModelConfig:
     """Shape of the transformer. Field names follow Hugging Face configs where one exists."""
 
-    family: str = "moecore"  # moecore | mixtral | qwen2_moe | qwen3_moe | deepseek_v2 | deepseek_v3 | qwen3_next
+    family: str = "moecore"  # moecore | mixtral | qwen2_moe | qwen3_moe | deepseek_v2 | deepseek_v3 | qwen3_next | ...
     vocab_size: int = 0  # 0: take the tokenizer's vocabulary size
     hidden_size: int = 128
     num_layers: int = 4
@@ -78,7 +83,7 @@ class ModelConfig:
     num_kv_heads: int = 2
     head_dim: int | None = None  # None: hidden_size // num_attention_heads
     ffn_hidden_size: int = 352  # dense SwiGLU MLP width (dense layers)
-    activation: str = "swiglu"  # swiglu | gelu (dense MLP and experts)
+    activation: str = "swiglu"  # swiglu | gelu | swiglu_clamped (gpt-oss experts) (dense MLP and experts)
     norm_eps: float = 1e-6
     norm_zero_centered: bool = False  # RMSNorm weight stored as an offset from 1 (Qwen3-Next)
     max_position_embeddings: int = 4096
@@ -102,7 +107,8 @@ class ModelConfig:
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     rope_interleave: bool = True  # MLA checkpoints store rope dims interleaved
-    # Hybrid linear attention (Qwen3-Next): one entry per layer, full_attention | linear_attention.
+    # Per-layer attention kind, one entry per layer: full_attention | linear_attention (Qwen3-Next hybrid)
+    # | sliding_attention (gpt-oss: model.sliding_window on that layer only).
     layer_types: list | None = None
     linear_num_key_heads: int = 2
     linear_num_value_heads: int = 4
@@ -113,6 +119,13 @@ class ModelConfig:
     # Multi-token prediction (DeepSeek-V3).
     mtp_num_layers: int = 0
     mtp_loss_scaling_factor: float = 0.1
+    # gpt-oss: a learned logit per head in the softmax denominator (attention sinks), biased expert
+    # projections with the clamped SwiGLU (activation=swiglu_clamped), a learned bias on the router logits.
+    attn_sinks: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_linear_bias: bool = False
+    router_logit_bias: bool = False
     # Recomputation: names of modules whose activations are recomputed in backward.
     recompute_modules: list = field(default_factory=list)
     recompute_granularity: str = "none"  # none | selective | full
@@ -134,7 +147,7 @@ class ModelConfig:
         _check_choice(
             "model.family",
             self.family,
-            ("moecore", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "qwen3_next"),
+            MODEL_FAMILIES,
         )
         for name in ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size"):
             _check_range(f"model.{name}", getattr(self, name), 1)
@@ -152,7 +165,8 @@ class ModelConfig:
                 self.num_attention_heads,
                 f"must divide model.hidden_size={self.hidden_size} (or set model.head_dim)",
             )
-        _check_choice("model.activation", self.activation, ("swiglu", "gelu"))
+        _check_choice("model.activation", self.activation, ("swiglu", "gelu", "swiglu_clamped"))
+        _check_range("model.swiglu_limit", self.swiglu_limit, 0.0)
         _check_choice("model.attention_type", self.attention_type, ("gqa", "mla"))
         _check_choice(
             "model.attention_backend", self.attention_backend, ("auto", "flash", "cudnn", "efficient", "math")
@@ -182,7 +196,9 @@ class ModelConfig:
                     f"needs one entry per layer (model.num_layers={self.num_layers})",
                 )
             for t in self.layer_types:
-                _check_choice("model.layer_types", t, ("full_attention", "linear_attention"))
+                _check_choice("model.layer_types", t, ("full_attention", "linear_attention", "sliding_attention"))
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                _fail("model.sliding_window", None, "set a window for the sliding_attention entries of model.layer_types")
 
 
 @dataclass

@@ -38,6 +38,8 @@ _FAMILY_MODULES = {
     "deepseek_v2": "moecore.hf.families.deepseek_v2",
     "deepseek_v3": "moecore.hf.families.deepseek_v3",
     "qwen3_next": "moecore.hf.families.qwen3_next",
+    "glm4_moe": "moecore.hf.families.glm4_moe",
+    "gpt_oss": "moecore.hf.families.gpt_oss",
 }
 
 
