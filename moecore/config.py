@@ -167,6 +167,10 @@ class ModelConfig:
             )
         _check_choice("model.activation", self.activation, ("swiglu", "gelu", "swiglu_clamped"))
         _check_range("model.swiglu_limit", self.swiglu_limit, 0.0)
+        if self.activation == "swiglu_clamped" and not self.expert_linear_bias:
+            _fail("model.activation", self.activation, "swiglu_clamped is gpt-oss's expert activation: set model.expert_linear_bias=true")
+        if self.expert_linear_bias and self.activation == "gelu":
+            _fail("model.expert_linear_bias", True, "biased experts take swiglu | swiglu_clamped")
         _check_choice("model.attention_type", self.attention_type, ("gqa", "mla"))
         _check_choice(
             "model.attention_backend", self.attention_backend, ("auto", "flash", "cudnn", "efficient", "math")

@@ -87,6 +87,8 @@ def materialize_params(model: nn.Module, dtype: torch.dtype, device: str | torch
 
 def _part_shape(target_shape: tuple[int, ...], mp: TensorMap) -> tuple[int, ...]:
     """The shape every Hugging Face part of `mp` must have for our tensor of `target_shape`."""
+    if mp.hf_shape is not None:  # one tensor whose transform changes its shape
+        return tuple(mp.hf_shape)
     slice_shape = target_shape[1:] if mp.stacked else target_shape
     n_parts = len(mp.hf[0])
     if mp.stacked and target_shape[0] != len(mp.hf):
@@ -259,6 +261,8 @@ def _planned(maps: list[TensorMap], state: dict[str, torch.Tensor], dtype: torch
                     return t.detach().to(dtype)
 
                 shape = tuple(sl.shape) if len(parts) == 1 else (rows, *sl.shape[1:])
+                if mp.hf_shape is not None:
+                    shape = tuple(mp.hf_shape)
                 plan.append(PlannedTensor(name, shape, dtype, produce))
     return plan
 

@@ -6,7 +6,9 @@ Options that change the maths, each as the Hugging Face families define it:
 - `attn_output_gate`: q_proj emits, per head, head_dim query channels followed by head_dim gate
   channels; the attention output is multiplied by sigmoid(gate) before o_proj (Qwen3-Next);
 - `partial_rotary_factor`: RoPE on the first fraction of each head's channels;
-- `sliding_window`: token t attends to keys t-window+1 .. t.
+- `sliding_window`: token t attends to keys t-window+1 .. t (with `layer_types`, only on the layers
+  marked sliding_attention; gpt-oss alternates sliding and full layers);
+- `attn_sinks`: a learned logit per head in the softmax denominator (gpt-oss; moecore/models/sinks.py).
 Attention itself runs through torch's scaled_dot_product_attention with the backend chosen by
 `model.attention_backend` (see `sdpa_backends`).
 """
@@ -108,6 +110,15 @@ class Attention(nn.Module):
             if tp > 1:  # each rank normalises its own heads: partial gradients over TP
                 mark_tp_partial(self.q_norm)
                 mark_tp_partial(self.k_norm)
+        # Per-layer window: with layer_types, only sliding_attention layers use model.sliding_window.
+        self.window = cfg.sliding_window
+        if cfg.layer_types is not None and cfg.layer_types[layer_idx] != "sliding_attention":
+            self.window = None
+        self.sinks = None
+        if cfg.attn_sinks:
+            if tp > 1:
+                raise ValueError("model.attn_sinks=true is invalid with parallel.tp > 1: not supported yet")
+            self.sinks = nn.Parameter(torch.zeros(cfg.num_attention_heads))
         rotary_dim = int(self.head_dim * cfg.partial_rotary_factor)
         self.rotary = RotaryEmbedding(rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         self.recompute_core = "core_attn" in cfg.recompute_modules
@@ -127,13 +138,26 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         cos, sin = self.rotary(position_ids, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        args = (q, k, v, self.cfg.sliding_window, self.cfg.attention_backend)
         dropout = self.cfg.attention_dropout if self.training else 0.0
+        if self.sinks is not None:
+            from moecore.models.sinks import sink_attention
+
+            sargs = (q, k, v, self.sinks, self.window, self.head_dim**-0.5)
+            if self.recompute_core and self.training:
+                out = torch.utils.checkpoint.checkpoint(sink_attention, *sargs, use_reentrant=False)
+            else:
+                out = sink_attention(*sargs)
+            return self._project(out, gate, b, s)
+        args = (q, k, v, self.window, self.cfg.attention_backend)
         if self.recompute_core and self.training:
             # checkpoint restores the RNG state, so recomputed dropout masks equal the original ones
             out = torch.utils.checkpoint.checkpoint(attention_core, *args, None, dropout, use_reentrant=False)
         else:
             out = attention_core(*args, dropout_p=dropout)
+        return self._project(out, gate, b, s)
+
+    def _project(self, out: torch.Tensor, gate: torch.Tensor | None, b: int, s: int) -> torch.Tensor:
+        """[B, heads, S, D] attention output -> (gated) o_proj output [B, S, H]."""
         out = out.transpose(1, 2).reshape(b, s, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)

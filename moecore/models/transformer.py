@@ -97,7 +97,12 @@ class DecoderLayer(nn.Module):
         tpl.mark_sequence_parallel(self.attn_norm, dims)  # norms see sequence shards under SP
         tpl.mark_sequence_parallel(self.mlp_norm, dims)
         self.is_moe = cfg.moe.is_moe_layer(layer_idx, m.num_layers)
-        if self.is_moe:
+        if self.is_moe and (m.router_logit_bias or m.expert_linear_bias):  # gpt-oss (moecore/models/biased_moe.py)
+            from moecore.models.biased_moe import BiasedMoELayer
+
+            rec = set(m.recompute_modules)
+            self.mlp = BiasedMoELayer(cfg, dims, "moe_act" in rec, "shared_experts" in rec)
+        elif self.is_moe:
             from moecore.moe.layer import MoELayer
 
             rec = set(m.recompute_modules)
@@ -106,6 +111,8 @@ class DecoderLayer(nn.Module):
                 recompute_act="moe_act" in rec, recompute_shared="shared_experts" in rec,
             )  # fmt: skip
         else:
+            if m.activation not in ("swiglu", "gelu"):
+                raise ValueError(f"model.activation={m.activation!r} is for routed experts only; layer {layer_idx} is dense")
             self.mlp = MLP(m.hidden_size, m.ffn_hidden_size, m.activation, dims)
         rec = set(m.recompute_modules)
         self.recompute_norm = "norm" in rec

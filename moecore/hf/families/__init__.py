@@ -70,6 +70,18 @@ class TensorMap:
     stacked: bool = False
     to_ours: Callable[[torch.Tensor], torch.Tensor] | None = None
     to_hf: Callable[[torch.Tensor], torch.Tensor] | None = None
+    hf_shape: tuple[int, ...] | None = None  # the one Hugging Face tensor's shape when to_ours/to_hf change it
+
+    @staticmethod
+    def transformed(
+        ours: str,
+        hf_name: str,
+        to_ours: Callable[[torch.Tensor], torch.Tensor],
+        to_hf: Callable[[torch.Tensor], torch.Tensor],
+        hf_shape: tuple[int, ...],
+    ) -> TensorMap:
+        """Our tensor is `to_ours` of one Hugging Face tensor of shape `hf_shape` (e.g. transposed, reordered)."""
+        return TensorMap(ours, ((hf_name,),), to_ours=to_ours, to_hf=to_hf, hf_shape=tuple(hf_shape))
 
     @staticmethod
     def copy(ours: str, hf_name: str) -> TensorMap:

@@ -1,0 +1,151 @@
+"""gpt-oss's MoE block: a router with a learned logit bias and experts with biased projections and the
+clamped SwiGLU. Built on MoELayer (routing, dispatch, balancing losses, expert parallel are unchanged).
+
+Expert e applied to a row x (our layout: `w13` [E, 2F, H] gate rows then up rows, `b13` [E, 2F] the same
+order, `w2` [E, H, F], `b2` [E, H]):
+
+    [g; u] = w13[e] @ x + b13[e]
+    g = min(g, limit);  u = clamp(u, -limit, limit)
+    a = (u + 1) * g * sigmoid(alpha * g)                 (alpha = model.swiglu_alpha, limit = model.swiglu_limit)
+    y = w2[e] @ a + b2[e]
+
+(transformers' GptOssExperts; its checkpoints interleave gate and up columns, moecore/hf/families/gpt_oss.py
+reorders them.) Router: logits = x @ W^T + bias, then the configured top-k routing (gpt-oss: softmax over
+the top-k logits).
+
+The fused expert FFN kernel (moecore/kernels/grouped_ffn.py) implements the plain SwiGLU without biases, so
+these experts never take it: they run the grouped GEMMs (`torch._grouped_mm`, biases added per row from
+the row's expert) where grouped_mm runs, else a loop of per-expert linears. Expert tensor parallel would
+add `b2` once per shard and is refused; expert parallel shards the biases with their experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from moecore.config import Config
+from moecore.moe.experts import GroupedExperts, _ContiguousGrad, activation_fn, grouped_mm_supported
+from moecore.moe.layer import MoELayer
+from moecore.moe.router import TopKRouter
+from moecore.parallel import expert_parallel as ep_util
+from moecore.parallel.sharding import set_shard
+
+
+def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[.., 2F] (gate half then up half) -> [.., F]: (clamp(u) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit)."""
+    g, u = h.chunk(2, dim=-1)
+    g = g.clamp(max=limit)
+    u = u.clamp(min=-limit, max=limit)
+    return (u + 1) * (g * torch.sigmoid(alpha * g))
+
+
+class BiasedGroupedExperts(GroupedExperts):
+    """GroupedExperts plus `b13` [E, 2F] and `b2` [E, H], with the clamped SwiGLU (`clamped`) or the plain one."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        clamped: bool,
+        alpha: float,
+        limit: float,
+        init_std: float = 0.02,
+        grouped_gemm: bool = True,
+    ) -> None:
+        super().__init__(num_experts, hidden_size, ffn_hidden_size, "swiglu", init_std, grouped_gemm)
+        self.clamped, self.alpha, self.limit = clamped, alpha, limit
+        self.b13 = nn.Parameter(torch.zeros(num_experts, 2 * ffn_hidden_size))
+        self.b2 = nn.Parameter(torch.zeros(num_experts, hidden_size))
+
+    def reset_parameters(self) -> None:
+        """Matrices N(0, init_std) as GroupedExperts does at construction; biases zero."""
+        nn.init.zeros_(self.b13)
+        nn.init.zeros_(self.b2)
+
+    def _act(self, h: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
+        a = clamped_swiglu(h, self.alpha, self.limit) if self.clamped else activation_fn(h, "swiglu")
+        return a if p is None else a * p.to(a.dtype).unsqueeze(-1)
+
+    def _activate(self, h: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
+        if self.recompute_act and torch.is_grad_enabled() and h.requires_grad:
+            return checkpoint(self._act, h, p, use_reentrant=False)
+        return self._act(h, p)
+
+    def forward(
+        self, x_NH: torch.Tensor, tokens_per_expert: torch.Tensor, probs_N: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # Routing probabilities applied inside (moe.apply_probs_on_input) scale the down bias too:
+        # p * (w2 a + b2) = w2 (p a) + p b2.
+        n = x_NH.shape[0]
+        if self.grouped_gemm and grouped_mm_supported(x_NH, self.hidden_size, self.ffn_hidden_size):
+            counts = tokens_per_expert.to(x_NH.device)
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            expert_N = torch.repeat_interleave(torch.arange(self.num_experts, device=x_NH.device), counts, output_size=n)
+            x = x_NH.contiguous()
+            h = _ContiguousGrad.apply(torch._grouped_mm(x, self.w13.to(x.dtype).transpose(-2, -1), offs=offs))
+            h = h + self.b13.to(h.dtype)[expert_N]
+            a = self._activate(h, probs_N)
+            y = _ContiguousGrad.apply(torch._grouped_mm(a, self.w2.to(a.dtype).transpose(-2, -1), offs=offs))
+            b2 = self.b2.to(y.dtype)[expert_N]
+            return y + (b2 if probs_N is None else b2 * probs_N.to(y.dtype).unsqueeze(-1))
+        outs, start = [], 0
+        for e, rows in enumerate(tokens_per_expert.tolist()):
+            if rows == 0:
+                continue
+            seg = x_NH[start : start + rows]
+            p = None if probs_N is None else probs_N[start : start + rows]
+            a = self._activate(F.linear(seg, self.w13[e].to(seg.dtype), self.b13[e].to(seg.dtype)), p)
+            y = F.linear(a, self.w2[e].to(a.dtype))
+            b2 = self.b2[e].to(y.dtype)
+            outs.append(y + (b2 if p is None else b2 * p.to(y.dtype).unsqueeze(-1)))
+            start += rows
+        return torch.cat(outs, dim=0) if outs else x_NH.new_zeros(0, self.hidden_size)
+
+
+class BiasedTopKRouter(TopKRouter):
+    """TopKRouter whose logits carry a learned bias [E] (gpt-oss's `router.bias`)."""
+
+    def __init__(self, cfg, hidden_size: int, init_std: float = 0.02) -> None:
+        super().__init__(cfg, hidden_size, init_std)
+        self.bias = nn.Parameter(torch.zeros(cfg.num_experts))
+
+    def router_logits(self, x_TH: torch.Tensor) -> torch.Tensor:
+        logits = super().router_logits(x_TH)
+        return logits + self.bias.to(logits.dtype)
+
+
+class BiasedMoELayer(MoELayer):
+    """MoELayer with gpt-oss's router bias (`model.router_logit_bias`) and biased, clamped-SwiGLU experts."""
+
+    def __init__(self, cfg: Config, dims=None, recompute_act: bool = False, recompute_shared: bool = False) -> None:
+        m, e = cfg.model, cfg.moe
+        if dims is not None and dims.etp > 1:
+            raise ValueError("parallel.etp > 1 is invalid with model.expert_linear_bias: the down bias is not split")
+        super().__init__(e, m.hidden_size, "swiglu", m.init_std, dims, recompute_act, recompute_shared)
+        if m.router_logit_bias:
+            self.router = BiasedTopKRouter(e, m.hidden_size, m.init_std)
+            ep_util.mark_replicated_moe_params([self.router], dims)
+        if m.expert_linear_bias:
+            old = self.experts
+            self.experts = BiasedGroupedExperts(
+                old.num_experts, old.hidden_size, old.ffn_hidden_size, m.activation == "swiglu_clamped",
+                m.swiglu_alpha, m.swiglu_limit, m.init_std, e.grouped_gemm,
+            )  # fmt: skip
+            self.experts.recompute_act = recompute_act
+            ep_util.shard_expert_params(self.experts.w13, self.experts.w2, e.num_experts, e.ffn_hidden_size, True, dims)
+            self._shard_biases(e.num_experts, dims)
+
+    def _shard_biases(self, num_experts: int, dims) -> None:
+        ex = self.experts
+        e_loc = ex.num_experts
+        e0 = 0 if dims is None else dims.ep_group.rank * e_loc
+        f = ex.ffn_hidden_size
+        set_shard(
+            ex.b13, "expert", global_shape=(num_experts, 2 * f), view_shape=(num_experts, 2, f),
+            local_view=(e_loc, 2, f), offsets=(e0, 0, 0),
+        )  # fmt: skip
+        set_shard(ex.b2, "expert", global_shape=(num_experts, ex.hidden_size), offsets=(e0, 0))

@@ -1,0 +1,81 @@
+"""Attention with sinks (gpt-oss): a learned logit per head that joins the softmax denominator only.
+
+For query i of head h with causal (optionally windowed) scores s_ij = q_i . k_j * scale:
+
+    p_ij = exp(s_ij) / (exp(sink_h) + sum_j' exp(s_ij'))        out_i = sum_j p_ij v_j
+
+The sink takes probability mass and gives nothing back (its value is zero), so a head can attend to
+"nothing". Writing lse_i = log sum_j exp(s_ij) for the usual log-sum-exp over the visible keys,
+
+    out_i = softmax-attention(q, k, v)_i * Z_i / (Z_i + exp(sink_h)) = attention_i * sigmoid(lse_i - sink_h)
+
+which is exact and differentiable in the sink, the scores and the values as long as the attention kernel
+returns lse with a gradient. Two implementations:
+- `sink_attention_reference`: the scores as a [B, heads, S, S] tensor (eager PyTorch; CPU, tests);
+- `sink_attention_flex`: torch's flex_attention with a block mask (causal / sliding window, no [S, S]
+  tensor) returning lse, then the sigmoid rescaling above. flex_attention has no backward on CPU, so this
+  path is taken on CUDA only; tests/models/test_sinks.py checks it against the reference on a GPU.
+scaled_dot_product_attention cannot take the sink: it returns no lse, and an extra key holding the sink
+would need a dense [S, S + 1] mask (no flash kernel). A fused Triton kernel that adds exp(sink) to the
+running denominator of a flash-attention loop is the next step for speed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def sink_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, window: int | None, scale: float
+) -> torch.Tensor:
+    """q [B, Hq, S, D], k/v [B, Hkv, S, D] (Hkv divides Hq), sinks [Hq] -> [B, Hq, S, D]."""
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = q.shape[2]
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    i = torch.arange(s, device=q.device)[:, None]
+    j = torch.arange(s, device=q.device)[None, :]
+    visible = j <= i
+    if window is not None:
+        visible = visible & (j > i - window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, s, 1)
+    logits = torch.cat((scores, sink), dim=-1)
+    probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+@functools.lru_cache(maxsize=32)
+def _block_mask(seq: int, window: int | None, device: str):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask(b, h, qi, ki):
+        keep = ki <= qi
+        return keep if window is None else keep & (ki > qi - window)
+
+    return create_block_mask(mask, None, None, seq, seq, device=device)
+
+
+def sink_attention_flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, window: int | None, scale: float
+) -> torch.Tensor:
+    """Same as `sink_attention_reference` through flex_attention (CUDA): attention * sigmoid(lse - sink)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    mask = _block_mask(q.shape[2], window, str(q.device))
+    gqa = k.shape[1] != q.shape[1]
+    out, aux = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+    gate = torch.sigmoid(aux.lse.float() - sinks.float().view(1, -1, 1))  # [B, Hq, S]
+    return (out.float() * gate.unsqueeze(-1)).to(q.dtype)
+
+
+def sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, window: int | None, scale: float
+) -> torch.Tensor:
+    """Causal (optionally windowed) attention with per-head sinks: flex_attention on CUDA, else the reference."""
+    if q.is_cuda:
+        return sink_attention_flex(q, k, v, sinks, window, scale)
+    return sink_attention_reference(q, k, v, sinks, window, scale)

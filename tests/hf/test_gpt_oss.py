@@ -1,0 +1,240 @@
+"""gpt-oss against transformers: attention sinks on sliding and full layers, biased experts with the clamped
+SwiGLU, the biased softmax-after-top-k router; import/export, one training step, the recipes, a CPU
+training run; the sink attention and the biased experts against their references."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_parity import (  # noqa: E402
+    assert_close,
+    build_hf,
+    check_real_size_recipe,
+    check_tiny_recipe_exports,
+    import_export_parity,
+    tokens,
+)
+from lm_parity import lm_train_step_parity, tiny_recipe_trains  # noqa: E402
+from transformers import AutoModelForCausalLM, GptOssConfig  # noqa: E402
+from transformers.models.gpt_oss import modeling_gpt_oss as hf_oss  # noqa: E402
+
+from moecore.config import load_config  # noqa: E402
+from moecore.hf import load_pretrained  # noqa: E402
+from moecore.hf.families import gpt_oss as family  # noqa: E402
+from moecore.models.biased_moe import BiasedGroupedExperts  # noqa: E402
+from moecore.models.sinks import sink_attention_reference  # noqa: E402
+from moecore.models.transformer import MoETransformer  # noqa: E402
+
+V = 96
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 4.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 16,
+}
+
+
+def oss_config(**over) -> GptOssConfig:
+    fields = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=24,
+        head_dim=8,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        sliding_window=5,  # shorter than the test sequences: the window matters
+        max_position_embeddings=128,
+        rope_parameters=YARN,
+        swiglu_limit=1.5,  # reached by the random pre-activations: the clamps matter
+        router_aux_loss_coef=0.02,
+    )
+    return GptOssConfig(**{**fields, **over})
+
+
+def test_sink_attention_reference_matches_transformers_eager():
+    """Our reference against transformers' eager gpt-oss attention core with non-zero sinks, with and without
+    a window, grouped-query heads."""
+    g = torch.Generator().manual_seed(0)
+    b, h, kv, s, d = 2, 4, 2, 11, 8
+    q, k, v = (torch.randn(b, n, s, d, generator=g) for n in (h, kv, kv))
+    sinks = torch.randn(h, generator=g) * 2
+
+    class Mod(torch.nn.Module):
+        num_key_value_groups = h // kv
+        training = False
+
+    mod = Mod()
+    mod.sinks = sinks
+    for window in (None, 4):
+        i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+        keep = (j <= i) & ((j > i - window) if window else True)
+        mask = torch.zeros(s, s).masked_fill(~keep, float("-inf"))[None, None]
+        ref, _ = hf_oss.eager_attention_forward(mod, q, k, v, mask, scaling=d**-0.5)
+        ours = sink_attention_reference(q, k, v, sinks, window, d**-0.5).transpose(1, 2)
+        assert_close(ours, ref, f"sink attention (window={window})")
+
+
+def test_biased_experts_match_transformers():
+    """BiasedGroupedExperts (loop and grouped_mm paths) against GptOssExperts with the same weights."""
+    cfg = oss_config()
+    ref = hf_oss.GptOssExperts(cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    e, f = cfg.num_local_experts, cfg.intermediate_size
+    x = torch.randn(10, cfg.hidden_size, generator=g)
+    idx = torch.randint(0, e, (10, 2), generator=g)
+    w = torch.rand(10, 2, generator=g)
+    want = ref(x, idx, w)
+    for grouped in (False, True):
+        ours = BiasedGroupedExperts(e, cfg.hidden_size, f, True, cfg.swiglu_alpha, cfg.swiglu_limit, grouped_gemm=grouped)
+        maps = family.expert_maps("m", "m", e, cfg.hidden_size, f)[2:]
+        with torch.no_grad():
+            for mp, src in zip(maps, (ref.gate_up_proj, ref.gate_up_proj_bias, ref.down_proj, ref.down_proj_bias)):
+                getattr(ours, mp.ours.split(".")[-1]).copy_(src if mp.to_ours is None else mp.to_ours(src))
+        order = idx.flatten().argsort(stable=True)
+        counts = torch.bincount(idx.flatten(), minlength=e)
+        rows = x.repeat_interleave(2, 0)[order]
+        y = ours(rows, counts, None) * w.flatten()[order, None]
+        got = torch.zeros_like(x).index_add(0, order // 2, y)
+        assert_close(got, want, f"experts (grouped_gemm={grouped})")
+
+
+def test_import_export(tmp_path):
+    """Sliding and full layers (window 5 < sequence 12), sinks, biases everywhere, YaRN without truncation."""
+    ref = build_hf(oss_config())
+    assert ref.model.layers[0].self_attn.sinks.abs().min() > 0
+    ours, out = import_export_parity(ref, tmp_path)
+    m, e = ours.cfg.model, ours.cfg.moe
+    assert m.layer_types == ["sliding_attention", "full_attention"] and m.sliding_window == 5
+    assert m.attn_sinks and m.qkv_bias and m.attn_out_bias and m.activation == "swiglu_clamped"
+    assert (e.router_pre_softmax, e.norm_topk_prob, e.ffn_hidden_size) == (False, True, 24)
+    assert [layer.attn.window for layer in ours.layers] == [5, None]
+    written = json.loads((out / "config.json").read_text())
+    assert written["layer_types"] == ["sliding_attention", "full_attention"] and written["swiglu_limit"] == 1.5
+
+
+def test_import_export_options(tmp_path):
+    """Three layers full/sliding/sliding, tied embeddings, no attention biases, default RoPE, top-1."""
+    cfg = oss_config(
+        num_hidden_layers=3,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        tie_word_embeddings=True,
+        attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        num_experts_per_tok=1,
+    )
+    ours, _ = import_export_parity(build_hf(cfg), tmp_path)
+    m = ours.cfg.model
+    assert m.tie_embeddings and not m.qkv_bias and m.rope_scaling is None and ours.cfg.moe.router_topk == 1
+    ids = tokens(V, seq=20, seed=6)  # longer than the window on the sliding layers
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert_close(ours(ids).logits, back(ids).logits)
+
+
+def test_train_step(tmp_path):
+    ref = build_hf(oss_config())
+    ref.save_pretrained(tmp_path)
+    lm_train_step_parity(load_pretrained(tmp_path), ref)
+
+
+def test_refusals():
+    base = oss_config().to_dict()
+    for field, value in (("layer_types", ["linear_attention"] * 2), ("experts_per_token", 3)):
+        with pytest.raises(ValueError, match=field):
+            family.config_from_hf({**base, field: value})
+    with pytest.raises(ValueError, match="quantization_config"):
+        family.config_from_hf({**base, "quantization_config": {"quant_method": "mxfp4"}})
+    cfg = load_config("tiny-gpt-oss")
+    cfg.model.attn_sinks = False
+    with pytest.raises(ValueError, match="model.attn_sinks"):
+        family.config_to_hf(cfg)
+
+
+# --------------------------------------------------------------------------------------------------
+# Recipes (config.json values of openai/gpt-oss-20b and openai/gpt-oss-120b, without the MXFP4
+# quantization_config of the original upload)
+# --------------------------------------------------------------------------------------------------
+
+_OSS_COMMON = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "max_position_embeddings": 131072,
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_key_value_heads": 8,
+    "output_router_logits": False,
+    "pad_token_id": 199999,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "vocab_size": 201088,
+}
+GPT_OSS_20B = {
+    **_OSS_COMMON,
+    "num_hidden_layers": 24,
+    "num_local_experts": 32,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+}
+GPT_OSS_120B = {
+    **_OSS_COMMON,
+    "num_hidden_layers": 36,
+    "num_local_experts": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+}
+
+
+@pytest.mark.parametrize(
+    "recipe,hf_config,billions", [("gpt-oss-20b", GPT_OSS_20B, (20, 22)), ("gpt-oss-120b", GPT_OSS_120B, (116, 118))]
+)
+def test_real_size_recipes(recipe, hf_config, billions):
+    check_real_size_recipe(recipe, hf_config)
+    ours = load_config(recipe).validate()
+    ref = family.config_from_hf(hf_config)
+    for f in ("layer_types", "attn_sinks", "activation", "swiglu_alpha", "swiglu_limit", "rope_scaling"):
+        assert getattr(ours.model, f) == getattr(ref.model, f), f
+    with torch.device("meta"):
+        total, _ = MoETransformer(ours).num_params()
+        hf_cfg = {k: v for k, v in hf_config.items() if k not in ("architectures", "model_type")}
+        hf_total = sum(p.numel() for p in AutoModelForCausalLM.from_config(GptOssConfig(**hf_cfg)).parameters())
+    assert total == hf_total and billions[0] * 1e9 < total < billions[1] * 1e9, (total, hf_total)
+
+
+def test_tiny_recipe_exports_and_trains(tmp_path):
+    check_tiny_recipe_exports("tiny-gpt-oss", "gpt_oss")
+    tiny_recipe_trains("tiny-gpt-oss", tmp_path, extra=("model.hidden_size=64",))
