@@ -120,3 +120,18 @@ def tiny_recipe_trains(recipe: str, tmp_path: Path, steps: int = 12, extra: tupl
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 0.3, losses
     return losses
+
+
+def aux_loss_parity(ours, hf_model) -> None:
+    """Each MoE layer's aux loss against transformers' load_balancing_loss_func on that layer's router logits
+    (divided by k: Megatron-Core's normalisation, see hf_parity.train_step_parity)."""
+    k = hf_model.config.num_experts_per_tok
+    lbl = __import__(type(hf_model).__module__, fromlist=["load_balancing_loss_func"]).load_balancing_loss_func
+    ids = tokens(hf_model.config.vocab_size, batch=2, seq=16, seed=3)
+    with torch.no_grad():
+        ref = hf_model(ids, output_router_logits=True)
+        out = ours(ids, labels=ids)
+    per_layer = [lbl((g,), g.shape[-1], k) / k for g in ref.router_logits]
+    assert len(per_layer) == len(out.moe_stats) > 0
+    for want, stats in zip(per_layer, out.moe_stats):
+        assert_close(stats["aux_loss"], want, f"aux loss of layer {stats['layer']}")

@@ -19,7 +19,7 @@ from hf_parity import (  # noqa: E402
     import_export_parity,
     tokens,
 )
-from lm_parity import lm_train_step_parity, tiny_recipe_trains  # noqa: E402
+from lm_parity import aux_loss_parity, lm_train_step_parity, tiny_recipe_trains  # noqa: E402
 from transformers import AutoModelForCausalLM, GptOssConfig  # noqa: E402
 from transformers.models.gpt_oss import modeling_gpt_oss as hf_oss  # noqa: E402
 
@@ -148,7 +148,9 @@ def test_import_export_options(tmp_path):
 def test_train_step(tmp_path):
     ref = build_hf(oss_config())
     ref.save_pretrained(tmp_path)
-    lm_train_step_parity(load_pretrained(tmp_path), ref)
+    ours = load_pretrained(tmp_path)
+    lm_train_step_parity(ours, ref)
+    aux_loss_parity(ours, ref)  # router logits with the router bias
 
 
 def test_refusals():
