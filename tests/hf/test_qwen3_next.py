@@ -21,7 +21,6 @@ from moecore.models.transformer import MoETransformer
 
 transformers = pytest.importorskip("transformers")
 from hf_parity import build_hf, import_export_parity, tokens, train_step_parity  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next as hf  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 4, 2, 16, 97
@@ -216,17 +215,16 @@ def test_import_export_options(tmp_path):
     assert not e.norm_topk_prob and [int(layer.is_moe) for layer in ours.layers] == [0, 1, 0, 1]
 
 
-def test_hub_layout_with_mtp_tensors(tmp_path):
-    """Hub checkpoints carry `mtp.*` tensors and mtp_* config fields, which transformers (and we) skip."""
+def test_config_announcing_mtp_without_its_tensors(tmp_path):
+    """config.json announcing the MTP module (mtp_* fields) while the weights lack it imports without MTP
+    (the MTP module itself: tests/hf/test_qwen3_next_mtp.py)."""
     ref = build_hf(_moe_config(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]))
     ref.save_pretrained(tmp_path)
-    weights = load_file(tmp_path / "model.safetensors")
-    weights["mtp.fc.weight"] = torch.randn(HIDDEN, 2 * HIDDEN)
-    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((tmp_path / "config.json").read_text())
     config.update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)
     (tmp_path / "config.json").write_text(json.dumps(config))
     ours = load_pretrained(tmp_path)
+    assert ours.mtp is None
     ids = tokens(VOCAB)
     with torch.no_grad():
         _close(ours(ids).logits, ref(ids).logits)

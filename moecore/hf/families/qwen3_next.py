@@ -11,8 +11,15 @@ What differs from the Llama-style families (see `common.py` for the shared names
 - partial rotary: `partial_rotary_factor` (0.25 by default) of each head's channels are rotated;
 - MoE: softmax over all experts, top-k, optional renormalisation (`norm_topk_prob`), and a shared
   expert with a sigmoid gate; the dense/MoE pattern comes from `decoder_sparse_step`/`mlp_only_layers`.
-Hub checkpoints also hold a multi-token-prediction head (`mtp.*`); transformers does not load it and
-neither do we.
+Hub checkpoints also hold a multi-token-prediction module (`mtp_num_hidden_layers: 1`), which transformers
+does not load. We import it into `mtp.layers.0` (moecore/models/mtp.py) when the weights hold it and write
+it back:
+    mtp.layers.0.enorm / hnorm / eh_proj   mtp.pre_fc_norm_embedding / pre_fc_norm_hidden / fc (.weight)
+    mtp.layers.0.block.*                   mtp.layers.0.* (a gated-attention MoE decoder layer)
+    mtp.layers.0.head_norm.weight          mtp.norm.weight
+It predicts token t+2 from [norm(Emb(t_{i+1})); norm(h_i)] like DeepSeek-V3's MTP module, its norms
+zero-centred like the rest of the model. Checkpoints with several MTP blocks (`mtp_num_hidden_layers` > 1
+stacks them inside one prediction depth) or with dedicated MTP embeddings are refused.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ from moecore.hf.families.common import (
     aux_coef_to_hf,
     base_config,
     base_to_hf,
+    dense_mlp_maps,
+    grouped_expert_maps,
+    holds_fused_experts,
     moe_pattern_from_hf,
     moe_pattern_to_hf,
     norm_maps,
@@ -36,10 +46,11 @@ from moecore.hf.families.common import (
     softmax_router_checks,
     validated,
 )
+from moecore.hf.families.glm4_moe import gqa_layer_maps
 
 MODEL_TYPE = "qwen3_next"
 ARCHITECTURE = "Qwen3NextForCausalLM"
-IGNORED_HF_TENSORS = (r"^mtp\.", r"\.rotary_emb\.inv_freq$")
+IGNORED_HF_TENSORS = (r"\.rotary_emb\.inv_freq$",)
 
 # transformers' Qwen3NextConfig defaults, for fields a config.json leaves out.
 DEFAULTS = {
@@ -121,8 +132,28 @@ def _layer_types(f: HFFields, num_layers: int) -> list[str]:
     return list(types)
 
 
-def config_from_hf(hf: dict) -> Config:
-    """config.json -> our Config (model and moe sections)."""
+def _mtp_layers(f: HFFields, available: Collection[str] | None) -> int:
+    """1 when the checkpoint holds the MTP module (or, without `available`, when config.json announces it)."""
+    announced = f.get("mtp_num_hidden_layers", 0)
+    if isinstance(announced, bool) or not isinstance(announced, int) or announced < 0:
+        f.refuse("mtp_num_hidden_layers", announced, "an integer >= 0")
+    if announced > 1:
+        f.refuse("mtp_num_hidden_layers", announced, "one MTP block (several stacked in one depth are not supported)")
+    if f.get("mtp_use_dedicated_embeddings", False):
+        f.refuse("mtp_use_dedicated_embeddings", True, "the MTP module shares the model's embedding")
+    if available is None:
+        return announced
+    return int("mtp.fc.weight" in available)
+
+
+def config_from_checkpoint(hf: dict, available: Collection[str]) -> Config:
+    """The optional family hook moecore.hf.pretrained calls with the checkpoint's tensor names."""
+    return config_from_hf(hf, available)
+
+
+def config_from_hf(hf: dict, available: Collection[str] | None = None) -> Config:
+    """config.json -> our Config (model and moe sections); with `available` (the checkpoint's tensor names)
+    the MTP module is imported when the weights hold it."""
     hf, partial = _split_partial_rotary(hf)
     f = HFFields(hf, MODEL_TYPE, DEFAULTS)
     cfg = base_config(f)
@@ -137,11 +168,10 @@ def config_from_hf(hf: dict) -> Config:
     m.layer_types = _layer_types(f, m.num_layers)
     for ours, theirs in _LINEAR_FIELDS:
         setattr(m, ours, f.integer(theirs))
-    # Fields Qwen3NextConfig does not define, so transformers' model ignores them and so do we: the MTP
-    # head of Hub checkpoints (not loaded) and sliding-window switches (Qwen3-Next has no window).
+    m.mtp_num_layers = _mtp_layers(f, available)
+    # Fields Qwen3NextConfig does not define, so transformers' model ignores them and so do we:
+    # sliding-window switches (Qwen3-Next has no window).
     for key in (
-        "mtp_num_hidden_layers",
-        "mtp_use_dedicated_embeddings",
         "use_sliding_window",
         "sliding_window",
         "max_window_layers",
@@ -185,7 +215,7 @@ def config_to_hf(cfg: Config) -> dict:
         ),
         ("model.activation", m.activation, m.activation == "swiglu", "SwiGLU only"),
         ("model.sliding_window", m.sliding_window, m.sliding_window is None, "no sliding window"),
-        ("model.mtp_num_layers", m.mtp_num_layers, m.mtp_num_layers == 0, "no multi-token prediction"),
+        ("model.mtp_num_layers", m.mtp_num_layers, m.mtp_num_layers in (0, 1), "at most one MTP module"),
     ]
     if e.num_experts:
         shared = e.shared_expert_intermediate_size
@@ -210,6 +240,8 @@ def config_to_hf(cfg: Config) -> dict:
         **{theirs: getattr(m, ours) for ours, theirs in _LINEAR_FIELDS},
         "num_experts": e.num_experts,
     }
+    if m.mtp_num_layers:
+        out.update(mtp_num_hidden_layers=m.mtp_num_layers, mtp_use_dedicated_embeddings=False)
     interval = layer_types.index("full_attention") + 1 if "full_attention" in layer_types else 0
     if interval and layer_types == [
         "linear_attention" if (i + 1) % interval else "full_attention" for i in range(m.num_layers)
@@ -237,6 +269,30 @@ def _attention_maps(i: int, m: ModelConfig) -> list[TensorMap]:
     ]
 
 
+def mtp_maps(cfg: Config, available: Collection[str] | None) -> list[TensorMap]:
+    """The MTP module (see the module docstring): its norms and projection, and a gated-attention decoder
+    layer that is MoE whenever the model has experts."""
+    if not cfg.model.mtp_num_layers:
+        return []
+    ours, hf = "mtp.layers.0", "mtp"
+    maps = [
+        TensorMap.copy(f"{ours}.enorm.weight", f"{hf}.pre_fc_norm_embedding.weight"),
+        TensorMap.copy(f"{ours}.hnorm.weight", f"{hf}.pre_fc_norm_hidden.weight"),
+        TensorMap.copy(f"{ours}.eh_proj.weight", f"{hf}.fc.weight"),
+        TensorMap.copy(f"{ours}.head_norm.weight", f"{hf}.norm.weight"),
+        *gqa_layer_maps(f"{ours}.block", f"{hf}.layers.0", cfg.model),
+    ]
+    block, moe = f"{ours}.block.mlp", f"{hf}.layers.0.mlp"
+    e = cfg.moe
+    if not e.num_experts:
+        return maps + dense_mlp_maps(block, moe)
+    maps.append(TensorMap.copy(f"{block}.router.weight", f"{moe}.gate.weight"))
+    maps += grouped_expert_maps(block, moe, e.num_experts, holds_fused_experts(moe, available))
+    maps += dense_mlp_maps(f"{block}.shared_experts", f"{moe}.shared_expert")
+    maps.append(TensorMap.copy(f"{block}.shared_expert_gate.weight", f"{moe}.shared_expert_gate.weight"))
+    return maps
+
+
 def tensor_maps(cfg: Config, available: Collection[str] | None = None) -> list[TensorMap]:
     """Every parameter of our model and the checkpoint tensors it is made of."""
-    return qwen_tensor_maps(cfg, available, shared_expert=True, attention=_attention_maps)
+    return qwen_tensor_maps(cfg, available, shared_expert=True, attention=_attention_maps) + mtp_maps(cfg, available)
