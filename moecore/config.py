@@ -67,7 +67,8 @@ def _check_range(name: str, value: float | int | None, lo: float | None = None, 
 
 
 MODEL_FAMILIES = (
-    "moecore", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "qwen3_next", "glm4_moe", "gpt_oss",
+    "moecore", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "qwen3_next",
+    "glm4_moe", "gpt_oss",
 )  # fmt: skip
 
 
@@ -99,14 +100,22 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     attention_backend: str = "auto"  # auto | flash | cudnn | efficient | math
-    # Multi-latent attention (DeepSeek-V2/V3). attention_type=mla switches attention to MLA.
-    attention_type: str = "gqa"  # gqa | mla
+    # Multi-latent attention (DeepSeek-V2/V3). attention_type=mla switches attention to MLA; dsa adds
+    # DeepSeek-V3.2's lightning indexer and top-k sparse attention (moecore/models/dsa.py).
+    attention_type: str = "gqa"  # gqa | mla | dsa
     q_lora_rank: int | None = None
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     rope_interleave: bool = True  # MLA checkpoints store rope dims interleaved
+    # DeepSeek sparse attention (attention_type=dsa): indexer heads, their size, tokens kept per query,
+    # training stage (dense_warmup: dense attention, only the indexer trained; sparse) and the KL loss weight.
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    dsa_stage: str = "sparse"  # dense_warmup | sparse
+    dsa_indexer_loss_coeff: float = 1.0
     # Per-layer attention kind, one entry per layer: full_attention | linear_attention (Qwen3-Next hybrid)
     # | sliding_attention (gpt-oss: model.sliding_window on that layer only).
     layer_types: list | None = None
@@ -171,7 +180,16 @@ class ModelConfig:
             _fail("model.activation", self.activation, "swiglu_clamped is gpt-oss's expert activation: set model.expert_linear_bias=true")
         if self.expert_linear_bias and self.activation == "gelu":
             _fail("model.expert_linear_bias", True, "biased experts take swiglu | swiglu_clamped")
-        _check_choice("model.attention_type", self.attention_type, ("gqa", "mla"))
+        _check_choice("model.attention_type", self.attention_type, ("gqa", "mla", "dsa"))
+        _check_choice("model.dsa_stage", self.dsa_stage, ("dense_warmup", "sparse"))
+        _check_range("model.dsa_indexer_loss_coeff", self.dsa_indexer_loss_coeff, 0.0)
+        if self.attention_type == "dsa":
+            for name in ("index_n_heads", "index_head_dim", "index_topk"):
+                _check_range(f"model.{name}", getattr(self, name), 1)
+            if self.q_lora_rank is None:
+                _fail("model.q_lora_rank", None, "model.attention_type=dsa needs the q LoRA (its indexer reads the q latent)")
+            if self.index_head_dim < self.qk_rope_head_dim:
+                _fail("model.index_head_dim", self.index_head_dim, f"must be >= model.qk_rope_head_dim={self.qk_rope_head_dim}")
         _check_choice(
             "model.attention_backend", self.attention_backend, ("auto", "flash", "cudnn", "efficient", "math")
         )

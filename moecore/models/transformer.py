@@ -48,6 +48,7 @@ class ModelOutput:
     mtp_loss: torch.Tensor | None = None  # already scaled by model.mtp_loss_scaling_factor
     mtp_losses: list = field(default_factory=list)  # per depth, unscaled, detached
     moe_stats: list = field(default_factory=list)  # one dict per MoE layer (layer index under "layer")
+    indexer_loss: torch.Tensor | None = None  # DSA: weighted KL loss of the lightning indexers (moecore/models/dsa.py)
     hidden_states: torch.Tensor | None = None  # final hidden states before the norm
 
 
@@ -77,6 +78,10 @@ def build_attention(cfg: ModelConfig, layer_idx: int, dims=None) -> nn.Module:
         from moecore.models.linear_attention import GatedDeltaNet
 
         return GatedDeltaNet(cfg, layer_idx, dims)
+    if cfg.attention_type == "dsa":
+        from moecore.models.dsa import DSAttention
+
+        return DSAttention(cfg, layer_idx, dims)
     if cfg.attention_type == "mla":
         from moecore.models.mla import MLAttention
 
@@ -263,7 +268,27 @@ class MoETransformer(nn.Module):
                 out.aux_loss = aux.loss if out.aux_loss is None else out.aux_loss + aux.loss
                 total = total + aux.loss
         out.loss = total
+        if self.cfg.model.attention_type == "dsa":
+            self._add_indexer_loss(out)
         return out
+
+    def _add_indexer_loss(self, out: ModelOutput) -> None:
+        """DSA: the indexers' KL loss joins the objective; in dense_warmup it is the whole objective (the other
+        losses are returned detached, so only the indexers learn)."""
+        from moecore.models.dsa import collect_indexer_losses
+
+        loss = collect_indexer_losses(self)
+        if loss is None:
+            return
+        out.indexer_loss = loss * self.cfg.model.dsa_indexer_loss_coeff
+        if self.cfg.model.dsa_stage == "dense_warmup":
+            for name in ("lm_loss", "lm_loss_sum", "aux_loss", "mtp_loss"):
+                value = getattr(out, name)
+                if value is not None:
+                    setattr(out, name, value.detach())
+            out.loss = out.indexer_loss
+        else:
+            out.loss = out.loss + out.indexer_loss
 
     def lm_loss(
         self, h: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor

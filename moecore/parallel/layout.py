@@ -52,8 +52,10 @@ def check_layout(cfg: Config) -> None:
     if p.tp == 1:
         return
     tp = p.tp
-    if m.attention_type == "mla":
-        raise ConfigError(f"parallel.tp={tp} is not supported with model.attention_type=mla yet; use parallel.tp=1")
+    if m.attention_type in ("mla", "dsa"):
+        raise ConfigError(
+            f"parallel.tp={tp} is not supported with model.attention_type={m.attention_type} yet; use parallel.tp=1"
+        )
     if m.layer_types is not None and "linear_attention" in m.layer_types:
         raise ConfigError(f"parallel.tp={tp} is not supported with linear_attention layers yet; use parallel.tp=1")
     if m.mtp_num_layers:

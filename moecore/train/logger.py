@@ -188,7 +188,7 @@ def _attention_flops(cfg: Config, ctx: float, linear: bool) -> float:
         conv = (2 * key_dim + value_dim) * m.linear_conv_kernel_dim
         # Gated delta rule per value head: S k (read), the rank-1 state update, q S (output): 3 dk x dv products.
         return 2.0 * (proj + conv + 3 * hv * dk * dv)
-    if m.attention_type == "mla":
+    if m.attention_type in ("mla", "dsa"):  # dsa: counted as dense MLA (an upper bound)
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         q = h * m.q_lora_rank + m.q_lora_rank * nh * qk if m.q_lora_rank else h * nh * qk
         kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * nh * (m.qk_nope_head_dim + m.v_head_dim)

@@ -185,6 +185,7 @@ class Trainer:
         lm_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
         mtp_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
         mtp_depth_sums: list[float] = []
+        indexer_sum = torch.zeros((), dtype=torch.float64, device=rt.device)
         stats_per_mb = []
         self.optimizer.zero_grad(set_to_none=True)
         for i, b in enumerate(batches):
@@ -199,6 +200,9 @@ class Trainer:
                         objective = objective + out.aux_loss * (rt.dp_size / n_mb_global)
                     if out.mtp_loss is not None:
                         objective = objective + out.mtp_loss * (rt.dp_size / n_mb_global)
+                    if out.indexer_loss is not None:  # DSA lightning indexer (moecore/models/dsa.py)
+                        objective = objective + out.indexer_loss * (rt.dp_size / n_mb_global)
+                        indexer_sum += out.indexer_loss.detach().double()
                 rt.backward(objective)
             lm_sum += out.lm_loss_sum.detach().double()
             if out.mtp_loss is not None:
@@ -225,6 +229,8 @@ class Trainer:
             metrics["mtp_loss"] = rt.sum_over_dp(mtp_sum).item() / n_mb_global
             for d, v in enumerate(mtp_depth_sums):  # unscaled loss of each prediction depth
                 metrics[f"mtp/depth_{d + 1}_loss"] = rt.mean_over_dp(v / self.micro_batches_per_rank)
+        if cfg.model.attention_type == "dsa":
+            metrics["indexer_loss"] = rt.sum_over_dp(indexer_sum).item() / n_mb_global
         if with_moe_metrics:
             metrics.update(moe_metrics(stats_per_mb, rt))
         return metrics

@@ -37,6 +37,7 @@ _FAMILY_MODULES = {
     "qwen3_moe": "moecore.hf.families.qwen3_moe",
     "deepseek_v2": "moecore.hf.families.deepseek_v2",
     "deepseek_v3": "moecore.hf.families.deepseek_v3",
+    "deepseek_v32": "moecore.hf.families.deepseek_v32",
     "qwen3_next": "moecore.hf.families.qwen3_next",
     "glm4_moe": "moecore.hf.families.glm4_moe",
     "gpt_oss": "moecore.hf.families.gpt_oss",

@@ -1,0 +1,247 @@
+"""DeepSeek Sparse Attention (DSA, DeepSeek-V3.2): a lightning indexer picks, for every query, the `index_topk`
+past tokens that multi-latent attention (moecore/models/mla.py) then attends to.
+
+Lightning indexer (its own small heads; `model.index_n_heads` = nh, `model.index_head_dim` = d):
+
+    qI_{t,h} = wq_b(cq_t)_h                      cq_t = q_a_layernorm(q_a_proj(x_t)), MLA's query latent
+    kI_s     = LayerNorm(wk(x_s))                one key per token, shared by the indexer heads
+    (RoPE, half-split, on the first qk_rope_head_dim channels of qI and kI, the main attention's cos/sin)
+    w_{t,h}  = weights_proj(x_t)_h / sqrt(nh)
+    I_{t,s}  = sum_h w_{t,h} * ReLU(qI_{t,h} . kI_s / sqrt(d))          in fp32, for s <= t
+
+The selection S_t = top-`index_topk` of I_{t, s<=t} (every visible token when t < index_topk). Scores are
+computed a block of queries at a time ([B, block, nh, S] at most), never as one [B, S, nh, S] tensor.
+
+Main attention, sparse: MLA restricted to s in S_t, computed in the absorbed (multi-query) form: with the
+normalised latent c_s and the rotated shared key kr_s,
+
+    q~_{t,h} = [q_nope_{t,h} W_UK_h ; RoPE(q_rope_{t,h})]     kv~_s = [c_s ; RoPE(kr_s)]
+    o_{t,h}  = W_UV_h sum_{s in S_t} softmax_s(q~_{t,h} . kv~_s * scale) c_s
+
+which equals attending to the per-head keys k = [W_UK_h c ; kr] and values W_UV_h c (kv_b_proj = [W_UK; W_UV]
+per head), but gathers one shared [kv_lora_rank + qk_rope_head_dim] row per selected token for all heads.
+`sparse_mqa_attention_reference` gathers the rows with PyTorch ([B, S, topk, D]); on CUDA the Triton kernel
+moecore/kernels/sparse_mla.py does the same without any [S, S] or [S, topk, D] tensor.
+
+Training (`model.dsa_stage`), as DeepSeek-V3.2 was trained:
+- `dense_warmup`: the main attention is dense MLA; only the indexer learns, from the KL loss
+  KL(P_t || softmax(I_{t, s<=t})) with P_t the main attention's probabilities summed over heads and
+  L1-normalised (target detached). The model returns its other losses detached, so they train nothing.
+- `sparse`: the main attention attends to S_t; the indexer's inputs (x, cq) are detached so that it learns
+  only from its KL loss, now over S_t: KL(P_t|S_t || softmax(I_{t, S_t})).
+The KL loss (mean over tokens and layers) times `model.dsa_indexer_loss_coeff` is `ModelOutput.indexer_loss`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moecore.config import ModelConfig
+from moecore.models.mla import MLAttention
+from moecore.models.rope import apply_rotary
+
+# Query rows per block when computing the indexer's scores: at most about this many fp32 elements
+# ([B, block, nh, S]) at once.
+_BLOCK_ELEMENTS = 1 << 24
+
+
+class LightningIndexer(nn.Module):
+    """The indexer's parameters (transformers' names: wq_b, wk, k_norm, weights_proj) and its scores."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.q_lora_rank is None:
+            raise ValueError("model.q_lora_rank=None is invalid with model.attention_type=dsa: the indexer reads the q latent")
+        if cfg.index_head_dim < cfg.qk_rope_head_dim:
+            raise ValueError(
+                f"model.index_head_dim={cfg.index_head_dim} is invalid: must be >= model.qk_rope_head_dim={cfg.qk_rope_head_dim}"
+            )
+        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+
+    def project(
+        self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [B, nh, S, d], k [B, S, d], head weights [B, S, nh]) in fp32."""
+        b, s, _ = x.shape
+        q = self.wq_b(q_latent).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_norm(self.wk(x)).unsqueeze(1)  # [B, 1, S, d]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # first rope_dim channels, half-split
+        w = self.weights_proj(x).float() * self.n_heads**-0.5
+        return q.float(), k.squeeze(1).float(), w
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """I[b, t, s] for queries start..stop-1 and every key s (masking is the caller's): [B, stop-start, S]."""
+        logits = torch.einsum("bhtd,bsd->bths", q[:, :, start:stop], k) * self.head_dim**-0.5
+        return torch.einsum("bth,bths->bts", w[:, start:stop], F.relu(logits))
+
+
+def query_blocks(batch: int, seq: int, heads: int) -> list[tuple[int, int]]:
+    """[start, stop) query ranges whose [B, block, heads, S] scores hold at most _BLOCK_ELEMENTS elements."""
+    block = max(1, _BLOCK_ELEMENTS // max(1, batch * heads * seq))
+    return [(i, min(seq, i + block)) for i in range(0, seq, block)]
+
+
+def causal_topk(indexer: LightningIndexer, q, k, w, topk: int) -> torch.Tensor:
+    """int64 [B, S, min(topk, S)]: the top-k visible keys of every query by index score; -1 where a query has
+    fewer visible keys than k (query t sees t + 1). Computed in query blocks, without gradient."""
+    b, _, s, _ = q.shape
+    kk = min(topk, s)
+    out = torch.empty(b, s, kk, dtype=torch.long, device=q.device)
+    with torch.no_grad():
+        cols = torch.arange(s, device=q.device)
+        for start, stop in query_blocks(b, s, indexer.n_heads):
+            sc = indexer.scores(q, k, w, start, stop)
+            visible = cols[None, :] <= torch.arange(start, stop, device=q.device)[:, None]
+            sc = sc.masked_fill(~visible, float("-inf"))
+            val, idx = sc.topk(kk, dim=-1)
+            out[:, start:stop] = idx.masked_fill(val == float("-inf"), -1)
+    return out
+
+
+def sparse_mqa_attention_reference(
+    q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, dv: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-query attention of q [B, S, n, D] to the rows idx [B, S, K] (-1: none) of kv [B, S, D]; values are
+    kv[..., :dv]. Returns (out [B, S, n, dv], lse [B, S, n] in fp32). Gathers [B, S, K, D] (reference)."""
+    b = q.shape[0]
+    valid = idx >= 0
+    rows = kv[torch.arange(b, device=kv.device)[:, None, None], idx.clamp(min=0)]  # [B, S, K, D]
+    logits = torch.einsum("btnd,btkd->btnk", q.float(), rows.float()) * scale
+    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    p = torch.exp(logits - lse[..., None])
+    out = torch.einsum("btnk,btkd->btnd", p, rows[..., :dv].float())
+    return out.to(q.dtype), lse
+
+
+def sparse_mqa_attention(
+    q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, dv: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_mqa_attention_reference`'s result: the Triton kernel on CUDA, the reference elsewhere."""
+    if q.is_cuda:
+        from moecore.kernels.sparse_mla import sparse_mla_attention
+
+        return sparse_mla_attention(q, kv, idx, scale, dv)
+    return sparse_mqa_attention_reference(q, kv, idx, scale, dv)
+
+
+def kl_to_indexer(target: torch.Tensor, index_logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """sum over keys of KL(target || softmax(index_logits)) per query, keys outside `keep` excluded: [B, T]."""
+    log_q = torch.log_softmax(index_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    t = target * keep
+    return (torch.xlogy(t, t) - t * log_q.masked_fill(~keep, 0.0)).sum(-1)
+
+
+class DSAttention(MLAttention):
+    """MLA with the lightning indexer; `forward(x, position_ids) -> [B, S, H]` as MLAttention. After a training
+    forward, `indexer_loss` holds this layer's KL loss (mean over tokens) until `pop_indexer_loss()`."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dims: Any = None) -> None:
+        super().__init__(cfg, layer_idx, dims)
+        self.indexer = LightningIndexer(cfg)
+        self.index_topk = cfg.index_topk
+        self.stage = cfg.dsa_stage
+        self.indexer_loss: torch.Tensor | None = None
+        if not self.rope_interleave:
+            raise ValueError("model.rope_interleave=false is invalid with model.attention_type=dsa (DeepSeek-V3.2)")
+
+    def pop_indexer_loss(self) -> torch.Tensor | None:
+        loss, self.indexer_loss = self.indexer_loss, None
+        return loss
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        if self.stage == "dense_warmup":
+            out = super().forward(x, position_ids)
+            if self.training and torch.is_grad_enabled():
+                self.indexer_loss = self._dense_indexer_loss(x, position_ids)
+            return out
+        return self._sparse_forward(x, position_ids)
+
+    # ------------------------------------------------------------------ pieces
+    def _latents(self, x: torch.Tensor, position_ids: torch.Tensor):
+        cos, sin = self.rotary(position_ids, x.dtype)
+        q_latent = self.q_a_layernorm(self.q_a_proj(x))
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        return cos, sin, q_latent, latent, k_rope
+
+    def _indexer_inputs(self, x: torch.Tensor, q_latent: torch.Tensor, cos, sin):
+        """The indexer's q, k, w from detached inputs: the indexer never sends gradient into the model."""
+        return self.indexer.project(x.detach(), q_latent.detach(), cos, sin)
+
+    def _absorbed(self, q_latent, latent, k_rope, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """q~ [B, S, n, r + dr] and kv~ [B, S, r + dr] of the absorbed form (module docstring)."""
+        b, s, _ = q_latent.shape
+        n, dn, r = self.num_heads, self.nope_dim, self.kv_lora_rank
+        q = self.q_b_proj(q_latent).view(b, s, n, self.qk_head_dim).transpose(1, 2)
+        q_nope, q_rope = q.split([dn, self.rope_dim], dim=-1)
+        w_uk = self.kv_b_proj.weight.view(n, dn + self.v_dim, r)[:, :dn]  # [n, dn, r]
+        q_abs = torch.einsum("bnsd,ndr->bsnr", q_nope, w_uk)
+        q_rope = apply_rotary(q_rope, cos, sin, interleaved=True).transpose(1, 2)  # [B, S, n, dr]
+        k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin, interleaved=True).squeeze(1)
+        c = self.kv_a_layernorm(latent)
+        return torch.cat((q_abs, q_rope), dim=-1), torch.cat((c, k_rope), dim=-1)
+
+    def _sparse_forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        cos, sin, q_latent, latent, k_rope = self._latents(x, position_ids)
+        iq, ik, iw = self._indexer_inputs(x, q_latent, cos, sin)
+        idx = causal_topk(self.indexer, iq, ik, iw, self.index_topk)
+        q_t, kv_t = self._absorbed(q_latent, latent, k_rope, cos, sin)
+        o_lat, lse = sparse_mqa_attention(q_t, kv_t, idx, self.softmax_scale, self.kv_lora_rank)
+        n, dn, r = self.num_heads, self.nope_dim, self.kv_lora_rank
+        w_uv = self.kv_b_proj.weight.view(n, dn + self.v_dim, r)[:, dn:]  # [n, dv, r]
+        out = torch.einsum("bsnr,nvr->bsnv", o_lat, w_uv).reshape(b, s, n * self.v_dim)
+        if self.training and torch.is_grad_enabled():
+            self.indexer_loss = self._sparse_indexer_loss(q_t.detach(), kv_t.detach(), lse, idx, iq, ik, iw)
+        return self.o_proj(out)
+
+    def _sparse_indexer_loss(self, q_t, kv_t, lse, idx, iq, ik, iw) -> torch.Tensor:
+        """KL over the selected keys, target = main attention probabilities summed over heads / n."""
+        b, s = idx.shape[:2]
+        valid = idx >= 0
+        bidx = torch.arange(b, device=idx.device)[:, None, None]
+        total = q_t.new_zeros((), dtype=torch.float32)
+        for start, stop in query_blocks(b, s, max(self.indexer.n_heads, self.num_heads)):
+            sel, keep = idx[:, start:stop], valid[:, start:stop]
+            with torch.no_grad():
+                rows = kv_t[bidx, sel.clamp(min=0)].float()  # [B, T, K, D]
+                logits = torch.einsum("btnd,btkd->btnk", q_t[:, start:stop].float(), rows) * self.softmax_scale
+                p = torch.exp(logits - lse[:, start:stop, :, None].float()) * keep[:, :, None, :]
+                target = p.sum(2) / self.num_heads
+            index_logits = self.indexer.scores(iq, ik, iw, start, stop).gather(-1, sel.clamp(min=0))
+            total = total + kl_to_indexer(target, index_logits, keep).sum()
+        return total / (b * s)
+
+    def _dense_indexer_loss(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """KL over every visible key, target = dense MLA probabilities summed over heads / n."""
+        b, s, _ = x.shape
+        cos, sin, q_latent, latent, k_rope = self._latents(x, position_ids)
+        iq, ik, iw = self._indexer_inputs(x, q_latent, cos, sin)
+        with torch.no_grad():
+            q, k, _ = self._up_project(x, latent, k_rope, cos, sin)
+        cols = torch.arange(s, device=x.device)
+        total = x.new_zeros((), dtype=torch.float32)
+        for start, stop in query_blocks(b, s, max(self.indexer.n_heads, self.num_heads)):
+            keep = (cols[None, :] <= torch.arange(start, stop, device=x.device)[:, None]).expand(b, -1, -1)
+            with torch.no_grad():
+                logits = torch.einsum("bntd,bnsd->btns", q[:, :, start:stop].float(), k.float()) * self.softmax_scale
+                p = torch.softmax(logits.masked_fill(~keep[:, :, None, :], float("-inf")), dim=-1)
+                target = p.sum(2) / self.num_heads
+            index_logits = self.indexer.scores(iq, ik, iw, start, stop)
+            total = total + kl_to_indexer(target, index_logits, keep).sum()
+        return total / (b * s)
+
+
+def collect_indexer_losses(model: nn.Module) -> torch.Tensor | None:
+    """Mean over the DSA layers (main and MTP) of the indexer KL losses of the last forward; None without any."""
+    losses = [m.pop_indexer_loss() for m in model.modules() if isinstance(m, DSAttention)]
+    losses = [loss for loss in losses if loss is not None]
+    return torch.stack(losses).mean() if losses else None
