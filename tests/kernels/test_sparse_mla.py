@@ -1,15 +1,39 @@
 """The sparse MLA attention kernel (moecore/kernels/sparse_mla.py) against its PyTorch reference
 (moecore.models.dsa.sparse_mqa_attention_reference): output, lse and the gradients of q and kv, with
 queries that have fewer visible tokens than K (-1 entries), head counts and widths that are not powers of
-two; on the GPU also at DeepSeek-V3.2's head shape. In Triton's interpreter on CPU with TRITON_INTERPRET=1."""
+two; on the GPU also at DeepSeek-V3.2's head shape; and a whole DSA layer (indexer, absorbed MLA, up-projection)
+through the kernel against the same layer through the reference. In Triton's interpreter on CPU with TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from moecore.config import ModelConfig
+from moecore.models import dsa
+from moecore.models.dsa import sparse_mqa_attention_reference
 from tests.kernels.conftest import rel_err, setup
 
-from moecore.models.dsa import sparse_mqa_attention_reference
+
+def _cfg(**over) -> ModelConfig:
+    kw = dict(
+        hidden_size=48, num_attention_heads=3, num_kv_heads=3, attention_type="dsa", q_lora_rank=24,
+        kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, index_n_heads=4,
+        index_head_dim=16, index_topk=6, dsa_stage="sparse",
+    )  # fmt: skip
+    kw.update(over)
+    cfg = ModelConfig(**kw)
+    cfg.validate()
+    return cfg
+
+
+def _layer(cfg: ModelConfig, seed: int = 0) -> dsa.DSAttention:
+    torch.manual_seed(seed)
+    layer = dsa.DSAttention(cfg, 0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) / (p.shape[-1] ** 0.5 if p.dim() > 1 else 3.0) + (1.0 if p.dim() == 1 else 0.0))
+    return layer
 
 
 def _inputs(b, s, nh, dv, dr, k, device, dtype, seed=0):
@@ -62,3 +86,27 @@ def test_sparse_mla_kernel_deepseek_shape_bf16():
     got = _run(sparse_mla_attention, q, kv, idx, scale, dv, grad_out)
     for name, r, g in zip(("out", "lse", "dq", "dkv"), ref, got):
         assert rel_err(g.float(), r) < 2e-2, (name, rel_err(g.float(), r))
+
+
+def _grads(layer, x):
+    layer.zero_grad()
+    x = x.clone().requires_grad_()
+    out = layer(x, torch.arange(x.shape[1]))
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.device))
+    return [out.detach(), x.grad] + [p.grad.clone() for _, p in layer.named_parameters() if p.grad is not None]
+
+
+def test_dsa_layer_through_kernel_matches_reference(backend, monkeypatch):
+    from moecore.kernels.sparse_mla import sparse_mla_attention
+
+    device, _ = setup(backend)
+    layer = _layer(_cfg()).to(device)
+    x = torch.randn(2, 19, 48).to(device)
+    monkeypatch.setattr(dsa, "sparse_mqa_attention", dsa.sparse_mqa_attention_reference)
+    ref = _grads(layer, x)
+    monkeypatch.setattr(dsa, "sparse_mqa_attention", sparse_mla_attention)
+    got = _grads(layer, x)
+    tol = 1e-5 if backend == "interpret" else 2e-3
+    assert len(ref) == len(got)
+    for i, (r, g) in enumerate(zip(ref, got)):
+        assert rel_err(g, r) < tol, (i, rel_err(g, r))
