@@ -58,7 +58,7 @@ def main() -> None:
     a = p.parse_args()
     dev, dt = "cuda", torch.bfloat16
     s, n, k = a.seq, a.heads, a.topk
-    r, dr, dn, dv = 512, 64, 128, 128
+    r, dr, dn = 512, 64, 128
     scale = (dn + dr) ** -0.5
     records = []
 
@@ -72,7 +72,7 @@ def main() -> None:
         out.backward(g)
 
     records.append({"impl": "sparse_mla (fwd+bwd)", "ms": timed(sparse_step, a.iters, a.warmup)})
-    del q, kv, g
+    q = kv = g = None
     torch.cuda.empty_cache()
 
     qd = torch.randn(1, n, s, dn + dr, device=dev, dtype=dt, requires_grad=True)
@@ -86,7 +86,7 @@ def main() -> None:
         out.backward(gd)
 
     records.append({"impl": "dense MLA sdpa (fwd+bwd)", "ms": timed(dense_step, a.iters, a.warmup)})
-    del qd, kd, vd, gd
+    qd = kd = vd = gd = None
     torch.cuda.empty_cache()
 
     from moecore.config import ModelConfig
@@ -97,7 +97,9 @@ def main() -> None:
     iq = torch.randn(1, 64, s, 128, device=dev)
     ik = torch.randn(1, s, 128, device=dev)
     iw = torch.randn(1, s, 64, device=dev)
-    records.append({"impl": "indexer top-k (PyTorch blocks)", "ms": timed(lambda: causal_topk(ix, iq, ik, iw, k), 2, 1)})
+    records.append(
+        {"impl": "indexer top-k (PyTorch blocks)", "ms": timed(lambda: causal_topk(ix, iq, ik, iw, k), 2, 1)}
+    )
     for rec in records:
         rec.update(seq=s, topk=k, heads=n, gpu=torch.cuda.get_device_name(), torch=torch.__version__)
         print(f"{rec['impl']:34s} {rec['ms']:10.2f} ms")

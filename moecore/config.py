@@ -177,7 +177,11 @@ class ModelConfig:
         _check_choice("model.activation", self.activation, ("swiglu", "gelu", "swiglu_clamped"))
         _check_range("model.swiglu_limit", self.swiglu_limit, 0.0)
         if self.activation == "swiglu_clamped" and not self.expert_linear_bias:
-            _fail("model.activation", self.activation, "swiglu_clamped is gpt-oss's expert activation: set model.expert_linear_bias=true")
+            _fail(
+                "model.activation",
+                self.activation,
+                "swiglu_clamped is gpt-oss's expert activation: set model.expert_linear_bias=true",
+            )
         if self.expert_linear_bias and self.activation == "gelu":
             _fail("model.expert_linear_bias", True, "biased experts take swiglu | swiglu_clamped")
         _check_choice("model.attention_type", self.attention_type, ("gqa", "mla", "dsa"))
@@ -187,9 +191,17 @@ class ModelConfig:
             for name in ("index_n_heads", "index_head_dim", "index_topk"):
                 _check_range(f"model.{name}", getattr(self, name), 1)
             if self.q_lora_rank is None:
-                _fail("model.q_lora_rank", None, "model.attention_type=dsa needs the q LoRA (its indexer reads the q latent)")
+                _fail(
+                    "model.q_lora_rank",
+                    None,
+                    "model.attention_type=dsa needs the q LoRA (its indexer reads the q latent)",
+                )
             if self.index_head_dim < self.qk_rope_head_dim:
-                _fail("model.index_head_dim", self.index_head_dim, f"must be >= model.qk_rope_head_dim={self.qk_rope_head_dim}")
+                _fail(
+                    "model.index_head_dim",
+                    self.index_head_dim,
+                    f"must be >= model.qk_rope_head_dim={self.qk_rope_head_dim}",
+                )
         _check_choice(
             "model.attention_backend", self.attention_backend, ("auto", "flash", "cudnn", "efficient", "math")
         )
@@ -220,7 +232,9 @@ class ModelConfig:
             for t in self.layer_types:
                 _check_choice("model.layer_types", t, ("full_attention", "linear_attention", "sliding_attention"))
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
-                _fail("model.sliding_window", None, "set a window for the sliding_attention entries of model.layer_types")
+                _fail(
+                    "model.sliding_window", None, "set a window for the sliding_attention entries of model.layer_types"
+                )
 
 
 @dataclass

@@ -125,7 +125,12 @@ if triton_importable():
 
 
 def _blocks(nh: int, dv: int, dr: int) -> dict:
-    return dict(BLOCK_H=max(16, min(16, next_pow2(nh))), BLOCK_K=32, BLOCK_V=max(16, next_pow2(dv)), BLOCK_R=max(16, next_pow2(dr)))
+    return dict(
+        BLOCK_H=max(16, min(16, next_pow2(nh))),
+        BLOCK_K=32,
+        BLOCK_V=max(16, next_pow2(dv)),
+        BLOCK_R=max(16, next_pow2(dr)),
+    )
 
 
 class _SparseMLA(torch.autograd.Function):

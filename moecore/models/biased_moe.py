@@ -84,7 +84,9 @@ class BiasedGroupedExperts(GroupedExperts):
         if self.grouped_gemm and grouped_mm_supported(x_NH, self.hidden_size, self.ffn_hidden_size):
             counts = tokens_per_expert.to(x_NH.device)
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
-            expert_N = torch.repeat_interleave(torch.arange(self.num_experts, device=x_NH.device), counts, output_size=n)
+            expert_N = torch.repeat_interleave(
+                torch.arange(self.num_experts, device=x_NH.device), counts, output_size=n
+            )
             x = x_NH.contiguous()
             h = _ContiguousGrad.apply(torch._grouped_mm(x, self.w13.to(x.dtype).transpose(-2, -1), offs=offs))
             h = h + self.b13.to(h.dtype)[expert_N]

@@ -55,7 +55,9 @@ class LightningIndexer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if cfg.q_lora_rank is None:
-            raise ValueError("model.q_lora_rank=None is invalid with model.attention_type=dsa: the indexer reads the q latent")
+            raise ValueError(
+                "model.q_lora_rank=None is invalid with model.attention_type=dsa: the indexer reads the q latent"
+            )
         if cfg.index_head_dim < cfg.qk_rope_head_dim:
             raise ValueError(
                 f"model.index_head_dim={cfg.index_head_dim} is invalid: must be >= model.qk_rope_head_dim={cfg.qk_rope_head_dim}"

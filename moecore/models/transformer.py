@@ -117,7 +117,9 @@ class DecoderLayer(nn.Module):
             )  # fmt: skip
         else:
             if m.activation not in ("swiglu", "gelu"):
-                raise ValueError(f"model.activation={m.activation!r} is for routed experts only; layer {layer_idx} is dense")
+                raise ValueError(
+                    f"model.activation={m.activation!r} is for routed experts only; layer {layer_idx} is dense"
+                )
             self.mlp = MLP(m.hidden_size, m.ffn_hidden_size, m.activation, dims)
         rec = set(m.recompute_modules)
         self.recompute_norm = "norm" in rec

@@ -80,7 +80,13 @@ def test_sparse_import_export(tmp_path):
     ref = build(v32_config())
     ours, out = import_export_parity(ref, tmp_path)
     m = ours.cfg.model
-    assert (m.attention_type, m.index_topk, m.index_n_heads, m.index_head_dim, m.dsa_stage) == ("dsa", 5, 8, 16, "sparse")
+    assert (m.attention_type, m.index_topk, m.index_n_heads, m.index_head_dim, m.dsa_stage) == (
+        "dsa",
+        5,
+        8,
+        16,
+        "sparse",
+    )
     ids = tokens(V)
     dense = _load(tmp_path / "hf", "dense_warmup")
     with torch.no_grad():
@@ -104,7 +110,11 @@ def _hf_indexer_and_attention(ref, ids: torch.Tensor, dense: bool):
     hooks = []
     for i, layer in enumerate(ref.model.layers):
         attn = layer.self_attn
-        hooks.append(attn.register_forward_pre_hook(lambda m, a, kw, i=i: inputs.__setitem__(i, kw["hidden_states"]), with_kwargs=True))
+        hooks.append(
+            attn.register_forward_pre_hook(
+                lambda m, a, kw, i=i: inputs.__setitem__(i, kw["hidden_states"]), with_kwargs=True
+            )
+        )
         hooks.append(attn.q_a_layernorm.register_forward_hook(lambda m, a, o, i=i: latents.__setitem__(i, o)))
         hooks.append(attn.indexer.register_forward_hook(lambda m, a, o, i=i: picked.__setitem__(i, o.long())))
     _set_hf_topk(ref, 10_000 if dense else TOPK)
@@ -235,7 +245,11 @@ def test_mtp_layer_import_export(tmp_path):
 
 def test_refusals():
     base = v32_config().to_dict()
-    for field, value in (("q_lora_rank", None), ("layer_types", ["full_attention"] * 2), ("mlp_layer_types", ["sparse"] * 2)):
+    for field, value in (
+        ("q_lora_rank", None),
+        ("layer_types", ["full_attention"] * 2),
+        ("mlp_layer_types", ["sparse"] * 2),
+    ):
         with pytest.raises(ValueError, match=field):
             family.config_from_hf({**base, field: value})
     cfg = load_config("tiny-deepseek-v32")

@@ -83,7 +83,9 @@ def test_import_export(tmp_path):
         2,
         "top2_sum",
     )
-    assert e.router_enable_expert_bias and e.router_topk_scaling_factor == 2.5 and e.shared_expert_intermediate_size == 16
+    assert (
+        e.router_enable_expert_bias and e.router_topk_scaling_factor == 2.5 and e.shared_expert_intermediate_size == 16
+    )
     assert [layer.is_moe for layer in ours.layers] == [False, True, True] and ours.mtp is None
     bias = ref.model.layers[1].mlp.gate.e_score_correction_bias
     torch.testing.assert_close(ours.layers[1].mlp.router.expert_bias, bias, rtol=0, atol=0)

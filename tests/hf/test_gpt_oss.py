@@ -99,7 +99,9 @@ def test_biased_experts_match_transformers():
     w = torch.rand(10, 2, generator=g)
     want = ref(x, idx, w)
     for grouped in (False, True):
-        ours = BiasedGroupedExperts(e, cfg.hidden_size, f, True, cfg.swiglu_alpha, cfg.swiglu_limit, grouped_gemm=grouped)
+        ours = BiasedGroupedExperts(
+            e, cfg.hidden_size, f, True, cfg.swiglu_alpha, cfg.swiglu_limit, grouped_gemm=grouped
+        )
         maps = family.expert_maps("m", "m", e, cfg.hidden_size, f)[2:]
         with torch.no_grad():
             for mp, src in zip(maps, (ref.gate_up_proj, ref.gate_up_proj_bias, ref.down_proj, ref.down_proj_bias)):

@@ -30,7 +30,13 @@ ARCHITECTURE = "DeepseekV32ForCausalLM"
 IGNORED_HF_TENSORS = v3.IGNORED_HF_TENSORS
 
 # transformers' DeepseekV32Config defaults, used for fields a config.json leaves out.
-DEFAULTS = {**v3.DEFAULTS, "max_position_embeddings": 163840, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64}
+DEFAULTS = {
+    **v3.DEFAULTS,
+    "max_position_embeddings": 163840,
+    "index_topk": 2048,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+}
 
 
 def _dense_pattern_fields(f: HFFields, num_layers: int, first_k: int) -> None:

@@ -192,7 +192,12 @@ def config_to_hf(cfg: Config) -> dict:
                 not grouped or e.router_group_score == "top2_sum",
                 "a group is scored by its top-2 sum",
             ),
-            ("moe.shared_expert_gate", e.shared_expert_gate, not e.shared_expert_gate, "the shared experts are ungated"),
+            (
+                "moe.shared_expert_gate",
+                e.shared_expert_gate,
+                not e.shared_expert_gate,
+                "the shared experts are ungated",
+            ),
             (
                 "moe.shared_expert_intermediate_size",
                 shared,

@@ -128,13 +128,14 @@ def config_to_hf(cfg: Config) -> dict:
     m, e = cfg.model, cfg.moe
     types = list(m.layer_types or ["full_attention"] * m.num_layers)
     all_moe = all(e.is_moe_layer(i, m.num_layers) for i in range(m.num_layers))
+    scaled, shared = e.router_topk_scaling_factor not in (None, 1.0), e.shared_expert_intermediate_size
     refuse_export_unless(
         MODEL_TYPE,
         [
             ("model.attention_type", m.attention_type, m.attention_type == "gqa", "grouped-query attention only"),
             ("model.attn_sinks", m.attn_sinks, m.attn_sinks, "gpt-oss attention always has sinks"),
-            ("model.layer_types", m.layer_types, set(types) <= {"sliding_attention", "full_attention"}, "no linear attention"),
-            ("model.attn_out_bias", m.attn_out_bias, m.attn_out_bias == m.qkv_bias, "attention_bias covers q, k, v and o"),
+            ("model.layer_types", m.layer_types, set(types) <= {"sliding_attention", "full_attention"}, "no linear"),
+            ("model.attn_out_bias", m.attn_out_bias, m.attn_out_bias == m.qkv_bias, "one bias switch for q/k/v/o"),
             ("model.qk_norm", m.qk_norm, not m.qk_norm, "no q/k norm"),
             ("model.attn_output_gate", m.attn_output_gate, not m.attn_output_gate, "no attention output gate"),
             ("model.norm_zero_centered", m.norm_zero_centered, not m.norm_zero_centered, "plain RMSNorm only"),
@@ -148,9 +149,9 @@ def config_to_hf(cfg: Config) -> dict:
             ("moe.router_score_function", e.router_score_function, e.router_score_function == "softmax", "softmax"),
             ("moe.router_pre_softmax", e.router_pre_softmax, not e.router_pre_softmax, "softmax over the top-k"),
             ("moe.router_enable_expert_bias", e.router_enable_expert_bias, not e.router_enable_expert_bias, "none"),
-            ("moe.router_topk_scaling_factor", e.router_topk_scaling_factor, e.router_topk_scaling_factor in (None, 1.0), "none"),
+            ("moe.router_topk_scaling_factor", e.router_topk_scaling_factor, not scaled, "no routed scaling"),
             ("moe.router_num_groups", e.router_num_groups, e.router_num_groups is None, "no group-limited routing"),
-            ("moe.shared_expert_intermediate_size", e.shared_expert_intermediate_size, not e.shared_expert_intermediate_size, "none"),
+            ("moe.shared_expert_intermediate_size", shared, not shared, "no shared expert"),
         ],
     )  # fmt: skip
     out = {
