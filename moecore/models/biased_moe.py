@@ -82,6 +82,7 @@ class BiasedGroupedExperts(GroupedExperts):
         # p * (w2 a + b2) = w2 (p a) + p b2.
         n = x_NH.shape[0]
         if self.grouped_gemm and grouped_mm_supported(x_NH, self.hidden_size, self.ffn_hidden_size):
+            self.last_path = "grouped_mm"
             counts = tokens_per_expert.to(x_NH.device)
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             expert_N = torch.repeat_interleave(
@@ -94,15 +95,18 @@ class BiasedGroupedExperts(GroupedExperts):
             y = _ContiguousGrad.apply(torch._grouped_mm(a, self.w2.to(a.dtype).transpose(-2, -1), offs=offs))
             b2 = self.b2.to(y.dtype)[expert_N]
             return y + (b2 if probs_N is None else b2 * probs_N.to(y.dtype).unsqueeze(-1))
+        self.last_path = "loop"
         outs, start = [], 0
+        # per-expert views made once (unbind): indexing w[e] per expert would add a full-size zero gradient each
+        w13, b13, w2, b2s = self.w13.unbind(0), self.b13.unbind(0), self.w2.unbind(0), self.b2.unbind(0)
         for e, rows in enumerate(tokens_per_expert.tolist()):
             if rows == 0:
                 continue
             seg = x_NH[start : start + rows]
             p = None if probs_N is None else probs_N[start : start + rows]
-            a = self._activate(F.linear(seg, self.w13[e].to(seg.dtype), self.b13[e].to(seg.dtype)), p)
-            y = F.linear(a, self.w2[e].to(a.dtype))
-            b2 = self.b2[e].to(y.dtype)
+            a = self._activate(F.linear(seg, w13[e].to(seg.dtype), b13[e].to(seg.dtype)), p)
+            y = F.linear(a, w2[e].to(a.dtype))
+            b2 = b2s[e].to(y.dtype)
             outs.append(y + (b2 if p is None else b2 * p.to(y.dtype).unsqueeze(-1)))
             start += rows
         return torch.cat(outs, dim=0) if outs else x_NH.new_zeros(0, self.hidden_size)
