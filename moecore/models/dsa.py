@@ -26,7 +26,8 @@ moecore/kernels/sparse_mla.py does the same without any [S, S] or [S, topk, D] t
 Training (`model.dsa_stage`), as DeepSeek-V3.2 was trained:
 - `dense_warmup`: the main attention is dense MLA; only the indexer learns, from the KL loss
   KL(P_t || softmax(I_{t, s<=t})) with P_t the main attention's probabilities summed over heads and
-  L1-normalised (target detached). The model returns its other losses detached, so they train nothing.
+  L1-normalised (target detached). Every other parameter is frozen (`requires_grad` off, so optimizers
+  and gradient reduction skip it) and the model returns its other losses detached.
 - `sparse`: the main attention attends to S_t; the indexer's inputs (x, cq) are detached so that it learns
   only from its KL loss, now over S_t: KL(P_t|S_t || softmax(I_{t, S_t})).
 The KL loss (mean over tokens and layers) times `model.dsa_indexer_loss_coeff` is `ModelOutput.indexer_loss`.
@@ -247,3 +248,10 @@ def collect_indexer_losses(model: nn.Module) -> torch.Tensor | None:
     losses = [m.pop_indexer_loss() for m in model.modules() if isinstance(m, DSAttention)]
     losses = [loss for loss in losses if loss is not None]
     return torch.stack(losses).mean() if losses else None
+
+
+def freeze_all_but_indexers(model: nn.Module) -> None:
+    """dense_warmup: only the lightning indexers' parameters train."""
+    for name, p in model.named_parameters():
+        if ".indexer." not in name:
+            p.requires_grad_(False)

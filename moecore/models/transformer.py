@@ -188,6 +188,10 @@ class MoETransformer(nn.Module):
             from moecore.models.offload import apply_offload
 
             apply_offload(self, m.offload_modules)
+        if m.attention_type == "dsa" and m.dsa_stage == "dense_warmup":
+            from moecore.models.dsa import freeze_all_but_indexers
+
+            freeze_all_but_indexers(self)
 
     # ------------------------------------------------------------------ initialisation
     def reset_parameters(self) -> None:
