@@ -1,0 +1,81 @@
+"""gpt-oss's and DeepSeek-V3.2's layers under data + expert parallel train like the one-process run (3 steps'
+losses, grad norms and first-step gradients; gloo on CPU, world 2: dp 2 for attention, ep 2 for experts).
+
+- `oss`: attention sinks, alternating sliding (window 3 < sequence 8) / full layers, q/k/v/o biases, router
+  logit bias, biased experts (biases sharded with their experts) with the clamped SwiGLU;
+- `dsa`: DeepSeek sparse attention (index_topk 3 < sequence 8) in the sparse stage; the indexer's KL loss is
+  in the objective like the routing losses (the harness's objective adds `aux_loss`, so the KL loss is
+  folded into it here, in every process).
+"""
+
+from __future__ import annotations
+
+import pytest
+from dist_parity import compare, make_data, reference, run_layout, tiny_config
+
+from moecore.models.transformer import MoETransformer
+from moecore.parallel.launch import run_local
+
+pytestmark = pytest.mark.distributed
+
+
+def _oss(cfg):
+    m = cfg.model
+    m.layer_types, m.sliding_window = ["sliding_attention", "full_attention", "sliding_attention"], 3
+    m.qkv_bias = m.attn_out_bias = m.attn_sinks = True
+    m.activation, m.swiglu_limit = "swiglu_clamped", 0.5
+    m.expert_linear_bias = m.router_logit_bias = True
+    cfg.moe.first_k_dense_replace, cfg.moe.shared_expert_intermediate_size = 0, None
+    cfg.moe.router_pre_softmax = False
+    return cfg
+
+
+def _dsa(cfg):
+    m = cfg.model
+    m.attention_type, m.num_kv_heads, m.q_lora_rank, m.kv_lora_rank = "dsa", 4, 16, 8
+    m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim = 8, 4, 8
+    m.index_n_heads, m.index_head_dim, m.index_topk = 2, 8, 3
+    return cfg
+
+
+VARIANTS = {"oss": _oss, "dsa": _dsa}
+
+
+def _config(variant: str, ep: int):
+    cfg = VARIANTS[variant](tiny_config(token_dispatcher_type="alltoall"))
+    cfg.parallel.ep = ep
+    cfg.validate()
+    return cfg
+
+
+def _folded(add):
+    """MoETransformer._add_indexer_loss that also adds the indexer loss into ModelOutput.aux_loss."""
+
+    def folded(self, out):
+        add(self, out)
+        if out.indexer_loss is not None:
+            out.aux_loss = out.indexer_loss if out.aux_loss is None else out.aux_loss + out.indexer_loss
+
+    folded.folded = True
+    return folded
+
+
+def _fold_indexer_loss_into_aux() -> None:
+    """In a worker process: patch the class for the rest of that process."""
+    if not getattr(MoETransformer._add_indexer_loss, "folded", False):
+        MoETransformer._add_indexer_loss = _folded(MoETransformer._add_indexer_loss)
+
+
+def _run_all(rank: int, world: int, refs: dict, data) -> dict:
+    _fold_indexer_loss_into_aux()
+    return {v: run_layout(rank, world, _config(v, 2), refs[v][0], data) for v in VARIANTS}
+
+
+def test_dp2_ep2_match_single_process(monkeypatch):
+    data = make_data()
+    monkeypatch.setattr(MoETransformer, "_add_indexer_loss", _folded(MoETransformer._add_indexer_loss))
+    refs = {v: reference(_config(v, 1), data) for v in VARIANTS}
+    results = run_local(_run_all, 2, refs, data)
+    for v in VARIANTS:
+        r = compare(refs[v][1], results[0][v])
+        assert max(r["loss"], r["norm"], r["grad"]) <= 1e-5, (v, r)
