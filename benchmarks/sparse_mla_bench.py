@@ -54,6 +54,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=128)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--block-h", default="16,32,64", help="heads per program of the sparse kernel, comma-separated")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     dev, dt = "cuda", torch.bfloat16
@@ -67,11 +68,18 @@ def main() -> None:
     idx = random_selection(s, k, dev)
     g = torch.randn(1, s, n, r, device=dev, dtype=dt)
 
-    def sparse_step():
-        out, _ = sparse_mla_attention(q, kv, idx, scale, r)
-        out.backward(g)
+    for block_h in [int(x) for x in a.block_h.split(",")]:
 
-    records.append({"impl": "sparse_mla (fwd+bwd)", "ms": timed(sparse_step, a.iters, a.warmup)})
+        def sparse_fwd(block_h=block_h):
+            with torch.no_grad():
+                sparse_mla_attention(q, kv, idx, scale, r, block_h=block_h)
+
+        def sparse_step(block_h=block_h):
+            out, _ = sparse_mla_attention(q, kv, idx, scale, r, block_h=block_h)
+            out.backward(g)
+
+        records.append({"impl": f"sparse_mla fwd (block_h {block_h})", "ms": timed(sparse_fwd, a.iters, a.warmup)})
+        records.append({"impl": f"sparse_mla fwd+bwd (block_h {block_h})", "ms": timed(sparse_step, a.iters, a.warmup)})
     q = kv = g = None
     torch.cuda.empty_cache()
 
@@ -80,12 +88,18 @@ def main() -> None:
     vd = torch.randn(1, n, s, dn + dr, device=dev, dtype=dt, requires_grad=True)  # v padded to 192 for flash
     gd = torch.randn(1, n, s, dn + dr, device=dev, dtype=dt)
 
+    def dense_fwd():
+        with torch.no_grad(), sdpa_backends("auto", qd.device):
+            F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
+
+    records.append({"impl": "dense MLA sdpa fwd", "ms": timed(dense_fwd, a.iters, a.warmup)})
+
     def dense_step():
         with sdpa_backends("auto", qd.device):
             out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
         out.backward(gd)
 
-    records.append({"impl": "dense MLA sdpa (fwd+bwd)", "ms": timed(dense_step, a.iters, a.warmup)})
+    records.append({"impl": "dense MLA sdpa fwd+bwd", "ms": timed(dense_step, a.iters, a.warmup)})
     qd = kd = vd = gd = None
     torch.cuda.empty_cache()
 

@@ -18,8 +18,9 @@ contribution atomically into an fp32 buffer (a row is selected by many queries):
     dq  += scale ds_j kv_j,   dkv_j += scale ds_j q  (all D channels),   dkv_j[:DV] += p_j do
 
 Same result as `moecore.models.dsa.sparse_mqa_attention_reference` (tests/kernels/test_sparse_mla.py, in
-Triton's interpreter on CPU and on a GPU). Rows are gathered by index, so a head block re-reads them: heads
-are processed BLOCK_H at a time (16 by default) to bound registers at DV = 512.
+Triton's interpreter on CPU and on a GPU). Rows are gathered by index, so each head block re-reads them:
+heads are processed `block_h` at a time (16 by default, to bound registers at DV = 512). Not yet tuned on a
+GPU: the backward's atomic adds (one [K, D] block per query and head block) are its likely bottleneck.
 """
 
 from __future__ import annotations
@@ -124,32 +125,32 @@ if triton_importable():
         tl.store(dqb + DV + dr[None, :], (dq_rope * scale).to(dq_ptr.dtype.element_ty), mask=mh[:, None] & mr[None, :])
 
 
-def _blocks(nh: int, dv: int, dr: int) -> dict:
-    return dict(
-        BLOCK_H=max(16, min(16, next_pow2(nh))),
-        BLOCK_K=32,
-        BLOCK_V=max(16, next_pow2(dv)),
-        BLOCK_R=max(16, next_pow2(dr)),
-    )
+DEFAULT_BLOCK_H = 16
+
+
+def _blocks(dv: int, dr: int, block_h: int) -> dict:
+    if block_h < 16 or block_h & (block_h - 1):
+        raise ValueError(f"block_h={block_h} is invalid: a power of two >= 16")
+    return dict(BLOCK_H=block_h, BLOCK_K=32, BLOCK_V=max(16, next_pow2(dv)), BLOCK_R=max(16, next_pow2(dr)))
 
 
 class _SparseMLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, dv: int):
+    def forward(ctx, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, dv: int, block_h: int):
         b, s, nh, d = q.shape
         q, kv = q.contiguous(), kv.contiguous()
         idx = idx.to(torch.int32).contiguous()
         k = idx.shape[-1]
         out = torch.empty(b, s, nh, dv, dtype=q.dtype, device=q.device)
         lse = torch.empty(b, s, nh, dtype=torch.float32, device=q.device)
-        blocks = _blocks(nh, dv, d - dv)
+        blocks = _blocks(dv, d - dv, block_h)
         grid = (b * s, triton.cdiv(nh, blocks["BLOCK_H"]))
         _sparse_mla_fwd[grid](
             q, kv, idx, out, lse, s, nh, k, dv, d - dv, scale,
             q.stride(1), q.stride(2), kv.stride(1), out.stride(1), out.stride(2), **blocks,
         )  # fmt: skip
         ctx.save_for_backward(q, kv, idx, out, lse)
-        ctx.scale, ctx.dv = scale, dv
+        ctx.scale, ctx.dv, ctx.block_h = scale, dv, block_h
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -162,19 +163,23 @@ class _SparseMLA(torch.autograd.Function):
         delta = (d_out.float() * out.float()).sum(-1).contiguous()
         dq = torch.empty_like(q)
         dkv = torch.zeros(b, s, d, dtype=torch.float32, device=q.device)
-        blocks = _blocks(nh, dv, d - dv)
+        blocks = _blocks(dv, d - dv, ctx.block_h)
         grid = (b * s, triton.cdiv(nh, blocks["BLOCK_H"]))
         _sparse_mla_bwd[grid](
             q, kv, idx, d_out, lse, delta, dq, dkv, s, nh, idx.shape[-1], dv, d - dv, ctx.scale,
             q.stride(1), q.stride(2), kv.stride(1), d_out.stride(1), d_out.stride(2), dkv.stride(1), **blocks,
         )  # fmt: skip
-        return dq, dkv.to(kv.dtype), None, None, None
+        return dq, dkv.to(kv.dtype), None, None, None, None
 
 
 def sparse_mla_attention(
-    q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, dv: int
+    q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, dv: int, block_h: int = DEFAULT_BLOCK_H
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, S, n, dv], lse [B, S, n] fp32) of the module docstring; differentiable in q and kv."""
+    """(out [B, S, n, dv], lse [B, S, n] fp32) of the module docstring; differentiable in q and kv.
+
+    `block_h`: heads per program (a power of two >= 16); larger blocks re-read the gathered rows fewer times
+    and issue fewer atomic adds in the backward, at the price of registers (benchmarks/sparse_mla_bench.py).
+    """
     if not triton_importable():
         raise ValueError("the sparse MLA kernel needs the triton package, which does not import here")
-    return _SparseMLA.apply(q, kv, idx, scale, dv)
+    return _SparseMLA.apply(q, kv, idx, scale, dv, block_h)
