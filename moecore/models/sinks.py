@@ -10,14 +10,19 @@ The sink takes probability mass and gives nothing back (its value is zero), so a
     out_i = softmax-attention(q, k, v)_i * Z_i / (Z_i + exp(sink_h)) = attention_i * sigmoid(lse_i - sink_h)
 
 which is exact and differentiable in the sink, the scores and the values as long as the attention kernel
-returns lse with a gradient. Two implementations:
-- `sink_attention_reference`: the scores as a [B, heads, S, S] tensor (eager PyTorch; CPU, tests);
+returns lse with a gradient. Three implementations of the same maths:
+- `sink_attention_reference`: the scores as a [B, heads, S, S] tensor (eager PyTorch; CPU);
+- `sink_attention_sdpa`: scaled_dot_product_attention with one extra key per head holding the sink. Queries
+  get one more channel equal to 1, keys a 0 there, and the sink key is (0, ..., 0, sink_h / scale) with a
+  zero value, placed first; the causal mask aligned to the bottom right (`causal_lower_right`) lets query t
+  see the sink and keys 0..t, so flash / cuDNN kernels run it (full layers; windows need a boolean mask).
+  The channel is padded to a multiple of 8 for those kernels;
 - `sink_attention_flex`: torch's flex_attention with a block mask (causal / sliding window, no [S, S]
-  tensor) returning lse, then the sigmoid rescaling above. flex_attention has no backward on CPU, so this
-  path is taken on CUDA only; tests/models/test_sinks.py checks it against the reference on a GPU.
-scaled_dot_product_attention cannot take the sink: it returns no lse, and an extra key holding the sink
-would need a dense [S, S + 1] mask (no flash kernel). A fused Triton kernel that adds exp(sink) to the
-running denominator of a flash-attention loop is the next step for speed.
+  tensor) returning lse, then the sigmoid rescaling above (no backward on CPU).
+`sink_attention` takes the reference on CPU; on CUDA the SDPA path for full layers and flex_attention for
+sliding windows (which it skips block by block). tests/models/test_sinks.py checks SDPA against the
+reference on CPU, and both GPU paths on a GPU. A fused Triton kernel that adds exp(sink) to the running
+denominator of a flash-attention loop would avoid the padded copies of q and k.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 
 def sink_attention_reference(
@@ -72,10 +78,41 @@ def sink_attention_flex(
     return (out.float() * gate.unsqueeze(-1)).to(q.dtype)
 
 
+def sink_attention_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, window: int | None, scale: float
+) -> torch.Tensor:
+    """Same as `sink_attention_reference` through scaled_dot_product_attention with a sink key (module doc)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    b, h, s, d = q.shape
+    if k.shape[1] != h:
+        rep = h // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    pad = 8  # one channel for the sink, padded so that d + pad keeps d's multiple of 8
+    extra_q = torch.cat((q.new_ones(b, h, s, 1), q.new_zeros(b, h, s, pad - 1)), dim=-1)
+    q1 = torch.cat((q, extra_q), dim=-1)
+    k1 = torch.cat((k, k.new_zeros(b, h, s, pad)), dim=-1)
+    sink_key = (sinks.to(q.dtype) / scale).view(1, h, 1, 1).expand(b, h, 1, 1)
+    ks = torch.cat((q.new_zeros(b, h, 1, d), sink_key, q.new_zeros(b, h, 1, pad - 1)), dim=-1)
+    k2 = torch.cat((ks, k1), dim=2)
+    v2 = torch.cat((v.new_zeros(b, h, 1, v.shape[-1]), v), dim=2)
+    if window is None:
+        mask = causal_lower_right(s, s + 1)
+    else:
+        i = torch.arange(s, device=q.device)[:, None]
+        j = torch.arange(s, device=q.device)[None, :]
+        visible = (j <= i) & (j > i - window)
+        mask = torch.cat((torch.ones(s, 1, dtype=torch.bool, device=q.device), visible), dim=1)
+    return F.scaled_dot_product_attention(q1, k2, v2, attn_mask=mask, scale=scale)
+
+
 def sink_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, window: int | None, scale: float
 ) -> torch.Tensor:
-    """Causal (optionally windowed) attention with per-head sinks: flex_attention on CUDA, else the reference."""
+    """Causal (optionally windowed) attention with per-head sinks: on CUDA through SDPA (full layers) or
+    flex_attention (sliding windows), else the reference."""
     if q.is_cuda:
+        if window is None:
+            return sink_attention_sdpa(q, k, v, sinks, window, scale)
         return sink_attention_flex(q, k, v, sinks, window, scale)
     return sink_attention_reference(q, k, v, sinks, window, scale)
