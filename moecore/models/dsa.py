@@ -45,9 +45,9 @@ from moecore.config import ModelConfig
 from moecore.models.mla import MLAttention
 from moecore.models.rope import apply_rotary
 
-# Query rows per block when computing the indexer's scores: at most about this many fp32 elements
-# ([B, block, nh, S]) at once.
-_BLOCK_ELEMENTS = 1 << 24
+# Query rows per block in the indexer's top-k and the KL losses: temporaries of at most about this many
+# fp32 elements at once.
+_BLOCK_ELEMENTS = 1 << 26
 
 
 class LightningIndexer(nn.Module):
@@ -85,10 +85,19 @@ class LightningIndexer(nn.Module):
         logits = torch.einsum("bhtd,bsd->bths", q[:, :, start:stop], k) * self.head_dim**-0.5
         return torch.einsum("bth,bths->bts", w[:, start:stop], F.relu(logits))
 
+    def scores_at(
+        self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, start: int, stop: int, sel: torch.Tensor
+    ) -> torch.Tensor:
+        """I[b, t, sel[b, t, j]] for queries start..stop-1: [B, stop-start, K] (sel: valid key indices)."""
+        ks = k[torch.arange(k.shape[0], device=k.device)[:, None, None], sel]  # [B, T, K, d]
+        logits = torch.einsum("bhtd,btjd->bthj", q[:, :, start:stop], ks) * self.head_dim**-0.5
+        return torch.einsum("bth,bthj->btj", w[:, start:stop], F.relu(logits))
 
-def query_blocks(batch: int, seq: int, heads: int) -> list[tuple[int, int]]:
-    """[start, stop) query ranges whose [B, block, heads, S] scores hold at most _BLOCK_ELEMENTS elements."""
-    block = max(1, _BLOCK_ELEMENTS // max(1, batch * heads * seq))
+
+def query_blocks(batch: int, seq: int, per_query: int) -> list[tuple[int, int]]:
+    """[start, stop) query ranges whose temporaries (`per_query` elements per query and sequence) hold at most
+    _BLOCK_ELEMENTS elements."""
+    block = max(1, _BLOCK_ELEMENTS // max(1, batch * per_query))
     return [(i, min(seq, i + block)) for i in range(0, seq, block)]
 
 
@@ -100,7 +109,7 @@ def causal_topk(indexer: LightningIndexer, q, k, w, topk: int) -> torch.Tensor:
     out = torch.empty(b, s, kk, dtype=torch.long, device=q.device)
     with torch.no_grad():
         cols = torch.arange(s, device=q.device)
-        for start, stop in query_blocks(b, s, indexer.n_heads):
+        for start, stop in query_blocks(b, s, indexer.n_heads * s):
             sc = indexer.scores(q, k, w, start, stop)
             visible = cols[None, :] <= torch.arange(start, stop, device=q.device)[:, None]
             sc = sc.masked_fill(~visible, float("-inf"))
@@ -212,14 +221,16 @@ class DSAttention(MLAttention):
         valid = idx >= 0
         bidx = torch.arange(b, device=idx.device)[:, None, None]
         total = q_t.new_zeros((), dtype=torch.float32)
-        for start, stop in query_blocks(b, s, max(self.indexer.n_heads, self.num_heads)):
+        ix = self.indexer
+        per_query = idx.shape[-1] * (self.num_heads + ix.n_heads + q_t.shape[-1] + ix.head_dim)
+        for start, stop in query_blocks(b, s, per_query):
             sel, keep = idx[:, start:stop], valid[:, start:stop]
             with torch.no_grad():
                 rows = kv_t[bidx, sel.clamp(min=0)].float()  # [B, T, K, D]
                 logits = torch.einsum("btnd,btkd->btnk", q_t[:, start:stop].float(), rows) * self.softmax_scale
                 p = torch.exp(logits - lse[:, start:stop, :, None].float()) * keep[:, :, None, :]
                 target = p.sum(2) / self.num_heads
-            index_logits = self.indexer.scores(iq, ik, iw, start, stop).gather(-1, sel.clamp(min=0))
+            index_logits = ix.scores_at(iq, ik, iw, start, stop, sel.clamp(min=0))
             total = total + kl_to_indexer(target, index_logits, keep).sum()
         return total / (b * s)
 
@@ -232,7 +243,7 @@ class DSAttention(MLAttention):
             q, k, _ = self._up_project(x, latent, k_rope, cos, sin)
         cols = torch.arange(s, device=x.device)
         total = x.new_zeros((), dtype=torch.float32)
-        for start, stop in query_blocks(b, s, max(self.indexer.n_heads, self.num_heads)):
+        for start, stop in query_blocks(b, s, s * (self.num_heads + self.indexer.n_heads)):
             keep = (cols[None, :] <= torch.arange(start, stop, device=x.device)[:, None]).expand(b, -1, -1)
             with torch.no_grad():
                 logits = torch.einsum("bntd,bnsd->btns", q[:, :, start:stop].float(), k.float()) * self.softmax_scale

@@ -203,7 +203,7 @@ def _attention_flops(cfg: Config, ctx: float, linear: bool) -> float:
 def _ffn_flops(cfg: Config, moe: bool) -> float:
     """Forward FLOPs per token of one layer's feed-forward block (MoE: router + activated experts only)."""
     m, e = cfg.model, cfg.moe
-    mats = 3 if m.activation == "swiglu" else 2
+    mats = 3 if m.activation in ("swiglu", "swiglu_clamped") else 2
     if not moe:
         return 2.0 * mats * m.hidden_size * m.ffn_hidden_size
     macs = m.hidden_size * e.num_experts + e.router_topk * mats * m.hidden_size * e.ffn_hidden_size

@@ -1,8 +1,10 @@
 """DeepSeek sparse attention pieces (moecore/models/dsa.py): the indexer's block-wise top-k equals the top-k of
-its whole score matrix (a DSA layer through the Triton kernel: tests/kernels/test_sparse_mla.py)."""
+its whole score matrix, the KL losses a few queries at a time equal the one-block losses, dense_warmup trains
+only the indexers (a DSA layer through the Triton kernel: tests/kernels/test_sparse_mla.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moecore.models import dsa
@@ -17,7 +19,7 @@ def test_blockwise_topk_equals_whole_matrix(monkeypatch):
     iq, ik, iw = layer.indexer.project(x, q_lat, cos, sin)
     whole = dsa.causal_topk(layer.indexer, iq, ik, iw, 6)
     monkeypatch.setattr(dsa, "_BLOCK_ELEMENTS", 2 * 4 * 23 * 3)  # blocks of 3 queries
-    assert dsa.query_blocks(2, 23, 4)[:2] == [(0, 3), (3, 6)]
+    assert dsa.query_blocks(2, 23, 4 * 23)[:2] == [(0, 3), (3, 6)]
     assert torch.equal(dsa.causal_topk(layer.indexer, iq, ik, iw, 6), whole)
     # every query keeps min(6, t + 1) distinct visible tokens, -1 for the rest
     for t in range(23):
@@ -45,3 +47,22 @@ def test_dense_warmup_trains_only_the_indexers():
     assert out.loss is out.indexer_loss and out.lm_loss.grad_fn is None
     for n, p in model.named_parameters():
         assert (p.grad is not None) == (n in trainable), n
+
+
+@pytest.mark.parametrize("stage", ["sparse", "dense_warmup"])
+def test_indexer_loss_in_query_blocks_equals_one_block(monkeypatch, stage):
+    """The KL losses computed a few queries at a time give the one-block loss and gradients."""
+    layer = _layer(_cfg(dsa_stage=stage)).train()
+    x = torch.randn(2, 17, 48)
+
+    def run():
+        layer.zero_grad()
+        layer(x, torch.arange(17))
+        loss = layer.pop_indexer_loss()
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in layer.indexer.parameters()]
+
+    whole = run()
+    monkeypatch.setattr(dsa, "_BLOCK_ELEMENTS", 1)  # one query per block
+    for a, b in zip(whole, run()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
