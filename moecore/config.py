@@ -196,6 +196,8 @@ class ModelConfig:
                     None,
                     "model.attention_type=dsa needs the q LoRA (its indexer reads the q latent)",
                 )
+            if not self.rope_interleave:
+                _fail("model.rope_interleave", False, "model.attention_type=dsa stores RoPE channels interleaved")
             if self.index_head_dim < self.qk_rope_head_dim:
                 _fail(
                     "model.index_head_dim",

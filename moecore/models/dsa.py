@@ -169,11 +169,17 @@ class DSAttention(MLAttention):
         loss, self.indexer_loss = self.indexer_loss, None
         return loss
 
+    def _keep_loss(self, loss: torch.Tensor) -> None:
+        """Hold this forward's KL loss for the model to collect; a checkpointed layer's recomputation in backward
+        computes it again (the recomputation must save what the forward saved) but it is not kept."""
+        if torch._C._current_graph_task_id() == -1:
+            self.indexer_loss = loss
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         if self.stage == "dense_warmup":
             out = super().forward(x, position_ids)
             if self.training and torch.is_grad_enabled():
-                self.indexer_loss = self._dense_indexer_loss(x, position_ids)
+                self._keep_loss(self._dense_indexer_loss(x, position_ids))
             return out
         return self._sparse_forward(x, position_ids)
 
@@ -212,7 +218,7 @@ class DSAttention(MLAttention):
         w_uv = self.kv_b_proj.weight.view(n, dn + self.v_dim, r)[:, dn:]  # [n, dv, r]
         out = torch.einsum("bsnr,nvr->bsnv", o_lat, w_uv).reshape(b, s, n * self.v_dim)
         if self.training and torch.is_grad_enabled():
-            self.indexer_loss = self._sparse_indexer_loss(q_t.detach(), kv_t.detach(), lse, idx, iq, ik, iw)
+            self._keep_loss(self._sparse_indexer_loss(q_t.detach(), kv_t.detach(), lse, idx, iq, ik, iw))
         return self.o_proj(out)
 
     def _sparse_indexer_loss(self, q_t, kv_t, lse, idx, iq, ik, iw) -> torch.Tensor:

@@ -66,3 +66,31 @@ def test_indexer_loss_in_query_blocks_equals_one_block(monkeypatch, stage):
     monkeypatch.setattr(dsa, "_BLOCK_ELEMENTS", 1)  # one query per block
     for a, b in zip(whole, run()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_full_recompute_gives_the_same_losses_and_gradients():
+    """model.recompute_granularity=full: the DSA layers' recomputation in backward changes nothing (and leaves
+    no KL loss behind)."""
+    from moecore.config import load_config
+    from moecore.models.transformer import MoETransformer
+
+    results = []
+    for gran in ("none", "full"):
+        cfg = load_config(
+            "tiny-deepseek-v32",
+            [
+                "model.vocab_size=64",
+                "model.num_layers=2",
+                "model.mtp_num_layers=0",
+                f"model.recompute_granularity={gran}",
+            ],
+        ).validate()
+        torch.manual_seed(0)
+        model = MoETransformer(cfg).train()
+        ids = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(1))
+        out = model(ids[:, :-1], labels=ids[:, 1:])
+        out.loss.backward()
+        assert all(m.indexer_loss is None for m in model.modules() if isinstance(m, dsa.DSAttention))
+        results.append([out.loss.detach()] + [p.grad for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
