@@ -145,11 +145,13 @@ def load_weights(
     targets = _targets(model)
     needed: dict[str, str] = {}
     for mp in maps:
-        want = _part_shape(tuple(targets[mp.ours].shape), mp)
-        for name in mp.hf_names():
+        want = None if mp.combine is not None else _part_shape(tuple(targets[mp.ours].shape), mp)
+        for k, name in enumerate(mp.hf_names()):
             needed[name] = mp.ours
             if name not in available:
                 raise ValueError(f"{reader.folder}: tensor {name!r} is missing (it makes our {mp.ours})")
+            if mp.combine is not None:
+                want = tuple(mp.hf_shapes[k])
             got = reader.shape(name)
             if got != want:
                 raise ValueError(
@@ -167,7 +169,12 @@ def load_weights(
         target = targets[mp.ours]
         is_param = mp.ours in params
         value = torch.empty(target.shape, dtype=dtype if is_param else target.dtype)
-        for s, parts in enumerate(mp.hf):
+        if mp.combine is not None:  # e.g. quantized blocks + scales, dequantized (families/gpt_oss.py)
+            value.copy_(mp.combine([reader.get(name) for name in mp.hf_names()]))
+            if on_tensor is not None:
+                for name in mp.hf_names():
+                    on_tensor(name)
+        for s, parts in enumerate(() if mp.combine is not None else mp.hf):
             dst = value[s] if mp.stacked else value
             rows = dst.shape[0] // len(parts) if len(parts) > 1 else 0
             for k, name in enumerate(parts):

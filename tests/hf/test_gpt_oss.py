@@ -161,7 +161,7 @@ def test_refusals():
         with pytest.raises(ValueError, match=field):
             family.config_from_hf({**base, field: value})
     with pytest.raises(ValueError, match="quantization_config"):
-        family.config_from_hf({**base, "quantization_config": {"quant_method": "mxfp4"}})
+        family.config_from_hf({**base, "quantization_config": {"quant_method": "fp8"}})
     cfg = load_config("tiny-gpt-oss")
     cfg.model.attn_sinks = False
     with pytest.raises(ValueError, match="model.attn_sinks"):
@@ -242,3 +242,50 @@ def test_real_size_recipes(recipe, hf_config, billions):
 def test_tiny_recipe_exports_and_trains(tmp_path):
     check_tiny_recipe_exports("tiny-gpt-oss", "gpt_oss")
     tiny_recipe_trains("tiny-gpt-oss", tmp_path, extra=("model.hidden_size=64",))
+
+
+def test_mxfp4_checkpoint_imports_dequantized(tmp_path):
+    """An MXFP4 checkpoint as OpenAI ships gpt-oss (expert matrices as uint8 blocks + e8m0 scales, the rest
+    unquantized): our import dequantizes them to what transformers' own dequantizer gives; the logits match
+    transformers' model holding those weights, and the export (unquantized) loads in transformers."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from moecore.hf import save_pretrained
+
+    cfg = oss_config(intermediate_size=32, swiglu_limit=7.0)
+    ref = build_hf(cfg)
+    e, h, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    g = torch.Generator().manual_seed(11)
+    quant = {}
+    for i in range(cfg.num_hidden_layers):
+        for name, rows, cols in (("gate_up_proj", 2 * f, h), ("down_proj", h, f)):
+            blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+            scales = torch.randint(120, 125, (e, rows, cols // 32), generator=g, dtype=torch.uint8)
+            quant[i, name] = (blocks, scales)
+            dense = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # transformers' dequantizer
+            with torch.no_grad():
+                getattr(ref.model.layers[i].mlp.experts, name).copy_(dense)
+    src = tmp_path / "mxfp4"
+    ref.save_pretrained(src)
+    tensors = load_file(src / "model.safetensors")
+    for (i, name), (blocks, scales) in quant.items():
+        prefix = f"model.layers.{i}.mlp.experts.{name}"
+        del tensors[prefix]
+        tensors[f"{prefix}_blocks"], tensors[f"{prefix}_scales"] = blocks, scales
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (src / "config.json").write_text(json.dumps(config))
+
+    ours = load_pretrained(src)
+    ids = tokens(V, seq=12, seed=2)
+    with torch.no_grad():
+        assert_close(ours(ids).logits, ref(ids).logits, "logits of the dequantized import")
+    out = save_pretrained(ours, tmp_path / "exported")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert_close(back(ids).logits, ref(ids).logits, "exported logits")

@@ -72,6 +72,10 @@ class TensorMap:
     to_ours: Callable[[torch.Tensor], torch.Tensor] | None = None
     to_hf: Callable[[torch.Tensor], torch.Tensor] | None = None
     hf_shape: tuple[int, ...] | None = None  # the one Hugging Face tensor's shape when to_ours/to_hf change it
+    # Import only: our tensor is combine([the Hugging Face tensors of hf[0], read whole]), each of the shape in
+    # hf_shapes (e.g. quantized blocks and their scales, dequantized).
+    combine: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
+    hf_shapes: tuple[tuple[int, ...], ...] | None = None
 
     @staticmethod
     def transformed(
@@ -98,6 +102,16 @@ class TensorMap:
     def stack(ours: str, per_slice: list[list[str]]) -> TensorMap:
         """Our tensor [N, ...] stacks N slices; slice i concatenates `per_slice[i]` along dim 0."""
         return TensorMap(ours, tuple(tuple(parts) for parts in per_slice), stacked=True)
+
+    @staticmethod
+    def combined(
+        ours: str,
+        hf_names: list[str],
+        combine: Callable[[list[torch.Tensor]], torch.Tensor],
+        hf_shapes: list[tuple[int, ...]],
+    ) -> TensorMap:
+        """Import only: our tensor is `combine` of several Hugging Face tensors (shapes `hf_shapes`)."""
+        return TensorMap(ours, (tuple(hf_names),), combine=combine, hf_shapes=tuple(tuple(x) for x in hf_shapes))
 
     def hf_names(self) -> list[str]:
         return [name for parts in self.hf for name in parts]

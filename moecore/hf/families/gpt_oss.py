@@ -15,9 +15,12 @@ Expert tensors differ from ours in layout: transformers (and the bf16 checkpoint
 [E, H]. Ours are `w13` [E, 2F, H] (gate rows then up rows), `b13` [E, 2F], `w2` [E, H, F], `b2` [E, H]:
 the maps transpose and de-interleave on import and do the reverse on export.
 
-The Hub's original checkpoints store the experts quantized as MXFP4 (`quantization_config`); they are
-refused. Dequantize them first (transformers: `Mxfp4Config(dequantize=True)`, then `save_pretrained`) or
-start from a bf16 copy.
+OpenAI's original checkpoints store the expert matrices as MXFP4 (`quantization_config.quant_method: mxfp4`):
+`experts.gate_up_proj_blocks` [E, 2F, H/32, 16] and `down_proj_blocks` [E, H, F/32, 16] (uint8, two 4-bit e2m1
+values per byte, the low nibble first) with `*_scales` [E, rows, blocks] (uint8 e8m0: 2^(s - 127) per block of
+32 values); everything else in bf16. Import dequantizes them, one tensor at a time, into our bf16 (or the
+requested dtype) `w13` / `w2`: the rows of gate_up_proj_blocks are gate/up interleaved, those of
+down_proj_blocks are already our `w2` rows. Export always writes unquantized tensors (no quantization_config).
 """
 
 from __future__ import annotations
@@ -91,7 +94,11 @@ def _layer_types(f: HFFields, num_layers: int) -> list[str]:
 
 
 def config_from_hf(hf: dict) -> Config:
-    """config.json -> our Config (model and moe sections)."""
+    """config.json -> our Config (model and moe sections); an MXFP4 quantization_config is accepted (import
+    dequantizes the experts), any other is refused."""
+    quant = hf.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":
+        hf = {k: v for k, v in hf.items() if k != "quantization_config"}
     f = HFFields(hf, MODEL_TYPE, DEFAULTS)
     cfg = base_config(f)
     m, e = cfg.model, cfg.moe
@@ -188,8 +195,52 @@ def _interleave(t: torch.Tensor) -> torch.Tensor:
     return torch.stack((g, u), dim=-1).flatten(-2).contiguous()
 
 
-def expert_maps(ours: str, hf: str, num: int, hidden: int, ffn: int) -> list[TensorMap]:
-    """Router and biased experts of one MoE block (`ours` / `hf`: the mlp prefixes)."""
+# e2m1 (4-bit float) values by code: sign bit, two exponent bits, one mantissa bit.
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[..., G, 16] uint8 blocks and [..., G] uint8 e8m0 scales -> [..., G * 32] fp32: value k of a block is
+    byte k // 2's low nibble (k even) or high nibble (k odd), times 2^(scale - 127)."""
+    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    b = blocks.to(torch.int64)
+    values = torch.stack((lut[b & 0x0F], lut[b >> 4]), dim=-1).flatten(-2)  # [..., G, 32]
+    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
+    return values.flatten(-2)
+
+
+def _mxfp4_maps(ours: str, hf: str, num: int, hidden: int, ffn: int) -> list[TensorMap]:
+    """The expert matrices of an MXFP4 checkpoint, dequantized on import (module docstring)."""
+    up, down = f"{hf}.experts.gate_up_proj", f"{hf}.experts.down_proj"
+    return [
+        TensorMap.combined(
+            f"{ours}.experts.w13",
+            [f"{up}_blocks", f"{up}_scales"],
+            lambda t: _deinterleave(dequantize_mxfp4(*t).transpose(1, 2)).transpose(1, 2),
+            [(num, 2 * ffn, hidden // 32, 16), (num, 2 * ffn, hidden // 32)],
+        ),
+        TensorMap.combined(
+            f"{ours}.experts.w2",
+            [f"{down}_blocks", f"{down}_scales"],
+            lambda t: dequantize_mxfp4(*t),
+            [(num, hidden, ffn // 32, 16), (num, hidden, ffn // 32)],
+        ),
+    ]
+
+
+def expert_maps(
+    ours: str, hf: str, num: int, hidden: int, ffn: int, available: Collection[str] | None = None
+) -> list[TensorMap]:
+    """Router and biased experts of one MoE block (`ours` / `hf`: the mlp prefixes); MXFP4 expert matrices
+    when the checkpoint (`available`) holds them."""
+    maps = _expert_maps(ours, hf, num, hidden, ffn)
+    if available is not None and f"{hf}.experts.gate_up_proj_blocks" in available:
+        quantized = _mxfp4_maps(ours, hf, num, hidden, ffn)
+        maps = [mp for mp in maps if mp.ours not in (f"{ours}.experts.w13", f"{ours}.experts.w2")] + quantized
+    return maps
+
+
+def _expert_maps(ours: str, hf: str, num: int, hidden: int, ffn: int) -> list[TensorMap]:
     return [
         TensorMap.copy(f"{ours}.router.weight", f"{hf}.router.weight"),
         TensorMap.copy(f"{ours}.router.bias", f"{hf}.router.bias"),
@@ -229,5 +280,5 @@ def tensor_maps(cfg: Config, available: Collection[str] | None = None) -> list[T
             maps.append(TensorMap.copy(f"{ours}.attn.{p}_proj.weight", f"{hf}.self_attn.{p}_proj.weight"))
             if m.qkv_bias:
                 maps.append(TensorMap.copy(f"{ours}.attn.{p}_proj.bias", f"{hf}.self_attn.{p}_proj.bias"))
-        maps += expert_maps(f"{ours}.mlp", f"{hf}.mlp", e.num_experts, m.hidden_size, e.ffn_hidden_size)
+        maps += expert_maps(f"{ours}.mlp", f"{hf}.mlp", e.num_experts, m.hidden_size, e.ffn_hidden_size, available)
     return maps
