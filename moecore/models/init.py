@@ -114,6 +114,13 @@ def rule_for(module: nn.Module, attr: str, param: torch.Tensor, init_std: float)
         return normal
     if cls == "TopKRouter" and attr == "weight":
         return normal
+    # gpt-oss (models/biased_moe.py, models/attention.py): biased experts and router, attention sinks.
+    if cls in ("BiasedGroupedExperts", "BiasedTopKRouter"):
+        return normal if attr in ("w13", "w2", "weight") else KEEP  # b13, b2, bias: zeros
+    if cls == "Attention" and attr == "sinks":
+        return KEEP  # zeros
+    if isinstance(module, nn.LayerNorm):  # the DSA indexer's k_norm (models/dsa.py): ones and zeros
+        return KEEP
     if cls == "GatedDeltaNet" and attr == "A_log":
         return InitRule("uniform", 1.0, 16.0, torch.log)
     if cls == "GatedDeltaNet" and attr == "dt_bias":
