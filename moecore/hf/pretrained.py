@@ -24,6 +24,7 @@ from torch import nn
 
 from moecore.config import Config
 from moecore.hf.families import TensorMap, family_names, get_family
+from moecore.hf.fp8 import SCALE_SUFFIX, dequantize_fp8, fp8_block_size
 from moecore.hf.io import (
     DEFAULT_MAX_SHARD_BYTES,
     PlannedTensor,
@@ -141,6 +142,7 @@ def load_weights(
     """Fill `model` (parameters on meta) from `reader`, after checking every name and shape."""
     available = set(reader.names())
     maps = family.tensor_maps(cfg, available)
+    fp8_block = fp8_block_size(read_config_json(reader.folder))  # block-wise FP8 weights: dequantized
     check_maps(maps, model, family.MODEL_TYPE)
     targets = _targets(model)
     needed: dict[str, str] = {}
@@ -152,6 +154,8 @@ def load_weights(
                 raise ValueError(f"{reader.folder}: tensor {name!r} is missing (it makes our {mp.ours})")
             if mp.combine is not None:
                 want = tuple(mp.hf_shapes[k])
+            if fp8_block is not None and name + SCALE_SUFFIX in available:
+                needed[name + SCALE_SUFFIX] = mp.ours
             got = reader.shape(name)
             if got != want:
                 raise ValueError(
@@ -179,7 +183,10 @@ def load_weights(
             rows = dst.shape[0] // len(parts) if len(parts) > 1 else 0
             for k, name in enumerate(parts):
                 piece = dst if len(parts) == 1 else dst[k * rows : (k + 1) * rows]
-                if mp.to_ours is None:
+                if fp8_block is not None and name + SCALE_SUFFIX in available:
+                    w = dequantize_fp8(reader.get(name), reader.get(name + SCALE_SUFFIX), fp8_block)
+                    piece.copy_(w if mp.to_ours is None else mp.to_ours(w))
+                elif mp.to_ours is None:
                     reader.read_into(name, piece)  # straight into the parameter's memory
                 else:
                     piece.copy_(mp.to_ours(reader.get(name)))
@@ -199,7 +206,7 @@ def checkpoint_dtype(hf: dict, reader: SafetensorsReader) -> torch.dtype:
         return DTYPES[name]
     for n in reader.names():
         dt = reader.dtype(n)
-        if dt.is_floating_point:
+        if dt.is_floating_point and dt.itemsize > 1:  # not the fp8 weights of a quantized checkpoint
             return dt
     return torch.float32
 

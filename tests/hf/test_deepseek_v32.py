@@ -259,7 +259,7 @@ def test_refusals():
 
 
 # --------------------------------------------------------------------------------------------------
-# Recipes (deepseek-ai/DeepSeek-V3.2-Exp config.json, without its fp8 quantization_config)
+# Recipes (deepseek-ai/DeepSeek-V3.2-Exp config.json; its fp8 weights are dequantized on import)
 # --------------------------------------------------------------------------------------------------
 
 DEEPSEEK_V32 = {
@@ -292,6 +292,12 @@ DEEPSEEK_V32 = {
     "num_key_value_heads": 128,
     "num_nextn_predict_layers": 1,
     "q_lora_rank": 1536,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
     "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64,
     "rms_norm_eps": 1e-06,

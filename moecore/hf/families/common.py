@@ -100,9 +100,15 @@ class HFFields:
 
     def finish(self) -> None:
         if self.hf.get("quantization_config") is not None:
-            self.refuse(
-                "quantization_config", self.hf["quantization_config"], "quantized checkpoints cannot be imported"
-            )
+            from moecore.hf.fp8 import fp8_block_size
+
+            try:  # block-wise fp8 weights are dequantized on import (moecore/hf/fp8.py)
+                fp8_block_size(self.hf)
+            except ValueError:
+                self.refuse(
+                    "quantization_config", self.hf["quantization_config"], "quantized checkpoints cannot be imported"
+                )
+            self.used.add("quantization_config")
         unknown = sorted(k for k in self.hf if k not in self.used and k not in INERT_FIELDS)
         if unknown:
             raise ValueError(
