@@ -142,7 +142,7 @@ def load_weights(
     """Fill `model` (parameters on meta) from `reader`, after checking every name and shape."""
     available = set(reader.names())
     maps = family.tensor_maps(cfg, available)
-    fp8_block = fp8_block_size(read_config_json(reader.folder))  # block-wise FP8 weights: dequantized
+    fp8_block = _fp8_block(read_config_json(reader.folder))  # block-wise FP8 weights: dequantized
     check_maps(maps, model, family.MODEL_TYPE)
     targets = _targets(model)
     needed: dict[str, str] = {}
@@ -197,6 +197,13 @@ def load_weights(
         else:
             with torch.no_grad():
                 target.copy_(value)
+
+
+def _fp8_block(hf: dict) -> tuple[int, int] | None:
+    """The FP8 block size of a block-wise fp8 checkpoint, else None (other quantization is the family's to refuse
+    or handle, e.g. gpt-oss's MXFP4)."""
+    q = hf.get("quantization_config")
+    return fp8_block_size(hf) if isinstance(q, dict) and q.get("quant_method") == "fp8" else None
 
 
 def checkpoint_dtype(hf: dict, reader: SafetensorsReader) -> torch.dtype:
