@@ -22,6 +22,8 @@ def check_layout(cfg: Config) -> None:
             ("parallel.distributed_optimizer", p.distributed_optimizer, p.distributed_optimizer, "false"),
             ("train.precision", cfg.train.precision, cfg.train.precision == "fp16", "auto | fp32 | bf16"),
             ("moe.router_replay_mode", e.router_replay_mode, e.router_replay_mode != "none", "none"),
+            # the pipeline step does not collect the DSA indexers' KL loss (moecore/models/dsa.py)
+            ("model.attention_type", m.attention_type, m.attention_type == "dsa", "gqa | mla"),
         ]
         for name, value, refused, allowed in not_yet:
             if refused:
