@@ -93,13 +93,13 @@ class Runtime:
             self.scaler.unscale_(self._optimizer)
         params = [p for p in model.parameters() if grad_of(p) is not None]
         grads = [grad_of(p) for p in params]
-        if self.world_size > 1:
+        if self.world_size > 1 or all(g.dtype == torch.float32 for g in grads):
             from moecore.parallel.data_parallel import global_grad_norm
 
-            norm = global_grad_norm(params, self.dims)
-        elif all(g.dtype == torch.float32 for g in grads):
-            norm = torch.nn.utils.get_total_norm(grads)
-        else:  # bf16 gradients: sum the squares in fp32
+            # One algorithm for every layout (per-tensor fp32 norms, squares summed in fp64), so that a
+            # one-process run and a parallel run of the same gradients report the same norm.
+            norm = global_grad_norm(params, self.dims if self.world_size > 1 else None)
+        else:  # bf16 gradients on one process: one foreach norm, squares summed in fp32
             norm = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).norm()
         if max_norm > 0 and grads:
             coef = float((max_norm / (norm.float() + 1e-6)).clamp(max=1.0))

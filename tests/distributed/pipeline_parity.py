@@ -19,7 +19,7 @@ from dist_parity import CLIP, GLOBAL_BATCH, MICRO_BATCH, full_state, make_dims, 
 from moecore.config import Config
 from moecore.models.transformer import MoETransformer
 from moecore.parallel import comm
-from moecore.parallel.data_parallel import wrap_model_for_data_parallel
+from moecore.parallel.data_parallel import clip_grad_norm_, wrap_model_for_data_parallel
 from moecore.parallel.pipeline import clip_grad_norm_pipeline, parallelize_pipeline
 from moecore.parallel.sharding import get_shard, load_global_state_dict
 
@@ -49,7 +49,8 @@ def reference(cfg: Config, data, steps: int, seed: int = 0) -> tuple[dict, dict]
             lm += float(o.lm_loss_sum.detach())
         if step == 0:
             out["grads"] = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
-        out["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        # The one-process trainer's clipping (Runtime.clip_grad_norm): per-tensor fp32 norms summed in fp64.
+        out["norms"].append(float(clip_grad_norm_(model.parameters(), CLIP, None)))
         opt.step()
         for layer in model.moe_layers():
             layer.update_expert_bias()
