@@ -101,16 +101,8 @@ def _chunked(h, weight, labels, mask, chunk: int, impl: str, need_grad: bool):
 
 
 def _accumulate_dw(dw: torch.Tensor | None, z: torch.Tensor, hc: torch.Tensor) -> torch.Tensor:
-    """dw + z^T @ hc summed in fp32 over the chunks. On CUDA the GEMM writes (and adds into) fp32
-    itself (`out_dtype`), where a bf16 product would otherwise be cast and added in two more passes."""
+    """dw + z^T @ hc, summed in fp32 over the chunks."""
     acc = torch.promote_types(z.dtype, torch.float32)
-    if z.is_cuda and z.dtype != acc:
-        try:
-            if dw is None:
-                return torch.mm(z.t(), hc, out_dtype=acc)
-            return torch.addmm(dw, z.t(), hc, out_dtype=acc)
-        except (RuntimeError, TypeError):  # a torch without the fp32-output GEMM for these inputs
-            pass
     part = (z.t() @ hc).to(acc)
     return part if dw is None else dw.add_(part)
 
