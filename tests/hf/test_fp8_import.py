@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 from hf_parity import assert_close, tokens  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from test_deepseek_v32 import V, build, v32_config  # noqa: E402
+
 try:  # transformers' own block-wise FP8 dequantizer (5.24); older releases lack it
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight  # noqa: E402
 except ImportError:
