@@ -27,6 +27,9 @@ keys of `OFFLOADS` to host memory; the memory model keeps two layers' worth of t
 group being consumed and the one prefetched). The numbers were checked
 against the H200 measurements of benchmarks/recompute_memory.py (docs/benchmarks.md) and are
 checked again by benchmarks/plan_accuracy.py.
+
+DSA (DeepSeek-V3.2) layers are counted as MLA: what the lightning indexer saves (its q, k, head weights and
+top-k indices) is not in the table yet. Attention with sinks (gpt-oss) is counted as plain SDPA.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def attention_modules(cfg: Config, layer: int, layout: Layout, c: ActContext) ->
         out["core_attn"] = T * b * (2 * (2 * kd + 2 * vd) + 2 * (2 * kd + vd) + 3 * vd)
         out["attn_out"] = T * vd * b
         return out
-    if m.attention_type == "mla":
+    if m.attention_type in ("mla", "dsa"):
         n, dn, dr, dv = m.num_attention_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         lat = T * (m.kv_lora_rank + dr) * b + T * 4 + T * m.kv_lora_rank * b
         if m.q_lora_rank:
@@ -230,7 +233,7 @@ def _core_attn_inputs(cfg: Config, layout: Layout, c: ActContext) -> float:
     """What a checkpointed core attention keeps: q, k, v before the grouped-query expansion."""
     m = cfg.model
     T, b = c.tokens, c.act_bytes
-    if m.attention_type == "mla":
+    if m.attention_type in ("mla", "dsa"):
         return 0.0  # q, k, v are kept by mla_up already (or recomputed with it under mla_up_proj)
     hd = m.resolved_head_dim
     nh, nkv = m.num_attention_heads // layout.tp, m.kv_heads // layout.tp

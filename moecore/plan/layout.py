@@ -83,8 +83,8 @@ class Layout:
             parts.append(self.precision)
         return " ".join(parts)
 
-    def overrides(self) -> list[str]:
-        """`moecore train` overrides that select this layout."""
+    def overrides(self, pp_layout: str | None = None) -> list[str]:
+        """`moecore train` overrides that select this layout (`pp_layout`: its stages, `stage_layout_of`)."""
         rec = ",".join(self.recompute_modules)
         out = [
             f"parallel.tp={self.tp}",
@@ -98,6 +98,11 @@ class Layout:
             f"model.recompute_modules=[{rec}]",
             f"train.micro_batch_size={self.micro_batch_size}",
         ]
+        if self.pp > 1:
+            out.insert(2, f"parallel.pp_schedule={pp_schedule(self.vpp)}")
+            out.insert(2, f"parallel.vpp={self.vpp}")
+            if pp_layout:
+                out.insert(4, f"parallel.pp_layout={pp_layout}")
         if self.offload_modules:
             out.append(f"model.offload_modules=[{','.join(self.offload_modules)}]")
         if self.precision in ("adam_bf16", "master_bf16"):
@@ -114,7 +119,7 @@ def layout_of(cfg: Config, world: int) -> Layout:
     return Layout(
         tp=p.tp,
         pp=p.pp,
-        vpp=int(getattr(p, "vpp", 1) or 1),
+        vpp=p.vpp,
         cp=p.cp,
         ep=p.ep,
         etp=p.etp,
@@ -128,13 +133,48 @@ def layout_of(cfg: Config, world: int) -> Layout:
     )
 
 
+def pp_schedule(vpp: int) -> str:
+    """The schedule the planner's pipeline model describes: 1F1B, or interleaved 1F1B with vpp > 1 chunks."""
+    return "1f1b" if vpp == 1 else "interleaved_1f1b"
+
+
+def schedule_fits(schedule: str, vpp: int) -> bool:
+    """Whether a config's `parallel.pp_schedule` runs `vpp` stages per rank (moecore.parallel.pipeline_layout)."""
+    if schedule == "1f1b":
+        return vpp == 1
+    if schedule in ("zbv", "dualpipev"):
+        return vpp == 2
+    return True
+
+
+def stage_layout_of(cfg: Config, layout: Layout) -> str | None:
+    """`parallel.pp_layout` for a candidate: the config's own when it has the candidate's stage count; else,
+    when the layers do not split evenly over pp x vpp stages, the planner's split (the extra layers on
+    the first stages, as moecore.plan.params.stage_layers) in the trainer's notation; else None (even split)."""
+    p, m = cfg.parallel, cfg.model
+    if layout.pp == 1:
+        return None
+    if p.pp_layout and (p.pp, p.vpp) == (layout.pp, layout.vpp):
+        return p.pp_layout
+    n = layout.pp * layout.vpp
+    if m.num_layers % n == 0 or m.num_layers < n:
+        return None  # the trainer's even split (or its one-line refusal of too few layers)
+    base, extra = divmod(m.num_layers, n)
+    stages = ["t" * (base + (s < extra)) for s in range(n)]
+    stages[0] = "E" + stages[0]
+    stages[-1] += "m" * m.mtp_num_layers + "L"
+    return "|".join(stages)
+
+
 def layout_config(cfg: Config, layout: Layout) -> Config:
     """A copy of cfg with the layout's degrees, optimizer sharding, recomputation and micro-batch size."""
     out = copy.deepcopy(cfg)
     p, m = out.parallel, out.model
+    p.pp_layout = stage_layout_of(cfg, layout)
+    if layout.pp > 1 and not schedule_fits(p.pp_schedule, layout.vpp):
+        p.pp_schedule = pp_schedule(layout.vpp)
     p.tp, p.pp, p.cp, p.ep, p.etp = layout.tp, layout.pp, layout.cp, layout.ep, layout.etp
-    if hasattr(p, "vpp"):
-        p.vpp = layout.vpp
+    p.vpp = layout.vpp
     p.distributed_optimizer, p.fsdp = layout.distributed_optimizer, layout.fsdp
     m.recompute_granularity = layout.recompute_granularity
     m.recompute_modules = list(layout.recompute_modules)
@@ -149,17 +189,27 @@ def layout_config(cfg: Config, layout: Layout) -> Config:
 
 def unsupported_reason(cfg: Config, layout: Layout) -> str | None:
     """None when this version's trainer runs the layout, else the one-line reason it gives."""
-    from moecore.parallel.layout import check_layout
-
-    if layout.vpp > 1 and not hasattr(cfg.parallel, "vpp"):
-        return "virtual pipeline stages (vpp) are not implemented yet"
     try:
         c = layout_config(cfg, layout)
-        c.validate()  # the rules that span sections (e.g. bf16 Adam moments without the distributed optimizer)
-        check_layout(c)
+        # the rules that span sections (e.g. bf16 Adam moments without the distributed optimizer), the tiling of
+        # the GPUs and the pipeline schedule's micro-batch counts (config.validate_layout calls check_layout)
+        c.validate(world_size=layout.world)
+        for reason in _model_refusals(c):
+            return reason
     except ConfigError as e:
         return str(e)
     return None
+
+
+def _model_refusals(cfg: Config) -> list[str]:
+    """Combinations the model layers refuse when built, beyond check_layout (moecore/models/attention.py, biased_moe.py)."""
+    m, p = cfg.model, cfg.parallel
+    out = []
+    if getattr(m, "attn_sinks", False) and p.tp > 1:
+        out.append(f"model.attn_sinks=true is not supported with parallel.tp={p.tp} yet; use parallel.tp=1")
+    if getattr(m, "expert_linear_bias", False) and p.etp > 1:
+        out.append(f"model.expert_linear_bias=true is not supported with parallel.etp={p.etp}; use parallel.etp=1")
+    return out
 
 
 def group_span(layout: Layout, group: str) -> int:

@@ -75,7 +75,7 @@ def _attention(cfg: Config, layer: int, tp: int, prefix: str) -> list[ParamEntry
         for name, numel, ndim in _linear_attention_numels(cfg):
             add(name, numel, ndim)
         return out
-    if m.attention_type == "mla":
+    if m.attention_type in ("mla", "dsa"):  # DSA is MLA plus the lightning indexer (moecore/models/dsa.py)
         n = m.num_attention_heads
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank is None:
@@ -88,6 +88,13 @@ def _attention(cfg: Config, layer: int, tp: int, prefix: str) -> list[ParamEntry
         add("attn.kv_a_layernorm.weight", m.kv_lora_rank, 1)
         add("attn.kv_b_proj.weight", m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim), 2)
         add("attn.o_proj.weight", n * m.v_head_dim * h, 2)
+        if m.attention_type == "dsa":  # reads the q latent, so q_lora_rank is set (the model refuses None)
+            nh, d = m.index_n_heads, m.index_head_dim
+            add("attn.indexer.wq_b.weight", m.q_lora_rank * nh * d, 2)
+            add("attn.indexer.wk.weight", h * d, 2)
+            add("attn.indexer.k_norm.weight", d, 1)  # a LayerNorm: weight and bias
+            add("attn.indexer.k_norm.bias", d, 1)
+            add("attn.indexer.weights_proj.weight", h * nh, 2)
         return out
     hd = m.resolved_head_dim
     nq, nkv = m.num_attention_heads * hd, m.kv_heads * hd
@@ -105,6 +112,8 @@ def _attention(cfg: Config, layer: int, tp: int, prefix: str) -> list[ParamEntry
     if m.qk_norm:
         add("attn.q_norm.weight", hd, 1)
         add("attn.k_norm.weight", hd, 1)
+    if getattr(m, "attn_sinks", False):  # one learned logit per head (gpt-oss; the model runs it with tp = 1 only)
+        add("attn.sinks", m.num_attention_heads // tp, 1)
     return out
 
 
@@ -115,10 +124,18 @@ def _ffn(cfg: Config, is_moe: bool, layout: Layout, prefix: str) -> list[ParamEn
     if not is_moe:
         return [ParamEntry(prefix + "mlp.proj", mats * h * m.ffn_hidden_size // layout.tp, True)]
     out = [ParamEntry(prefix + "mlp.router.weight", e.num_experts * h, True)]
+    gated = 2 if m.activation in ("swiglu", "swiglu_clamped") else 1  # w13 rows per FFN column: gate and up, or up
+    if getattr(m, "router_logit_bias", False):  # gpt-oss: a learned bias [E] on the router logits
+        out.append(ParamEntry(prefix + "mlp.router.bias", e.num_experts, False))
     f_loc = e.ffn_hidden_size // layout.etp
     e_loc = e.num_experts // layout.ep
-    out.append(ParamEntry(prefix + "mlp.experts.w13", e_loc * (mats - 1) * f_loc * h, True, expert=True))
+    out.append(ParamEntry(prefix + "mlp.experts.w13", e_loc * gated * f_loc * h, True, expert=True))
     out.append(ParamEntry(prefix + "mlp.experts.w2", e_loc * h * f_loc, True, expert=True))
+    if getattr(m, "expert_linear_bias", False):
+        # gpt-oss's expert biases b13 [E, 2F] and b2 [E, H] (moecore/models/biased_moe.py; etp = 1 only). They
+        # are 2-D and not named ".bias", so AdamW decays them (moecore.optim.groups.no_decay).
+        out.append(ParamEntry(prefix + "mlp.experts.b13", e_loc * gated * f_loc, True, expert=True))
+        out.append(ParamEntry(prefix + "mlp.experts.b2", e_loc * h, True, expert=True))
     if e.shared_expert_intermediate_size:
         out.append(ParamEntry(prefix + "mlp.shared_experts", mats * h * e.shared_expert_intermediate_size, True))
         if e.shared_expert_gate:

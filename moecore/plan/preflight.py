@@ -33,7 +33,9 @@ def memory_message(cfg: Config, world_size: int, device_bytes: float, device: st
     best = best_supported(search(cfg, world_size, mem_gib, opts=PlanOptions(device=device)))
     if best is None:
         return line + f"; no layout this version runs fits on {world_size} GPU(s) (see `moecore plan`)"
-    return line + f"; `moecore plan` would pick {best.layout.label()}: {' '.join(best.layout.overrides())}"
+    return (
+        line + f"; `moecore plan` would pick {best.layout.label()}: {' '.join(best.layout.overrides(best.pp_layout))}"
+    )
 
 
 def check_memory(cfg: Config, world_size: int, device_bytes: float | None, device: str = "cuda") -> str | None:

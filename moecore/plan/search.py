@@ -1,7 +1,8 @@
 """Every valid layout of a model on N GPUs, estimated and ranked.
 
 Candidates: tp in powers of two up to the GPUs of one node that divide the heads (and key/value
-heads, and the sequence); pp up to the layer count; vpp 1 or 2 with pp > 1; cp 1 or 2 (cp 4 from 16k
+heads, and the sequence); pp up to the layer count; vpp 1 or 2 with pp > 1 (1F1B, or
+interleaved 1F1B with two chunks per stage); cp 1 or 2 (cp 4 from 16k
 tokens); ep dividing the expert count with etp x ep x pp dividing N; etp 1 or tp; dp the rest;
 optimizer state replicated, distributed (ZeRO-1) or fsdp; recomputation none / the recipe's /
 the light selective set / + moe / full; micro-batch sizes 1, 2, 4 that divide the global batch
@@ -22,7 +23,7 @@ import itertools
 from dataclasses import dataclass
 
 from moecore.config import Config
-from moecore.plan.layout import Layout, unsupported_reason
+from moecore.plan.layout import Layout, stage_layout_of, unsupported_reason
 from moecore.plan.memory import GiB, MemoryEstimate, PlanOptions, estimate_memory
 from moecore.plan.params import PRECISIONS
 from moecore.plan.throughput import Hardware, StepEstimate, estimate_step
@@ -39,11 +40,12 @@ class Candidate:
     step: StepEstimate
     fits: bool
     unsupported: str | None
+    pp_layout: str | None = None  # the stage layout the overrides give (uneven splits; layout.stage_layout_of)
 
     def to_dict(self) -> dict:
         return {
             "layout": self.layout.label(),
-            "overrides": self.layout.overrides(),
+            "overrides": self.layout.overrides(self.pp_layout),
             "fits": self.fits,
             "supported": self.unsupported is None,
             "unsupported_reason": self.unsupported,
@@ -73,7 +75,7 @@ def applicable_light(cfg: Config) -> tuple[str, ...]:
     """The cheap selective options that do something for this model."""
     m, e = cfg.model, cfg.moe
     out = ["core_attn", "norm"]
-    if m.attention_type == "mla":
+    if m.attention_type in ("mla", "dsa"):
         out.insert(1, "mla_up_proj")
     if e.num_experts:
         out.append("moe_act")
@@ -177,10 +179,12 @@ def _evaluate(cfg: Config, layouts: list[Layout], gpu_mem_gib: float, hw: Hardwa
         step = estimate_step(cfg, lay, hw, opts)
         key = (lay.pp, lay.vpp, lay.cp, lay.fsdp, lay.tp > 1, lay.ep > 1, lay.etp > 1, lay.distributed_optimizer)
         key += (lay.precision, lay.offload_modules, lay.recompute_granularity)
+        if lay.pp > 1:  # the schedule's rules count micro-batches per step: global batch / (micro-batch x dp)
+            key += (lay.micro_batch_size, lay.dp)
         if key not in reasons:
             reasons[key] = unsupported_reason(cfg, lay)
         fits = mem.total <= gpu_mem_gib * GiB
-        out.append(Candidate(lay, mem, step, fits, reasons[key]))
+        out.append(Candidate(lay, mem, step, fits, reasons[key], stage_layout_of(cfg, lay)))
     return out
 
 

@@ -97,7 +97,11 @@ def recompute_flops_per_token(cfg: Config, layout: Layout) -> float:
         if ("moe" in rec and is_moe) or ("mlp" in rec and not is_moe):
             extra += _ffn_flops(cfg, is_moe)
         if "core_attn" in rec and not linear:
-            hd = m.resolved_head_dim if m.attention_type != "mla" else m.qk_nope_head_dim + m.qk_rope_head_dim
+            hd = (
+                m.resolved_head_dim
+                if m.attention_type not in ("mla", "dsa")
+                else m.qk_nope_head_dim + m.qk_rope_head_dim
+            )
             extra += 4.0 * m.num_attention_heads * hd * ctx
     return extra
 

@@ -26,9 +26,13 @@ def test_plan_prints_a_ranked_table_and_writes_json(tmp_path, capsys) -> None:
     assert cands[: len(fits)] == fits
     rates = [c["step"]["tokens_per_s"] for c in fits]
     assert rates == sorted(rates, reverse=True)
-    # layouts the trainer does not run yet are listed, marked with the trainer's reason
+    # pipeline-parallel layouts run (1F1B over the 2 layers), with overrides that select them
     pp = [c for c in cands if " pp2" in c["layout"]]
-    assert pp and all(not c["supported"] and "parallel.pp" in c["unsupported_reason"] for c in pp)
+    assert pp and all(c["supported"] and c["unsupported_reason"] is None for c in pp)
+    assert all("parallel.pp=2" in c["overrides"] and "parallel.pp_schedule=1f1b" in c["overrides"] for c in pp)
+    # layouts the trainer does not run yet are listed, marked with the trainer's reason
+    cp = [c for c in cands if " cp2" in c["layout"]]
+    assert cp and all(not c["supported"] and "parallel.cp=2" in c["unsupported_reason"] for c in cp)
 
 
 def test_plan_says_when_nothing_fits(capsys) -> None:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from moecore.config import load_config
-from moecore.plan.layout import Layout, layout_config, layout_of, unsupported_reason
+from moecore.plan.layout import Layout, layout_config, layout_of, stage_layout_of, unsupported_reason
 from moecore.plan.memory import estimate_memory
 from moecore.plan.search import candidate_layouts, search
 
@@ -21,16 +19,55 @@ def test_candidates_tile_the_gpus_and_load_as_valid_configs() -> None:
         assert lay.world == 4 and lay.edp * lay.etp * lay.ep * lay.pp == 4
         c = layout_config(cfg, lay)
         c.validate()  # degrees divide the model's sizes
-        assert layout_of(c, 4) == dataclasses.replace(lay, vpp=1)  # no parallel.vpp field yet
+        assert layout_of(c, 4) == lay  # the config carries every degree back, vpp included
+        if lay.pp > 1:  # a schedule that runs vpp stages per rank
+            assert c.parallel.pp_schedule == ("1f1b" if lay.vpp == 1 else "interleaved_1f1b")
+    assert any(lay.vpp == 2 for lay in lays)
+
+
+def test_pipeline_layouts_follow_the_trainers_pipeline_rules() -> None:
+    cfg = load_config("tiny-qwen3-moe")  # 4 layers, global batch 16, micro-batch 8 (mbs is the layout's)
+    cfg.model.vocab_size = 512
+    assert unsupported_reason(cfg, Layout(pp=2, dp=1)) is None
+    assert unsupported_reason(cfg, Layout(pp=2, vpp=2, dp=1)) is None  # interleaved 1F1B
+    assert Layout(pp=2, vpp=2, dp=1).overrides()[2:4] == ["parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b"]
+    # an uneven split is written as the planner models it (extra layers first) and the trainer runs it
+    three = Layout(pp=3, dp=1)
+    assert stage_layout_of(cfg, three) == "Ett|t|tL" and unsupported_reason(cfg, three) is None
+    assert load_config("tiny-qwen3-moe", three.overrides("Ett|t|tL")).parallel.pp_layout == "Ett|t|tL"
+    mtp = load_config("tiny-deepseek-v3")  # 4 layers and one MTP layer, which sits with the loss
+    mtp.model.vocab_size = 512
+    assert stage_layout_of(mtp, three) == "Ett|t|tmL" and unsupported_reason(mtp, three) is None
+    # 4 layers cannot fill pp * vpp = 8 stages
+    assert "model.num_layers=4" in unsupported_reason(cfg, Layout(pp=4, vpp=2, dp=1))
+    # 1F1B needs at least pp micro-batches per step: 16 / (4 x 2) = 2 < pp = 4
+    assert "at least pp=4 micro-batches" in unsupported_reason(cfg, Layout(pp=4, dp=2, micro_batch_size=4))
+    assert "parallel.distributed_optimizer" in unsupported_reason(cfg, Layout(pp=2, dp=2, distributed_optimizer=True))
+    # the config's own stage layout and schedule are kept only where they fit the candidate
+    cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.pp_schedule = 2, 2, "zbv"
+    cfg.parallel.pp_layout = "Et|t|t|tL"
+    c = layout_config(cfg, Layout(pp=2, vpp=2, dp=1))
+    assert (c.parallel.pp_layout, c.parallel.pp_schedule) == ("Et|t|t|tL", "zbv")
+    c = layout_config(cfg, Layout(pp=4, dp=1))
+    assert (c.parallel.pp_layout, c.parallel.pp_schedule) == (None, "1f1b")
 
 
 def test_unsupported_layouts_carry_the_trainers_reason() -> None:
     cfg = load_config("tiny-deepseek-v2")
     cfg.model.vocab_size = 512
     assert unsupported_reason(cfg, Layout(ep=2, dp=2)) is None
-    assert "parallel.pp" in unsupported_reason(cfg, Layout(pp=2, dp=1))
+    assert unsupported_reason(cfg, Layout(pp=2, dp=1)) is None  # pipeline parallel runs MLA
+    assert "parallel.pp=2" in unsupported_reason(cfg, Layout(pp=2, dp=2, distributed_optimizer=True))
+    assert "parallel.cp=2" in unsupported_reason(cfg, Layout(cp=2, dp=1))
     assert "attention_type=mla" in unsupported_reason(cfg, Layout(tp=2, dp=1))
     assert "fsdp" in unsupported_reason(cfg, Layout(dp=2, fsdp=True))
+    dsa = load_config("tiny-deepseek-v32")
+    dsa.model.vocab_size = 512
+    assert "model.attention_type='dsa'" in unsupported_reason(dsa, Layout(pp=2, dp=1))
+    oss = load_config("tiny-gpt-oss")
+    oss.model.vocab_size = 512
+    assert unsupported_reason(oss, Layout(ep=2, dp=2)) is None
+    assert "model.attn_sinks" in unsupported_reason(oss, Layout(tp=2, dp=1))
 
 
 def test_more_gpus_or_sharding_never_needs_more_memory() -> None:
