@@ -132,10 +132,10 @@ def _ffn(cfg: Config, is_moe: bool, layout: Layout, prefix: str) -> list[ParamEn
     out.append(ParamEntry(prefix + "mlp.experts.w13", e_loc * gated * f_loc * h, True, expert=True))
     out.append(ParamEntry(prefix + "mlp.experts.w2", e_loc * h * f_loc, True, expert=True))
     if getattr(m, "expert_linear_bias", False):
-        # gpt-oss's expert biases b13 [E, 2F] and b2 [E, H] (moecore/models/biased_moe.py; etp = 1 only). They
-        # are 2-D and not named ".bias", so AdamW decays them (moecore.optim.groups.no_decay).
-        out.append(ParamEntry(prefix + "mlp.experts.b13", e_loc * gated * f_loc, True, expert=True))
-        out.append(ParamEntry(prefix + "mlp.experts.b2", e_loc * h, True, expert=True))
+        # gpt-oss's expert biases b13 [E, 2F] and b2 [E, H] (moecore/models/biased_moe.py; etp = 1 only), trained
+        # without weight decay like every bias (moecore.optim.groups.no_decay).
+        out.append(ParamEntry(prefix + "mlp.experts.b13", e_loc * gated * f_loc, False, expert=True))
+        out.append(ParamEntry(prefix + "mlp.experts.b2", e_loc * h, False, expert=True))
     if e.shared_expert_intermediate_size:
         out.append(ParamEntry(prefix + "mlp.shared_experts", mats * h * e.shared_expert_intermediate_size, True))
         if e.shared_expert_gate:

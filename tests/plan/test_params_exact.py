@@ -13,6 +13,7 @@ import torch
 
 from moecore.config import list_recipes, load_config
 from moecore.models.transformer import MoETransformer
+from moecore.optim.groups import param_groups
 from moecore.plan.layout import Layout
 from moecore.plan.params import param_entries, stage_layers, total_params
 
@@ -25,8 +26,8 @@ def test_total_and_active_params_match_the_model(recipe: str) -> None:
     with torch.device("meta"):
         model = MoETransformer(cfg)
     assert total_params(cfg) == model.num_params()
-    decay = {n for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n and "norm" not in n}
-    n_decay = sum(p.numel() for n, p in model.named_parameters() if n in decay)
+    decayed = param_groups(model, 0.1)[0]["params"]  # what the optimizer decays (moecore.optim.groups)
+    n_decay = sum(p.numel() for p in decayed)
     assert sum(e.numel for e in param_entries(cfg, Layout()) if e.decay) == n_decay
 
 
