@@ -27,6 +27,7 @@ from moecore.config import Config, ConfigError
 from moecore.models.transformer import MoETransformer
 from moecore.optim.schedule import lr_at
 from moecore.train.guards import StepGuard
+from moecore.train.memory import memory_metrics
 from moecore.train.resume import resolve_resume
 from moecore.train.runtime import Runtime, setup_runtime
 from moecore.train.signals import StopRequest
@@ -372,6 +373,7 @@ class Trainer:
                     metrics["tokens_per_s"] = tps
                     metrics["step_time_s"] = elapsed / max(window_steps, 1)
                     metrics.update(rt.perf_metrics(tps, flops_per_token, cfg))
+                    metrics.update(memory_metrics(self.model, self.optimizer, rt.mixed))  # per rank, by kind
                     logger.log(self.step, metrics)
                     window_t, window_steps = time.perf_counter(), 0
                 progress.update(self.step, metrics)
