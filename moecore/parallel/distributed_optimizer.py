@@ -15,7 +15,9 @@ shards of the gradient buckets of `GradSync` (moecore.parallel.data_parallel), s
   `train.precision=bf16`). With bf16 the full fp32 masters of `MixedPrecision` are dropped once the
   shards are cut from them: the master shard is the only fp32 copy of a weight.
 - Per rank this keeps 12 / g bytes of optimizer state per parameter (fp32 master + two fp32 moments)
-  instead of 8 (fp32 training: moments only) or 12 (bf16: master + moments).
+  instead of 8 (fp32 training: moments only) or 12 (bf16: master + moments); with
+  `optim.state_dtype=bf16` the moments are bf16 (8 / g bytes) and the update is `FusedAdamW`'s
+  (fp32 arithmetic on the fp32 master shard, moments rounded to bf16).
 - The gradient norm is computed from the shards (each element weighted by how many ranks hold the
   same shard) and clipping scales the shards.
 
@@ -59,6 +61,7 @@ class DistributedOptimizer:
         dims: ParallelDims,
         grad_sync: GradSync | None = None,
         mixed=None,
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
         if not isinstance(optimizer, torch.optim.AdamW) or optimizer.state:
             raise ConfigError("parallel.distributed_optimizer=true needs a fresh optim.name='adamw' optimizer")
@@ -85,9 +88,17 @@ class DistributedOptimizer:
             hyper = {k: v for k, v in group.items() if k != "params"}
             shards = [self.master[i] for i, b in enumerate(self.buckets) if b.opt_group == gi]
             inner_groups.append({**hyper, "params": shards})
-        keep = inspect.signature(torch.optim.AdamW.__init__).parameters
-        defaults = {k: v for k, v in optimizer.defaults.items() if k in keep}
-        self.inner = torch.optim.AdamW([g for g in inner_groups if g["params"]], **defaults)
+        groups = [g for g in inner_groups if g["params"]]
+        self.state_dtype = state_dtype
+        if state_dtype == torch.float32:
+            keep = inspect.signature(torch.optim.AdamW.__init__).parameters
+            self.inner = torch.optim.AdamW(groups, **{k: v for k, v in optimizer.defaults.items() if k in keep})
+        else:  # moments in bf16: the fused update (fp32 arithmetic, moments rounded) on the fp32 master shards
+            from moecore.optim.fused_adamw import FusedAdamW
+
+            keep = ("lr", "betas", "eps", "weight_decay")
+            defaults = {k: v for k, v in optimizer.defaults.items() if k in keep}
+            self.inner = FusedAdamW(groups, None, state_dtype=state_dtype, **defaults)
         self._inner_index = [gi for gi, g in enumerate(inner_groups) if g["params"]]
         if mixed is not None:
             mixed.masters.clear()  # the master shards are now the only fp32 copy of the weights
@@ -225,7 +236,7 @@ class DistributedOptimizer:
             step = st.get("step", torch.zeros((), dtype=torch.float32))
             moments = {}
             for key in _MOMENTS:
-                shard = st[key] if key in st else torch.zeros_like(self.master[i])
+                shard = st[key] if key in st else torch.zeros_like(self.master[i], dtype=self.state_dtype)
                 moments[key] = dict(self._per_param(b, self._gather(b, shard)))
             for p in b.params:
                 state[self.names[p]] = {"step": step.clone(), **{k: moments[k][p].clone() for k in _MOMENTS}}
@@ -244,7 +255,7 @@ class DistributedOptimizer:
             m = self.master[i]
             st = {"step": torch.as_tensor(state[self.names[b.params[0]]]["step"], dtype=torch.float32).clone()}
             for key in _MOMENTS:
-                shard = torch.zeros_like(m)
+                shard = torch.zeros_like(m, dtype=self.state_dtype)
                 for p, off, a, e in b.overlaps():
                     shard[a - b.lo : e - b.lo] = state[self.names[p]][key].reshape(-1)[a - off : e - off]
                 st[key] = shard

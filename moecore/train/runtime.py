@@ -151,7 +151,10 @@ class Runtime:
             return optimizer
         from moecore.parallel.distributed_optimizer import DistributedOptimizer
 
-        return DistributedOptimizer(model, optimizer, self.dims, grad_sync=self.grad_reducer, mixed=self.mixed)
+        state_dtype = torch.bfloat16 if cfg.optim.state_dtype == "bf16" else torch.float32
+        return DistributedOptimizer(
+            model, optimizer, self.dims, grad_sync=self.grad_reducer, mixed=self.mixed, state_dtype=state_dtype
+        )
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer

@@ -63,8 +63,9 @@ def test_distributed_optimizer_trains_and_resumes_elsewhere(tmp_path):
     train(load_config("tiny-moe", [*COMMON, f"train.run_dir={a}"]))
     run_local(_train, 2, [f"train.run_dir={b}", "parallel.distributed_optimizer=true"])
     ma, mb = _metrics(a), _metrics(b)
-    loss, norm = _rel([m["loss"] for m in mb], [m["loss"] for m in ma]), _rel(
-        [m["grad_norm"] for m in mb], [m["grad_norm"] for m in ma]
+    loss, norm = (
+        _rel([m["loss"] for m in mb], [m["loss"] for m in ma]),
+        _rel([m["grad_norm"] for m in mb], [m["grad_norm"] for m in ma]),
     )
     print(f"dp2 distributed optimizer vs one process (bf16): loss {loss:.1e} grad norm {norm:.1e}")
     assert loss <= BF16_TOL and norm <= BF16_TOL
@@ -81,8 +82,9 @@ def test_distributed_optimizer_trains_and_resumes_elsewhere(tmp_path):
     train(load_config("tiny-moe", [*COMMON, f"train.run_dir={c}", "checkpoint.resume=true"]))
     mc = _metrics(c)
     assert [m["step"] for m in mc] == [2, 3]
-    loss, norm = _rel([m["loss"] for m in mc], [m["loss"] for m in mb[1:]]), _rel(
-        [m["grad_norm"] for m in mc], [m["grad_norm"] for m in mb[1:]]
+    loss, norm = (
+        _rel([m["loss"] for m in mc], [m["loss"] for m in mb[1:]]),
+        _rel([m["grad_norm"] for m in mc], [m["grad_norm"] for m in mb[1:]]),
     )
     print(f"one process resuming the dp2 distributed-optimizer checkpoint: loss {loss:.1e} grad norm {norm:.1e}")
     assert loss <= BF16_TOL and norm <= BF16_TOL

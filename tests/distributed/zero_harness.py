@@ -41,7 +41,9 @@ def layout(par: dict, dist_opt: bool):
 class Run:
     """Model, optimizer and gradient reduction of one layout on this rank."""
 
-    def __init__(self, cfg, dims, init: dict | None, dist_opt: bool, bf16: bool = False, seed: int = 0) -> None:
+    def __init__(
+        self, cfg, dims, init: dict | None, dist_opt: bool, bf16: bool = False, seed: int = 0, bf16_states: bool = False
+    ) -> None:
         self.cfg, self.dims, self.bf16 = cfg, dims, bf16
         if init is not None:
             self.model = build(cfg, dims, init)
@@ -53,7 +55,10 @@ class Run:
         groups = param_groups(self.model, WD)
         if dist_opt:
             base = torch.optim.AdamW(groups, lr=LR, betas=BETAS)
-            self.opt = DistributedOptimizer(self.model, base, dims, grad_sync=self.sync, mixed=self.mixed)
+            states = torch.bfloat16 if bf16_states else torch.float32
+            self.opt = DistributedOptimizer(
+                self.model, base, dims, grad_sync=self.sync, mixed=self.mixed, state_dtype=states
+            )
         elif bf16:
             self.opt = FusedAdamW(groups, self.mixed, lr=LR, betas=BETAS, weight_decay=WD)
         else:
@@ -128,11 +133,11 @@ class Run:
         return full if self.dims.rank == 0 else None
 
 
-def train(rank, world, par, init, data, dist_opt=True, bf16=False, ckpt=None, steps=3) -> dict:
+def train(rank, world, par, init, data, dist_opt=True, bf16=False, ckpt=None, steps=3, bf16_states=False) -> dict:
     """`steps` steps of one layout from the reference's weights; save after step 1 when `ckpt`."""
     cfg = layout(par, dist_opt)
     dims = None if world == 1 else make_dims(cfg, rank, world)
-    run = Run(cfg, dims, init, dist_opt, bf16)
+    run = Run(cfg, dims, init, dist_opt, bf16, bf16_states=bf16_states)
     out = run.steps(data, 0, 1)
     if ckpt is not None:
         run.save(ckpt, 1)
