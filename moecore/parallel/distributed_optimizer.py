@@ -12,7 +12,10 @@ shards of the gradient buckets of `GradSync` (moecore.parallel.data_parallel), s
   `torch.optim.AdamW` steps the master shards (AdamW is element-wise, so a shard's update equals the
   same elements of the whole-tensor update; the zero padding stays zero), and the updated shards are
   all-gathered over the group and written into the parameters (rounded to bf16 under
-  `train.precision=bf16`). With bf16 the full fp32 masters of `MixedPrecision` are dropped once the
+  `train.precision=bf16`). The all-gathers are launched at the end of `step()` and finished by
+  forward pre-hooks (each decoder layer waits for its own buckets), so they overlap the next
+  forward; `wait_for_params()` finishes them all for anything that reads the weights otherwise
+  (the checkpoint path calls it). With bf16 the full fp32 masters of `MixedPrecision` are dropped once the
   shards are cut from them: the master shard is the only fp32 copy of a weight.
 - Per rank this keeps 12 / g bytes of optimizer state per parameter (fp32 master + two fp32 moments)
   instead of 8 (fp32 training: moments only) or 12 (bf16: master + moments); with
@@ -102,6 +105,8 @@ class DistributedOptimizer:
         self._inner_index = [gi for gi, g in enumerate(inner_groups) if g["params"]]
         if mixed is not None:
             mixed.masters.clear()  # the master shards are now the only fp32 copy of the weights
+        self._pending: dict[int, tuple[object | None, torch.Tensor]] = {}  # bucket -> (all-gather, result)
+        self._hook_forward(model)
 
     # ------------------------------------------------------------------ helpers
     @torch.no_grad()
@@ -128,23 +133,53 @@ class DistributedOptimizer:
             yield p, full[off : off + n].view(p.shape)
             off += n
 
+    def _hook_forward(self, model: torch.nn.Module) -> None:
+        """Forward pre-hooks that finish the parameter all-gathers a module needs, just before it runs.
+
+        Each decoder layer (`model.layers`) waits for the buckets holding its parameters; the model's
+        own hook waits for those of every other parameter (embeddings, final norm, head). So the
+        all-gathers launched at the end of a step overlap the next forward's first layers.
+        """
+        bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+
+        def needs(params) -> list[int]:
+            return sorted({bucket_of[id(p)] for p in params if id(p) in bucket_of})
+
+        layers = list(getattr(model, "layers", []))
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        rest = needs(p for p in model.parameters() if id(p) not in in_layers)
+        self._hooks = [model.register_forward_pre_hook(lambda m, a, n=rest: self._wait(n))]
+        for layer in layers:
+            n = needs(layer.parameters())
+            self._hooks.append(layer.register_forward_pre_hook(lambda m, a, n=n: self._wait(n)))
+
     @torch.no_grad()
-    def _write_back(self) -> None:
-        """All-gather the updated master shards and write them into the parameters (launched together)."""
-        fulls, works = [], []
-        for i, b in enumerate(self.buckets):
-            if b.group.size == 1:
-                fulls.append(self.master[i])
-                works.append(None)
+    def _wait(self, indices: list[int]) -> None:
+        """Finish the pending all-gathers of these buckets and write them into the parameters."""
+        for i in indices:
+            pending = self._pending.pop(i, None)
+            if pending is None:
                 continue
-            full = self.master[i].new_empty(b.shard_size * b.group.size)
-            works.append(_all_gather_single(full, self.master[i], group=b.group.pg, async_op=True))
-            fulls.append(full)
-        for b, full, work in zip(self.buckets, fulls, works):
+            work, full = pending
             if work is not None:
                 work.wait()
-            pairs = list(self._per_param(b, full))
+            pairs = list(self._per_param(self.buckets[i], full))
             torch._foreach_copy_([p.data for p, _ in pairs], [t for _, t in pairs])
+
+    def wait_for_params(self) -> None:
+        """Make every parameter hold its updated value (before reading the weights outside a forward)."""
+        self._wait(sorted(self._pending))
+
+    @torch.no_grad()
+    def _write_back(self) -> None:
+        """Launch the all-gathers of the updated master shards (forward order); the forward hooks finish them."""
+        for i in reversed(range(len(self.buckets))):
+            b = self.buckets[i]
+            if b.group.size == 1:
+                self._pending[i] = (None, self.master[i])
+                continue
+            full = self.master[i].new_empty(b.shard_size * b.group.size)
+            self._pending[i] = (_all_gather_single(full, self.master[i], group=b.group.pg, async_op=True), full)
 
     # ------------------------------------------------------------------ optimizer interface
     @property
@@ -192,6 +227,7 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self, closure=None) -> None:
         scale, self.grad_scale = self.grad_scale, 1.0
+        self.wait_for_params()
         for i, b in enumerate(self._ready_buckets()):
             self.master[i].grad = b.shard_grad if scale == 1.0 else b.shard_grad.mul_(scale)
         self.inner.step()
@@ -208,6 +244,7 @@ class DistributedOptimizer:
         replaced) and, under bf16, the parameters get their bf16 tensors back, rounded from them.
         """
         lent: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self.wait_for_params()
         try:
             if self.mixed is not None:
                 for i, b in enumerate(self.buckets):
@@ -230,6 +267,7 @@ class DistributedOptimizer:
     # ------------------------------------------------------------------ layout-free state
     def state_dict(self) -> dict:
         """The AdamW state per parameter (local shapes, keyed by name): `get_state_dict`'s format; collective."""
+        self.wait_for_params()  # the model's state dict is read next
         state: dict[str, dict] = {}
         for i, b in enumerate(self.buckets):
             st = self.inner.state.get(self.master[i], {})
@@ -250,6 +288,7 @@ class DistributedOptimizer:
     def load_state_dict(self, state_dict: dict) -> None:
         """Cut this rank's shards out of a per-parameter AdamW state (`state_dict()`'s format, any layout saved it)."""
         state = state_dict["state"]
+        self._pending.clear()  # the weights were just loaded: nothing older may overwrite them
         self.inner.state.clear()
         for i, b in enumerate(self.buckets):
             m = self.master[i]

@@ -6,7 +6,8 @@ Against the one-process run of the same tiny MoE from the same weights (torch's 
 - parity: dp2 and ep2 (2 ranks), dp4 x ep2 and tp2 x ep2 (4 ranks) with the distributed optimizer
   give the same losses and grad norms (relative <= 1e-5 in fp32; the parameters too where tp = 1),
   and in bf16 (dp2, dp4 x ep2) within BF16_TOL (measured: see the constant);
-- overlap: gradient buckets are launched from the backward hooks, before `finish_grad_sync`;
+- overlap: gradient buckets are launched from the backward hooks, before `finish_grad_sync`, and
+  the parameter all-gathers are finished by the next forward's hooks;
 - memory: per rank, the optimizer state (fp32 master shard + moments) and the reduced gradient
   are 1/dp of the one-process run's (bf16: master + moments; fp32 main gradients), up to the
   padding of each bucket and the step counters;
@@ -101,6 +102,8 @@ def test_parity_fp32(results, world, name):
         assert r[name]["losses"] == got["losses"]
         for launched, buckets in r[name]["launched"]:
             assert buckets > 1 and 0 < launched, (launched, buckets)  # launched from backward hooks
+        # The parameter all-gathers of every bucket are left to the next forward's hooks.
+        assert all(n == r[name]["buckets"] for n in r[name]["pending"]), r[name]["pending"]
 
 
 @pytest.mark.parametrize(("world", "name"), [(2, "dp2-bf16"), (4, "dp4xep2-bf16")])

@@ -107,6 +107,7 @@ class Run:
                 lm_sum = dims.all_reduce_dp(lm_sum)
             out["norms"].append(self._clip())
             self.opt.step()
+            out.setdefault("pending", []).append(len(getattr(self.opt, "_pending", {})))
             for layer in model.moe_layers():
                 layer.update_expert_bias()
             out["losses"].append(float(lm_sum / global_tokens))
@@ -142,7 +143,9 @@ def train(rank, world, par, init, data, dist_opt=True, bf16=False, ckpt=None, st
     if ckpt is not None:
         run.save(ckpt, 1)
     rest = run.steps(data, 1, steps - 1)
-    out = {k: out[k] + rest[k] for k in ("losses", "norms", "launched") if k in out} | {"memory": rest["memory"]}
+    out = {k: out[k] + rest[k] for k in ("losses", "norms", "launched", "pending") if k in out} | {
+        "memory": rest["memory"]
+    }
     out["params"] = run.global_params()
     out["param_numel"] = sum(p.numel() for p in run.model.parameters())
     if dims is not None:
