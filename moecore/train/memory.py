@@ -26,6 +26,8 @@ def _unique_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             continue
+        if hasattr(t, "to_local"):  # a DTensor (FSDP): this rank's shard
+            t = t.to_local()
         key = (t.data_ptr(), t.numel() * t.element_size())
         if key in seen:
             continue

@@ -57,6 +57,13 @@ class Runtime:
         `micro_batches`: per rank and step; with more than one (or several ranks) gradients are summed,
         in fp32 main gradients. The precision hooks go first: the data-parallel ones read what they sum.
         """
+        if self.dims.cfg.fsdp and self.world_size > 1:  # FSDP2: sharded fp32 weights, its own bf16 policy
+            from moecore.parallel.fsdp import FullyShardedModel
+
+            self.grad_reducer = FullyShardedModel(
+                model, self.dims, torch.bfloat16 if self.precision == "bf16" else None
+            )
+            return model
         if self.precision == "bf16":
             from moecore.optim.mixed_precision import MixedPrecision
 
@@ -91,8 +98,9 @@ class Runtime:
 
         if self.scaler is not None:
             self.scaler.unscale_(self._optimizer)
-        if hasattr(getattr(self, "_optimizer", None), "clip_grad_norm"):  # sharded gradients: the optimizer's own
-            return float(self._optimizer.clip_grad_norm(max_norm))
+        for owner in (getattr(self, "_optimizer", None), self.grad_reducer):
+            if hasattr(owner, "clip_grad_norm"):  # sharded gradients: the norm of their owner
+                return float(owner.clip_grad_norm(max_norm))
         params = [p for p in model.parameters() if grad_of(p) is not None]
         grads = [grad_of(p) for p in params]
         if self.world_size > 1 or all(g.dtype == torch.float32 for g in grads):

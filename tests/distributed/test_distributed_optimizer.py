@@ -13,8 +13,11 @@ Against the one-process run of the same tiny MoE from the same weights (torch's 
   padding of each bucket and the step counters;
 - checkpoints: a state saved after step 1 under one layout (and optimizer) is resumed under another
   by models with other weights, and steps 2-3 give the unchanged run's losses and grad norms:
-  dp4 x ep2 [dist] -> tp2 x ep2 [AdamW], -> tp2 [dist], -> 1 process, -> dp2 [dist];
-  1 process -> dp4 x ep2 [dist]; tp2 x ep2 [dist] -> ep2 x etp2 [dist], -> 1 process, -> ep2 [AdamW].
+  dp4 x ep2 [dist] -> tp2 x ep2 [AdamW], -> tp2 [dist], -> 1 process, -> dp2 [dist], -> fsdp dp2;
+  1 process -> dp4 x ep2 [dist]; tp2 x ep2 [dist] -> ep2 x etp2 [dist], -> 1 process, -> ep2 [AdamW];
+  fsdp dp4 x ep2 -> tp2 x ep2 [dist], -> 1 process;
+- parallel.fsdp (FSDP2): dp2 and dp4 x ep2 give the same losses, grad norms and parameters, with
+  1/dp of the parameter, gradient and optimizer-state bytes per rank.
 """
 
 from __future__ import annotations
@@ -54,7 +57,9 @@ def _world4(rank: int, world: int, init: dict, data, d: dict) -> dict:
         "tp2xep2": zh.train(rank, world, {"tp": 2, "ep": 2}, init, data, ckpt=d["B"]),
         "dp4xep2-bf16": zh.train(rank, world, {"ep": 2}, init, data, bf16=True),
         "dp4xep2-bf16-plain": zh.train(rank, world, {"ep": 2}, init, data, dist_opt=False, bf16=True),
+        "fsdp-dp4xep2": zh.train(rank, world, {"ep": 2}, init, data, fsdp=True, ckpt=d["F"]),
     }
+    out["F->tp2xep2"] = zh.resume(rank, world, {"tp": 2, "ep": 2}, d["F"], data, dist_opt=True)
     out["A->tp2xep2"] = zh.resume(rank, world, {"tp": 2, "ep": 2}, d["A"], data, dist_opt=False)
     out["A->tp2"] = zh.resume(rank, world, {"tp": 2}, d["A"], data, dist_opt=True)
     out["single->dp4xep2"] = zh.resume(rank, world, {"ep": 2}, d["single"], data, dist_opt=True)
@@ -70,13 +75,15 @@ def _world2(rank: int, world: int, init: dict, data, d: dict) -> dict:
         "dp2-bf16-states": zh.train(rank, world, {}, init, data, bf16=True, bf16_states=True),
         "A->dp2": zh.resume(rank, world, {}, d["A"], data, dist_opt=True),
         "B->ep2": zh.resume(rank, world, {"ep": 2}, d["B"], data, dist_opt=False),
+        "fsdp-dp2": zh.train(rank, world, {}, init, data, fsdp=True),
+        "A->fsdp-dp2": zh.resume(rank, world, {}, d["A"], data, dist_opt=False, fsdp=True),
     }
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero")
-    d = {k: str(tmp / k) for k in ("A", "B", "single")}
+    d = {k: str(tmp / k) for k in ("A", "B", "F", "single")}
     data = make_data()
     torch.manual_seed(0)
     init = full_state(MoETransformer(copy.deepcopy(tiny_config()), None))
@@ -86,6 +93,7 @@ def results(tmp_path_factory):
     res["world2"] = run_local(_world2, 2, init, data, d)
     res["A->single"] = zh.resume(0, 1, {}, d["A"], data, dist_opt=False)
     res["B->single"] = zh.resume(0, 1, {}, d["B"], data, dist_opt=False)
+    res["F->single"] = zh.resume(0, 1, {}, d["F"], data, dist_opt=False)
     return res
 
 
@@ -153,6 +161,9 @@ RESUMES = [
     ("world2", "B->ep2"),
     (None, "A->single"),
     (None, "B->single"),
+    ("world4", "F->tp2xep2"),
+    ("world2", "A->fsdp-dp2"),
+    (None, "F->single"),
 ]
 
 
@@ -176,3 +187,20 @@ def test_unsupported_combinations_are_refused(field, value):
     setattr(getattr(cfg, section), name, value)
     with pytest.raises(ConfigError, match=f"^{field}=.*parallel.distributed_optimizer=true"):
         check_layout(cfg)
+
+
+@pytest.mark.parametrize(("world", "name", "dp"), [(2, "fsdp-dp2", 2), (4, "fsdp-dp4xep2", 4)])
+def test_fsdp_parity_and_memory(results, world, name, dp):
+    """parallel.fsdp (FSDP2 on the dense dp_cp and expert edp meshes): the same steps; 1/dp of every byte."""
+    ref = results["ref"]
+    got = results[f"world{world}"][0][name]
+    loss, norm = _rel(got["losses"], ref["losses"]), _rel(got["norms"], ref["norms"])
+    print(f"{name}: loss {loss:.1e} grad norm {norm:.1e} params {_param_rel(got['params'], ref['params']):.1e}")
+    assert loss <= TOL and norm <= TOL, (name, loss, norm)
+    assert _param_rel(got["params"], ref["params"]) <= TOL
+    for r in results[f"world{world}"]:
+        for kind in ("params", "grads", "optim"):
+            mem, want = r[name]["memory"][kind], ref["memory"][kind] / dp
+            print(f"{name} {kind}: {mem} bytes per rank, one process / {dp}: {want:.0f}")
+            # Every tensor is split evenly here (dim 0 divisible by dp); step counters stay whole (4 bytes).
+            assert abs(mem - want) <= 4 * len(ref["params"]), (kind, mem, want)

@@ -23,7 +23,8 @@ from moecore.optim.fused_adamw import FusedAdamW
 from moecore.optim.mixed_precision import MixedPrecision, grad_of
 from moecore.parallel.data_parallel import clip_grad_norm_, wrap_model_for_data_parallel
 from moecore.parallel.distributed_optimizer import DistributedOptimizer
-from moecore.parallel.sharding import global_state_dict
+from moecore.parallel.fsdp import FullyShardedModel
+from moecore.parallel.sharding import _ATTR, get_shard, global_state_dict, global_tensor
 from moecore.train.memory import tensor_bytes
 
 BUCKET_MB = 0.02  # several buckets per domain in the tiny model
@@ -42,7 +43,15 @@ class Run:
     """Model, optimizer and gradient reduction of one layout on this rank."""
 
     def __init__(
-        self, cfg, dims, init: dict | None, dist_opt: bool, bf16: bool = False, seed: int = 0, bf16_states: bool = False
+        self,
+        cfg,
+        dims,
+        init: dict | None,
+        dist_opt: bool,
+        bf16: bool = False,
+        seed: int = 0,
+        bf16_states: bool = False,
+        fsdp: bool = False,
     ) -> None:
         self.cfg, self.dims, self.bf16 = cfg, dims, bf16
         if init is not None:
@@ -50,8 +59,13 @@ class Run:
         else:  # weights to be replaced by a checkpoint: anything but the reference's
             torch.manual_seed(seed)
             self.model = MoETransformer(copy.deepcopy(cfg), dims)
-        self.mixed = MixedPrecision(self.model, torch.bfloat16, True, sum_in_fp32=True) if bf16 else None
-        self.sync = None if dims is None else wrap_model_for_data_parallel(self.model, dims, bucket_mb=BUCKET_MB)
+        self.fsdp = fsdp
+        if fsdp:  # FSDP2 keeps fp32 sharded parameters and computes in bf16 itself
+            self.mixed = None
+            self.sync = FullyShardedModel(self.model, dims, torch.bfloat16 if bf16 else None)
+        else:
+            self.mixed = MixedPrecision(self.model, torch.bfloat16, True, sum_in_fp32=True) if bf16 else None
+            self.sync = None if dims is None else wrap_model_for_data_parallel(self.model, dims, bucket_mb=BUCKET_MB)
         groups = param_groups(self.model, WD)
         if dist_opt:
             base = torch.optim.AdamW(groups, lr=LR, betas=BETAS)
@@ -59,14 +73,15 @@ class Run:
             self.opt = DistributedOptimizer(
                 self.model, base, dims, grad_sync=self.sync, mixed=self.mixed, state_dtype=states
             )
-        elif bf16:
+        elif bf16 and not fsdp:
             self.opt = FusedAdamW(groups, self.mixed, lr=LR, betas=BETAS, weight_decay=WD)
         else:
             self.opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS)
 
     def _clip(self) -> float:
-        if hasattr(self.opt, "clip_grad_norm"):
-            return float(self.opt.clip_grad_norm(CLIP))
+        for owner in (self.opt, self.sync):
+            if hasattr(owner, "clip_grad_norm"):
+                return float(owner.clip_grad_norm(CLIP))
         if self.dims is not None:
             return float(clip_grad_norm_(self.model, CLIP, self.dims))
         grads = [grad_of(p) for p in self.model.parameters() if grad_of(p) is not None]
@@ -100,9 +115,10 @@ class Run:
                         obj = o.lm_loss_sum / global_tokens.to(o.lm_loss_sum.dtype) * dp + o.aux_loss * (dp / n_mb)
                     obj.backward()
                 lm_sum += o.lm_loss_sum.detach().double()
-            if self.sync is not None:
+            if self.sync is not None and not self.fsdp:
                 # Overlap: buckets complete before the end of backward were launched from the hooks.
                 out.setdefault("launched", []).append((self.sync._next_launch, len(self.sync.buckets)))
+            if self.sync is not None:
                 self.sync.finish_grad_sync()
                 lm_sum = dims.all_reduce_dp(lm_sum)
             out["norms"].append(self._clip())
@@ -130,15 +146,25 @@ class Run:
         if self.dims is None:
             return {k: v.detach().clone() for k, v in self.model.named_parameters()}
         with self.weights_context():
-            full = global_state_dict(self.model, self.dims)  # collective
+            if self.fsdp:  # gather the FSDP shards, then the EP shards
+                full = {}
+                for name, p in self.model.named_parameters():
+                    carrier = p.full_tensor()
+                    setattr(carrier, _ATTR, get_shard(p))
+                    full[name] = global_tensor(carrier, self.dims)
+            else:
+                full = global_state_dict(self.model, self.dims)  # collective
         return full if self.dims.rank == 0 else None
 
 
-def train(rank, world, par, init, data, dist_opt=True, bf16=False, ckpt=None, steps=3, bf16_states=False) -> dict:
+def train(
+    rank, world, par, init, data, dist_opt=True, bf16=False, ckpt=None, steps=3, bf16_states=False, fsdp=False
+) -> dict:
     """`steps` steps of one layout from the reference's weights; save after step 1 when `ckpt`."""
-    cfg = layout(par, dist_opt)
+    cfg = layout(par, dist_opt and not fsdp)
+    cfg.parallel.fsdp = fsdp
     dims = None if world == 1 else make_dims(cfg, rank, world)
-    run = Run(cfg, dims, init, dist_opt, bf16, bf16_states=bf16_states)
+    run = Run(cfg, dims, init, dist_opt and not fsdp, bf16, bf16_states=bf16_states, fsdp=fsdp)
     out = run.steps(data, 0, 1)
     if ckpt is not None:
         run.save(ckpt, 1)
@@ -148,17 +174,19 @@ def train(rank, world, par, init, data, dist_opt=True, bf16=False, ckpt=None, st
     }
     out["params"] = run.global_params()
     out["param_numel"] = sum(p.numel() for p in run.model.parameters())
-    if dims is not None:
+    if dims is not None and not fsdp:
         out["buckets"] = len(run.sync.buckets)
+    if dims is not None:
         run.sync.remove()
     return out
 
 
-def resume(rank, world, par, ckpt, data, dist_opt, seed=100) -> dict:
+def resume(rank, world, par, ckpt, data, dist_opt, seed=100, fsdp=False) -> dict:
     """Resume `ckpt` (written after step 1 under another layout) with fresh weights; steps 2-3."""
     cfg = layout(par, dist_opt)
+    cfg.parallel.fsdp = fsdp
     dims = None if world == 1 else make_dims(cfg, rank, world)
-    run = Run(cfg, dims, None, dist_opt, seed=seed + rank)
+    run = Run(cfg, dims, None, dist_opt, seed=seed + rank, fsdp=fsdp)
     step = run.load(ckpt)
     out = run.steps(data, step, 3 - step)
     out["step"] = step
