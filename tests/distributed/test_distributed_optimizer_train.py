@@ -7,8 +7,10 @@ B: 2 ranks (dp2) with the distributed optimizer (the master shards are the only 
    to start from A's weights; the optimizer tests cover ep and tp from given weights);
 C: one process resuming B's step-1 checkpoint (written by 2 ranks, sharded) without the distributed
    optimizer.
-B's losses and grad norms match A's within the bf16 tolerance of the optimizer tests; C's steps 2-3
-match B's; B's `memory/optim_gb` and `memory/grads_gb` per rank are half of A's.
+D: 2 ranks (dp2) with parallel.fsdp=true (FSDP2: fp32 sharded weights, bf16 compute policy).
+B's and D's losses and grad norms match A's within the bf16 tolerance of the optimizer tests; C's
+steps 2-3 match B's; B's `memory/optim_gb` and `memory/grads_gb` per rank are half of A's; D holds
+half of the fp32 weights and 8 / 2 bytes of moments per parameter (no separate master).
 """
 
 from __future__ import annotations
@@ -74,6 +76,18 @@ def test_distributed_optimizer_trains_and_resumes_elsewhere(tmp_path):
         print(f"memory/{kind}_gb: one process {one:.4e}, per rank {per_rank:.4e}")
         assert abs(per_rank - one / 2) <= 0.01 * one  # padding of the buckets, step counters
     assert mb[-1]["memory/params_gb"] == ma[-1]["memory/params_gb"]  # bf16 parameters stay whole
+
+    d = tmp_path / "d"
+    run_local(_train, 2, [f"train.run_dir={d}", "parallel.fsdp=true"])
+    md = _metrics(d)
+    loss, norm = _rel([m["loss"] for m in md], [m["loss"] for m in ma]), _rel(
+        [m["grad_norm"] for m in md], [m["grad_norm"] for m in ma]
+    )
+    print(f"dp2 fsdp vs one process (bf16): loss {loss:.1e} grad norm {norm:.1e}")
+    assert loss <= BF16_TOL and norm <= BF16_TOL
+    # One process: bf16 weights (2 bytes) + fp32 master and moments (12); fsdp dp2: fp32 weights / 2, moments / 2.
+    assert abs(md[-1]["memory/params_gb"] - ma[-1]["memory/params_gb"]) <= 0.01 * ma[-1]["memory/params_gb"]
+    assert abs(md[-1]["memory/optim_gb"] - ma[-1]["memory/optim_gb"] / 3) <= 0.01 * ma[-1]["memory/optim_gb"]
 
     shutil.copytree(b, c)
     for step in (2, 3):
