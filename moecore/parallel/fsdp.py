@@ -17,13 +17,14 @@ sharded parameters stay fp32 (they are the master weights) and FSDP2's mixed-pre
 all-gathers them in bf16 and reduces gradients in fp32 (moecore's own `MixedPrecision` is not used).
 
 This object takes the gradient reducer's role in the runtime: `no_sync()` (gradient accumulation),
-`finish()` (FSDP2 finishes its reductions at the end of backward: nothing to do), and
-`clip_grad_norm(max_norm)` from the local gradient shards (with tp = 1 every element of a DTensor
-gradient lives on exactly one rank). Checkpoints: `moecore.parallel.sharding.wrap_for_checkpoint`
+`finish()` (FSDP2 finishes its reductions at the end of backward; `tp_partial` gradients — norms
+under sequence parallel, the router — are then summed over tp), and `clip_grad_norm(max_norm)`
+from the local gradient shards, each weighted by the number of ranks holding the same element
+(tp peers for replicated parameters, one rank for TP and expert shards). Checkpoints: `moecore.parallel.sharding.wrap_for_checkpoint`
 saves a DTensor of an EP-sharded parameter as its chunk of the global tensor, so the files are
 layout-free as without FSDP.
 
-Supported: tp = etp = cp = pp = 1, any dp and ep with edp > 1 (refused otherwise by `check_layout`).
+Supported: tp, dp and ep with edp > 1; etp = cp = pp = 1 (refused otherwise by `check_layout`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch.distributed as dist
 
 from moecore.config import ConfigError
 from moecore.parallel.dims import ParallelDims
-from moecore.parallel.sharding import _ATTR, get_shard
+from moecore.parallel.sharding import _ATTR, get_shard, replication_factor
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -74,6 +75,7 @@ class FullyShardedModel:
         fully_shard(model, mesh=dense_mesh, mp_policy=policy)
         for name, p in model.named_parameters():  # fully_shard made new parameters: keep their ShardSpecs
             setattr(p, _ATTR, specs[name])
+        self.tp_partial = [p for p in model.parameters() if get_shard(p).kind == "tp_partial"]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -84,19 +86,35 @@ class FullyShardedModel:
         finally:
             self.model.set_requires_gradient_sync(True)
 
+    @torch.no_grad()
     def finish(self) -> None:
-        """FSDP2 has reduce-scattered every gradient by the end of backward."""
+        """FSDP2 has reduce-scattered every gradient by the end of backward; sum the `tp_partial` ones over tp.
+
+        tp peers hold the same rows of a `tp_partial` parameter (same shape, same dp_cp index).
+        """
+        tp = self.dims.tp_group
+        grads = [_local(p.grad) for p in self.tp_partial if p.grad is not None]
+        if tp.size == 1 or not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=tp.pg)
+        torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
     finish_grad_sync = finish
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm from the local gradient shards (each element on one rank); scale them to max_norm."""
-        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grads = [_local(p.grad) for p in params]
         dev = grads[0].device if grads else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float64, device=dev)
-        for g in grads:
-            total += torch.linalg.vector_norm(g, dtype=torch.float32).double().square()
+        for p, g in zip(params, grads):
+            # Ranks holding this element: the local tensor's copies, divided among the FSDP shards.
+            spec = get_shard(p)
+            mesh = self.dims.edp_group if spec.kind == "expert" else self.dims.dp_cp_group
+            copies = replication_factor(spec, self.dims) // mesh.size
+            total += torch.linalg.vector_norm(g, dtype=torch.float32).double().square() / copies
         if self.dims.world_group.size > 1:
             dist.all_reduce(total, group=self.dims.world_group.pg)
         norm = total.sqrt().float()

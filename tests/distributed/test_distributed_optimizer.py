@@ -15,9 +15,10 @@ Against the one-process run of the same tiny MoE from the same weights (torch's 
   by models with other weights, and steps 2-3 give the unchanged run's losses and grad norms:
   dp4 x ep2 [dist] -> tp2 x ep2 [AdamW], -> tp2 [dist], -> 1 process, -> dp2 [dist], -> fsdp dp2;
   1 process -> dp4 x ep2 [dist]; tp2 x ep2 [dist] -> ep2 x etp2 [dist], -> 1 process, -> ep2 [AdamW];
-  fsdp dp4 x ep2 -> tp2 x ep2 [dist], -> 1 process;
+  fsdp dp4 x ep2 -> tp2 x ep2 [dist], -> 1 process; fsdp dp2 x tp2 -> 1 process;
 - parallel.fsdp (FSDP2): dp2 and dp4 x ep2 give the same losses, grad norms and parameters, with
-  1/dp of the parameter, gradient and optimizer-state bytes per rank.
+  1/dp of the parameter, gradient and optimizer-state bytes per rank; dp2 x tp2 and tp2 x ep2 the
+  same losses and grad norms.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def _world4(rank: int, world: int, init: dict, data, d: dict) -> dict:
         "dp4xep2-bf16": zh.train(rank, world, {"ep": 2}, init, data, bf16=True),
         "dp4xep2-bf16-plain": zh.train(rank, world, {"ep": 2}, init, data, dist_opt=False, bf16=True),
         "fsdp-dp4xep2": zh.train(rank, world, {"ep": 2}, init, data, fsdp=True, ckpt=d["F"]),
+        "fsdp-dp2xtp2": zh.train(rank, world, {"tp": 2}, init, data, fsdp=True, ckpt=d["G"]),
+        "fsdp-tp2xep2": zh.train(rank, world, {"tp": 2, "ep": 2}, init, data, fsdp=True),
     }
     out["F->tp2xep2"] = zh.resume(rank, world, {"tp": 2, "ep": 2}, d["F"], data, dist_opt=True)
     out["A->tp2xep2"] = zh.resume(rank, world, {"tp": 2, "ep": 2}, d["A"], data, dist_opt=False)
@@ -83,7 +86,7 @@ def _world2(rank: int, world: int, init: dict, data, d: dict) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero")
-    d = {k: str(tmp / k) for k in ("A", "B", "F", "single")}
+    d = {k: str(tmp / k) for k in ("A", "B", "F", "G", "single")}
     data = make_data()
     torch.manual_seed(0)
     init = full_state(MoETransformer(copy.deepcopy(tiny_config()), None))
@@ -94,6 +97,7 @@ def results(tmp_path_factory):
     res["A->single"] = zh.resume(0, 1, {}, d["A"], data, dist_opt=False)
     res["B->single"] = zh.resume(0, 1, {}, d["B"], data, dist_opt=False)
     res["F->single"] = zh.resume(0, 1, {}, d["F"], data, dist_opt=False)
+    res["G->single"] = zh.resume(0, 1, {}, d["G"], data, dist_opt=False)
     return res
 
 
@@ -164,6 +168,7 @@ RESUMES = [
     ("world4", "F->tp2xep2"),
     ("world2", "A->fsdp-dp2"),
     (None, "F->single"),
+    (None, "G->single"),
 ]
 
 
@@ -189,7 +194,10 @@ def test_unsupported_combinations_are_refused(field, value):
         check_layout(cfg)
 
 
-@pytest.mark.parametrize(("world", "name", "dp"), [(2, "fsdp-dp2", 2), (4, "fsdp-dp4xep2", 4)])
+@pytest.mark.parametrize(
+    ("world", "name", "dp"),
+    [(2, "fsdp-dp2", 2), (4, "fsdp-dp4xep2", 4), (4, "fsdp-dp2xtp2", None), (4, "fsdp-tp2xep2", None)],
+)
 def test_fsdp_parity_and_memory(results, world, name, dp):
     """parallel.fsdp (FSDP2 on the dense dp_cp and expert edp meshes): the same steps; 1/dp of every byte."""
     ref = results["ref"]
@@ -197,6 +205,8 @@ def test_fsdp_parity_and_memory(results, world, name, dp):
     loss, norm = _rel(got["losses"], ref["losses"]), _rel(got["norms"], ref["norms"])
     print(f"{name}: loss {loss:.1e} grad norm {norm:.1e} params {_param_rel(got['params'], ref['params']):.1e}")
     assert loss <= TOL and norm <= TOL, (name, loss, norm)
+    if dp is None:  # tp: Adam's first step amplifies gradient rounding on tiny elements (see test_parity_fp32)
+        return
     assert _param_rel(got["params"], ref["params"]) <= TOL
     for r in results[f"world{world}"]:
         for kind in ("params", "grads", "optim"):

@@ -80,8 +80,9 @@ def test_distributed_optimizer_trains_and_resumes_elsewhere(tmp_path):
     d = tmp_path / "d"
     run_local(_train, 2, [f"train.run_dir={d}", "parallel.fsdp=true"])
     md = _metrics(d)
-    loss, norm = _rel([m["loss"] for m in md], [m["loss"] for m in ma]), _rel(
-        [m["grad_norm"] for m in md], [m["grad_norm"] for m in ma]
+    loss, norm = (
+        _rel([m["loss"] for m in md], [m["loss"] for m in ma]),
+        _rel([m["grad_norm"] for m in md], [m["grad_norm"] for m in ma]),
     )
     print(f"dp2 fsdp vs one process (bf16): loss {loss:.1e} grad norm {norm:.1e}")
     assert loss <= BF16_TOL and norm <= BF16_TOL
