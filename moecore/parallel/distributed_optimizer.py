@@ -265,8 +265,12 @@ class DistributedOptimizer:
             self._refresh_master(i, list(b.params))
 
     # ------------------------------------------------------------------ layout-free state
-    def state_dict(self) -> dict:
-        """The AdamW state per parameter (local shapes, keyed by name): `get_state_dict`'s format; collective."""
+    def state_dict(self, flat: bool = False) -> dict:
+        """The AdamW state per parameter (local shapes, keyed by name): `get_state_dict`'s format; collective.
+
+        `flat`: its flattened form ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"), what
+        `StateDictOptions(flatten_optimizer_state_dict=True)` gives for torch's AdamW.
+        """
         self.wait_for_params()  # the model's state dict is read next
         state: dict[str, dict] = {}
         for i, b in enumerate(self.buckets):
@@ -282,11 +286,18 @@ class DistributedOptimizer:
         for gi, fqns in enumerate(self.group_names):
             hyper = self.inner.param_groups[self._inner_index.index(gi)] if gi in self._inner_index else {}
             groups.append({**{k: v for k, v in hyper.items() if k != "params"}, "params": list(fqns)})
-        return {"state": state, "param_groups": groups}
+        if not flat:
+            return {"state": state, "param_groups": groups}
+        out = {f"state.{fqn}.{k}": v for fqn, st in state.items() for k, v in st.items()}
+        for g in groups:
+            out.update({f"param_groups.{fqn}.{k}": v for fqn in g["params"] for k, v in g.items() if k != "params"})
+        return out
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Cut this rank's shards out of a per-parameter AdamW state (`state_dict()`'s format, any layout saved it)."""
+        if "state" not in state_dict:  # the flattened form
+            state_dict = self._unflatten(state_dict)
         state = state_dict["state"]
         self._pending.clear()  # the weights were just loaded: nothing older may overwrite them
         self.inner.state.clear()
@@ -304,6 +315,17 @@ class DistributedOptimizer:
                 group = self.inner.param_groups[self._inner_index.index(gi)]
                 group.update({k: v for k, v in saved.items() if k != "params"})
         self._refresh_all()  # the weights were loaded just before (fp32 in master_weights_in_model)
+
+    def _unflatten(self, flat: dict) -> dict:
+        state = {
+            fqn: {k: flat[f"state.{fqn}.{k}"] for k in ("step", *_MOMENTS)} for fqns in self.group_names for fqn in fqns
+        }
+        groups = []
+        for fqns in self.group_names:
+            prefix = f"param_groups.{fqns[0]}." if fqns else None
+            hyper = {k[len(prefix) :]: v for k, v in flat.items() if prefix and k.startswith(prefix)}
+            groups.append({**hyper, "params": list(fqns)})
+        return {"state": state, "param_groups": groups}
 
     # ------------------------------------------------------------------ memory
     def shard_numel(self) -> int:

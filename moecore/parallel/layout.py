@@ -20,6 +20,7 @@ def check_layout(cfg: Config) -> None:
         check_pipeline(cfg)  # stage layout and schedule (micro-batch counts: config.validate_layout)
         not_yet = [
             ("parallel.distributed_optimizer", p.distributed_optimizer, p.distributed_optimizer, "false"),
+            ("parallel.fsdp", p.fsdp, p.fsdp, "false"),
             ("train.precision", cfg.train.precision, cfg.train.precision == "fp16", "auto | fp32 | bf16"),
             ("moe.router_replay_mode", e.router_replay_mode, e.router_replay_mode != "none", "none"),
             # the pipeline step does not collect the DSA indexers' KL loss (moecore/models/dsa.py)
