@@ -32,11 +32,11 @@ launched in index order, so every rank issues the same collectives in the same o
 parameter gets no gradient on some rank (it counts as zero at `finish_grad_sync`).
 
 Sharded mode (`shard_for_optimizer`, called by the distributed optimizer): buckets are rebuilt per
-(reduction group, optimizer parameter group, `tp_partial` or not), every parameter included, each
+(reduction group, optimizer parameter group), every parameter included, each
 bucket's flat gradient zero-padded to a multiple of the group size g and *reduce-scattered*: rank i
 of the group receives the summed elements [i * n/g, (i + 1) * n/g) of the bucket (`_Bucket.shard_grad`)
-and nothing else, and the per-parameter gradients are freed as soon as the bucket is launched. A
-`tp_partial` bucket's shard is then summed over tp (tp peers hold the same shard of it).
+and nothing else, and the per-parameter gradients are freed as soon as the bucket is launched. The
+`tp_partial` elements of a shard are then summed over tp (tp peers hold the same shard layout).
 """
 
 from __future__ import annotations
@@ -66,7 +66,6 @@ class _Bucket:
     # sharded mode (see the module docstring)
     sharded: bool = False
     opt_group: int = 0  # the optimizer parameter group of every parameter in the bucket
-    tp_sum: bool = False  # tp_partial parameters: the shard is summed over tp after the reduce-scatter
     numel: int = 0  # unpadded length of the flat bucket
     shard_size: int = 0  # padded length / group size
     shard_grad: torch.Tensor | None = None  # this rank's reduced elements (after finish_grad_sync)
@@ -128,9 +127,9 @@ class GradSync:
             kind = get_shard(p).kind
             group = d.edp_group if kind == "expert" else d.dp_cp_group
             scale = 1.0 / (d.dp * d.cp) if kind == "expert" else 1.0 / group.size
-            key = (kind == "expert", kind == "tp_partial", opt_group_of[p])
+            key = (kind == "expert", opt_group_of[p])
             if key not in open_:
-                open_[key] = _Bucket([], group, scale, sharded=True, opt_group=key[2], tp_sum=key[1])
+                open_[key] = _Bucket([], group, scale, sharded=True, opt_group=key[1])
                 sizes[key] = 0
                 buckets.append(open_[key])
             open_[key].params.append(p)
@@ -229,8 +228,7 @@ class GradSync:
             if b.work is not None:
                 b.work.wait()
             if b.sharded:
-                if b.tp_sum:
-                    comm.all_reduce_(b.shard_grad, self.dims.tp_group, "sum")
+                self._sum_tp_partial_shard(b)
                 b.ready.clear()
                 b.work, b.flat = None, None
                 continue
@@ -243,6 +241,20 @@ class GradSync:
             b.work, b.flat = None, None
         self._next_launch = 0
         self._reduce_tp_partial()
+
+    def _sum_tp_partial_shard(self, b: _Bucket) -> None:
+        """Sum the `tp_partial` elements of a reduced shard over tp (tp peers hold the same bucket layout)."""
+        if self.dims.tp_group.size == 1:
+            return
+        spans = [(a - b.lo, e - b.lo) for p, _, a, e in b.overlaps() if get_shard(p).kind == "tp_partial"]
+        if not spans:
+            return
+        flat = torch.cat([b.shard_grad[x:y] for x, y in spans])
+        comm.all_reduce_(flat, self.dims.tp_group, "sum")
+        off = 0
+        for x, y in spans:
+            b.shard_grad[x:y] = flat[off : off + y - x]
+            off += y - x
 
     def _reduce_tp_partial(self) -> None:
         tp = self.dims.tp_group
