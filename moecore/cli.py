@@ -73,6 +73,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"peak memory {row['peak_mem_gb']:.2f} GiB ({row['peak_mem_kind']})",
                 highlight=False,
             )
+        if result.memory:
+            mem = ", ".join(f"{k[7:-3]} {v:.3g}" for k, v in result.memory.items())
+            console.print(f"memory per rank (GiB): {mem}", highlight=False)
     return 0
 
 

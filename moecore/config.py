@@ -627,8 +627,8 @@ class Config:
             _fail(
                 "checkpoint.upcycle_from", self.checkpoint.upcycle_from, "needs parallel.tp, ep, etp and pp = 1 for now"
             )
-        if self.optim.state_dtype == "bf16" and (self.optim.name != "adamw" or p.distributed_optimizer):
-            _fail("optim.state_dtype", "bf16", "needs optim.name=adamw without parallel.distributed_optimizer")
+        if self.optim.state_dtype == "bf16" and self.optim.name != "adamw":
+            _fail("optim.state_dtype", "bf16", "needs optim.name=adamw")
         if self.train.exit_interval is not None and self.train.exit_interval > self.train.steps:
             _fail("train.exit_interval", self.train.exit_interval, f"must be <= train.steps={self.train.steps}")
         if world_size is not None:

@@ -4,8 +4,7 @@ Layout of `checkpoints/step-N/` (or any folder given to `checkpoint.load`):
 - `*.distcp` + `.metadata`: model and optimizer tensors through torch.distributed.checkpoint, keyed
   by parameter name (fully qualified), so that the files do not depend on how the run was laid out;
 - `rank-R.pt`: per-rank state that is not a tensor of the model: step, data position, RNG states;
-- `optim-rank-R.pt` instead of the optimizer's dcp tensors under `parallel.distributed_optimizer`:
-  each rank's AdamW shard state with its layout (resumable under the same layout only);
+  (the distributed optimizer gathers its shards into the same per-parameter entries: `_per_parameter`);
 - `config.yaml`: the resolved config of the run that wrote it;
 - `manifest.json`: every file above with its size and sha256, the step, layout and versions
   (moecore/checkpoint/manifest.py), written once all data is on disk;
@@ -68,9 +67,22 @@ def _flat_optim(path: Path) -> bool:
     return not any(k.startswith("optim.param_groups.") and k.split(".")[2].isdigit() for k in keys)
 
 
-def _sharded(optimizer) -> bool:
-    """A distributed optimizer (moecore.parallel.distributed_optimizer) saves its shards per rank."""
-    return hasattr(optimizer, "layout_signature")
+def _per_parameter(optimizer) -> bool:
+    """The distributed optimizer (moecore.parallel.distributed_optimizer) states itself per parameter name.
+
+    Its `state_dict(flat)` gathers each shard into tensors shaped like the local parameters, in the
+    format `get_state_dict` gives for torch's AdamW (flattened or not), so the files are the same as
+    without it; `load_state_dict` cuts its shards out of that format again.
+    """
+    return hasattr(optimizer, "clip_grad_norm") and hasattr(optimizer, "buckets")
+
+
+def _refuse_old_shards(path: Path) -> None:
+    if (path / "optim-rank-0.pt").exists():
+        raise ConfigError(
+            f"checkpoint.resume={str(path)!r} is invalid: its optimizer state was saved per rank by an older "
+            "distributed optimizer; load its weights only (checkpoint.load)"
+        )
 
 
 def _optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -226,11 +238,11 @@ def state_for_save(model: torch.nn.Module, optimizer, stager: HostStager | None 
     model while the copy is written (asynchronous save).
     """
     stage = (lambda x, key: x) if stager is None else stager.stage
-    if _sharded(optimizer):
-        # The model stays layout-free; each rank's AdamW shard goes to its own file.
-        model_sd = stage(get_model_state_dict(model), ("model",))
-        return {"model": wrap_for_checkpoint(model, model_sd)[0]}, stage(optimizer.state_dict(), ("optim",))
-    model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer), options=_FLAT)
+    if _per_parameter(optimizer):  # collective; first: it also finishes the parameters' pending all-gathers
+        optim_sd = optimizer.state_dict(flat=True)
+        model_sd = get_model_state_dict(model)
+    else:
+        model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer), options=_FLAT)
     # Sharded (TP / EP) tensors are saved as chunks of their global tensors: layout-free files.
     model_sd, optim_sd = wrap_for_checkpoint(model, stage(model_sd, ("model",)), stage(optim_sd, ("optim",)))
     return {"model": model_sd, "optim": optim_sd}, None
@@ -397,18 +409,15 @@ def load_training_state(path: Path, model: torch.nn.Module, optimizer, verify_fi
     `verify_files=False` skips the manifest check (the caller verified the folder already)."""
     path = _check_folder(path, "checkpoint.resume", verify_files)
     check_fits(path, model, "checkpoint.resume")
-    has_shards = (path / "optim-rank-0.pt").exists()
-    if _sharded(optimizer) or has_shards:
-        optim_file = path / f"optim-rank-{_rank()}.pt"
-        if not (_sharded(optimizer) and optim_file.exists()):
-            mine, saved = str(_sharded(optimizer)).lower(), str(has_shards).lower()
-            why = "by fewer ranks" if mine == saved else f"with parallel.distributed_optimizer={saved}"
-            raise ConfigError(
-                f"parallel.distributed_optimizer={mine} cannot resume {str(path)!r}: its optimizer state was saved "
-                f"{why}; resume with the setting and layout it was saved under (or load its weights: checkpoint.load)"
-            )
-        load_model_weights(path, model, verify_files=False)
-        optimizer.load_state_dict(torch.load(optim_file, weights_only=False))
+    _refuse_old_shards(path)
+    if _per_parameter(optimizer):
+        flat = _flat_optim(path)
+        optim_sd, model_sd = optimizer.state_dict(flat=flat), get_model_state_dict(model)  # templates
+        with _quiet_single_process():
+            wrapped = wrap_for_checkpoint(model, model_sd, optim_sd)
+            dcp.load(dict(zip(("model", "optim"), wrapped)), checkpoint_id=str(path))
+        set_model_state_dict(model, model_sd)
+        optimizer.load_state_dict(optim_sd)  # after the weights: it re-cuts its master shards from them
     else:
         options = _FLAT if _flat_optim(path) else None
         model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer), options=options)

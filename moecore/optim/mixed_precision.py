@@ -21,7 +21,7 @@ Bytes per parameter (not sharded): bf16 parameter 2 + fp32 master 4 (0 with mast
 
 Checkpoints hold the master weights: `fp32_view()` lends every parameter its master tensor (and
 an fp32 gradient) for the duration of a save, a load, or an optimizer that only knows fp32
-parameters (Muon, the distributed optimizer), so files and optimizers never see the bf16 copy.
+parameters (Muon), so files and optimizers never see the bf16 copy.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class MixedPrecision:
 
 
 class MasterWeightOptimizer:
-    """Any optimizer over fp32 parameters (Muon, the distributed optimizer) driven on master weights.
+    """Any optimizer over fp32 parameters (Muon) driven on master weights.
 
     `step()` runs the inner optimizer inside `MixedPrecision.fp32_view(with_grads=True)` and rounds the
     result into the bf16 parameters; every other attribute is the inner optimizer's.

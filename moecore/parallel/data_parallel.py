@@ -30,6 +30,13 @@ a parameter ready; when a bucket is complete, it and every complete bucket befor
 and all-reduced asynchronously (so communication overlaps the rest of backward). Buckets are always
 launched in index order, so every rank issues the same collectives in the same order even when a
 parameter gets no gradient on some rank (it counts as zero at `finish_grad_sync`).
+
+Sharded mode (`shard_for_optimizer`, called by the distributed optimizer): buckets are rebuilt per
+(reduction group, optimizer parameter group), every parameter included, each
+bucket's flat gradient zero-padded to a multiple of the group size g and *reduce-scattered*: rank i
+of the group receives the summed elements [i * n/g, (i + 1) * n/g) of the bucket (`_Bucket.shard_grad`)
+and nothing else, and the per-parameter gradients are freed as soon as the bucket is launched. The
+`tp_partial` elements of a shard are then summed over tp (tp peers hold the same shard layout).
 """
 
 from __future__ import annotations
@@ -56,6 +63,27 @@ class _Bucket:
     ready: set = field(default_factory=set)
     work: object | None = None
     flat: torch.Tensor | None = None
+    # sharded mode (see the module docstring)
+    sharded: bool = False
+    opt_group: int = 0  # the optimizer parameter group of every parameter in the bucket
+    numel: int = 0  # unpadded length of the flat bucket
+    shard_size: int = 0  # padded length / group size
+    shard_grad: torch.Tensor | None = None  # this rank's reduced elements (after finish_grad_sync)
+
+    @property
+    def lo(self) -> int:
+        """First element of the flat bucket this rank owns."""
+        return self.group.rank * self.shard_size
+
+    def overlaps(self) -> Iterator[tuple[torch.nn.Parameter, int, int, int]]:
+        """(param, its flat offset, a, b): the elements [a, b) of the flat bucket that are this rank's and p's."""
+        lo, hi, off = self.lo, self.lo + self.shard_size, 0
+        for p in self.params:
+            n = p.numel()
+            a, b = max(lo, off), min(hi, off + n)
+            if a < b:
+                yield p, off, a, b
+            off += n
 
 
 class GradSync:
@@ -73,15 +101,48 @@ class GradSync:
         self.overlap = overlap
         self.sync_enabled = True
         params = [p for p in model.parameters() if p.requires_grad]
+        self.params = params
+        self.bucket_mb = bucket_mb
         self.tp_partial = [p for p in params if get_shard(p).kind == "tp_partial"]
         self.buckets = self._make_buckets(params, bucket_mb)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self._next_launch = 0
         self._hooks = []
-        if overlap and self.buckets:
-            for p in params:
-                if id(p) in self._bucket_of:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        if overlap:
+            for p in params:  # the hook ignores parameters outside every bucket
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def shard_for_optimizer(self, opt_group_of: dict[torch.nn.Parameter, int]) -> list[_Bucket]:
+        """Switch to sharded mode (reduce-scatter) with buckets that never mix optimizer groups; returns them.
+
+        `opt_group_of`: each parameter's optimizer parameter-group index. Every parameter is in a bucket,
+        also where its group has one member (then the bucket's shard is the whole bucket).
+        """
+        d = self.dims
+        cap = max(1, int(self.bucket_mb * 2**20))
+        open_: dict[tuple, _Bucket] = {}
+        sizes: dict[tuple, int] = {}
+        buckets: list[_Bucket] = []
+        for p in reversed(self.params):
+            kind = get_shard(p).kind
+            group = d.edp_group if kind == "expert" else d.dp_cp_group
+            scale = 1.0 / (d.dp * d.cp) if kind == "expert" else 1.0 / group.size
+            key = (kind == "expert", opt_group_of[p])
+            if key not in open_:
+                open_[key] = _Bucket([], group, scale, sharded=True, opt_group=key[1])
+                sizes[key] = 0
+                buckets.append(open_[key])
+            open_[key].params.append(p)
+            sizes[key] += p.numel() * p.element_size()
+            if sizes[key] >= cap:
+                del open_[key]
+        for b in buckets:
+            b.numel = sum(p.numel() for p in b.params)
+            b.shard_size = -(-b.numel // b.group.size)
+        self.buckets = buckets
+        self._bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b.params}
+        self.tp_partial = []  # summed over tp inside their buckets
+        return buckets
 
     def _make_buckets(self, params: list[torch.nn.Parameter], bucket_mb: float) -> list[_Bucket]:
         d = self.dims
@@ -112,7 +173,7 @@ class GradSync:
 
     # ------------------------------------------------------------------ hooks
     def _on_grad_ready(self, p: torch.nn.Parameter) -> None:
-        if not self.sync_enabled:
+        if not self.sync_enabled or id(p) not in self._bucket_of:
             return
         b = self.buckets[self._bucket_of[id(p)]]
         b.ready.add(id(p))
@@ -126,6 +187,23 @@ class GradSync:
 
     def _launch(self, b: _Bucket) -> None:
         grads = [_grad_or_zeros(p) for p in b.params]
+        if b.sharded:
+            g = b.group.size
+            flat = torch.zeros(b.shard_size * g, dtype=torch.float32, device=grads[0].device)
+            off = 0
+            for t in grads:
+                flat[off : off + t.numel()].copy_(t.reshape(-1))
+                off += t.numel()
+            flat.mul_(b.scale)
+            for p in b.params:  # the bucket holds them now: free the full gradients
+                _free_grad(p)
+            if g == 1:
+                b.shard_grad = flat
+            else:
+                b.flat = flat
+                b.shard_grad = flat.new_empty(b.shard_size)
+                b.work = comm._reduce_scatter_single(b.shard_grad, flat, group=b.group.pg, async_op=True)
+            return
         b.flat = torch.cat([g.reshape(-1) for g in grads]).mul_(b.scale)
         if b.group.size > 1:
             b.work = dist.all_reduce(b.flat, group=b.group.pg, async_op=True)
@@ -149,6 +227,11 @@ class GradSync:
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
+            if b.sharded:
+                self._sum_tp_partial_shard(b)
+                b.ready.clear()
+                b.work, b.flat = None, None
+                continue
             off = 0
             for p in b.params:
                 n = p.numel()
@@ -158,6 +241,20 @@ class GradSync:
             b.work, b.flat = None, None
         self._next_launch = 0
         self._reduce_tp_partial()
+
+    def _sum_tp_partial_shard(self, b: _Bucket) -> None:
+        """Sum the `tp_partial` elements of a reduced shard over tp (tp peers hold the same bucket layout)."""
+        if self.dims.tp_group.size == 1:
+            return
+        spans = [(a - b.lo, e - b.lo) for p, _, a, e in b.overlaps() if get_shard(p).kind == "tp_partial"]
+        if not spans:
+            return
+        flat = torch.cat([b.shard_grad[x:y] for x, y in spans])
+        comm.all_reduce_(flat, self.dims.tp_group, "sum")
+        off = 0
+        for x, y in spans:
+            b.shard_grad[x:y] = flat[off : off + y - x]
+            off += y - x
 
     def _reduce_tp_partial(self) -> None:
         tp = self.dims.tp_group
@@ -186,6 +283,13 @@ def _grad_or_zeros(p: torch.nn.Parameter) -> torch.Tensor:
     if g is not None:
         return g
     return torch.zeros(p.shape, dtype=torch.float32 if hasattr(p, "main_grad") else p.dtype, device=p.device)
+
+
+def _free_grad(p: torch.nn.Parameter) -> None:
+    """Drop the full gradient of `p` (sharded mode: the reduced shard is all the optimizer needs)."""
+    p.grad = None
+    if hasattr(p, "main_grad"):
+        p.main_grad = None
 
 
 def _store(p: torch.nn.Parameter, reduced: torch.Tensor) -> None:

@@ -1,115 +1,185 @@
-"""Distributed optimizer (ZeRO-1): each data-parallel rank keeps AdamW state for 1/dp of the parameters.
+"""Distributed optimizer (ZeRO-1/2): gradients reduce-scattered in buckets, each rank updating only its shard.
 
-`DistributedOptimizer(model, optimizer, dims)` takes the AdamW built for the whole model (its
-parameter groups and hyper-parameters; it must hold no state yet) and re-creates it over shards:
+`DistributedOptimizer(model, optimizer, dims, grad_sync, mixed)` takes the AdamW built for the whole
+model (its parameter groups and hyper-parameters; it must hold no state yet) and re-creates it over
+shards of the gradient buckets of `GradSync` (moecore.parallel.data_parallel), switched to sharded mode:
 
-- Parameters are split by reduction domain: dense ones are replicated over the `dp_cp` group,
-  expert ones (ShardSpec kind `expert`) over the `edp` group. For every (parameter group, domain)
-  the local parameters are laid end to end in a flat buffer of N elements, padded to a multiple of
-  the domain group's size g; rank r owns elements [r * N/g, (r+1) * N/g) and keeps them as one fp32
-  tensor (its master shard) with the AdamW moments of those elements only.
-- `step()`: gradients are already all-reduced (mean over replicas) and clipped by the usual
-  `GradReducer` / `clip_grad_norm_`, so every replica holds the same full gradient; each rank slices
-  its shard's gradient, the inner AdamW steps the shard (AdamW is element-wise, so a shard's update
-  equals the same elements of the whole-tensor update), and the shards are all-gathered over the
-  domain group and written back into the parameters.
-- A domain group of size 1 (e.g. experts when edp = 1) is not sharded: those parameters stay in the
-  inner AdamW as they are (so a parameter without a gradient is skipped, as in one process).
+- Buckets never mix reduction domains (dense parameters over `dp_cp`, expert parameters over `edp`)
+  nor optimizer parameter groups. A bucket's flat gradient (N elements, padded to a multiple of the
+  group size g) is reduce-scattered from the backward hooks (overlapped with the rest of backward
+  when `parallel.overlap_grad_reduce`); rank i of the group gets elements [i * N/g, (i + 1) * N/g).
+- For each bucket the rank keeps one fp32 tensor of its N/g elements: the master shard. The inner
+  `torch.optim.AdamW` steps the master shards (AdamW is element-wise, so a shard's update equals the
+  same elements of the whole-tensor update; the zero padding stays zero), and the updated shards are
+  all-gathered over the group and written into the parameters (rounded to bf16 under
+  `train.precision=bf16`). The all-gathers are launched at the end of `step()` and finished by
+  forward pre-hooks (each decoder layer waits for its own buckets), so they overlap the next
+  forward; `wait_for_params()` finishes them all for anything that reads the weights otherwise
+  (the checkpoint path calls it). With bf16 the full fp32 masters of `MixedPrecision` are dropped once the
+  shards are cut from them: the master shard is the only fp32 copy of a weight.
+- Per rank this keeps 12 / g bytes of optimizer state per parameter (fp32 master + two fp32 moments)
+  instead of 8 (fp32 training: moments only) or 12 (bf16: master + moments); with
+  `optim.state_dtype=bf16` the moments are bf16 (8 / g bytes) and the update is `FusedAdamW`'s
+  (fp32 arithmetic on the fp32 master shard, moments rounded to bf16).
+- The gradient norm is computed from the shards (each element weighted by how many ranks hold the
+  same shard) and clipping scales the shards.
 
-The padding tail of the last shard has zero parameters and zero gradients; AdamW leaves it at zero.
-`zero_grad` clears the model's gradients; `param_groups` are the inner groups (LR schedules reach
-them). `state_dict` is this rank's inner state plus a layout signature; `load_state_dict` refuses
-a state saved under another layout (ConfigError), because the shards' boundaries depend on it.
+Checkpoints are layout-free: `state_dict()` all-gathers each bucket's moments over its group and
+returns them per parameter, shaped like the local parameter and keyed by its name, in the format of
+`torch.distributed.checkpoint.state_dict.get_state_dict` for `torch.optim.AdamW`. The checkpoint code
+saves that like any optimizer's state (sharded TP/EP parameters as chunks of their global tensors),
+so a checkpoint written with the distributed optimizer resumes under any other layout, with or
+without it, and the reverse. The gather materialises the moments of this rank's local parameters
+(8 bytes per parameter) for the duration of a save or a load.
+
+A parameter that receives no gradient in a step is stepped with a zero gradient (its moments decay;
+weight decay applies), where torch's AdamW would skip it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from moecore.config import ConfigError
-from moecore.parallel.dims import Group, ParallelDims
-from moecore.parallel.sharding import get_shard
+from moecore.parallel.comm import _all_gather_single
+from moecore.parallel.data_parallel import GradSync, _Bucket, wrap_model_for_data_parallel
+from moecore.parallel.dims import ParallelDims
+from moecore.parallel.sharding import get_shard, replication_factor
 
-
-@dataclass
-class _FlatShard:
-    params: list[torch.nn.Parameter]
-    group: Group
-    numel: int  # N, the unpadded length
-    shard_size: int  # N padded to a multiple of group.size, / group.size
-    shard: torch.Tensor  # this rank's fp32 elements [rank * shard_size, (rank + 1) * shard_size)
-
-    @property
-    def lo(self) -> int:
-        return self.group.rank * self.shard_size
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class DistributedOptimizer:
-    """AdamW over data-parallel shards of the parameters; see the module docstring."""
+    """AdamW over data-parallel shards of the gradient buckets; see the module docstring."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dims: ParallelDims) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dims: ParallelDims,
+        grad_sync: GradSync | None = None,
+        mixed=None,
+        state_dtype: torch.dtype = torch.float32,
+    ) -> None:
         if not isinstance(optimizer, torch.optim.AdamW) or optimizer.state:
             raise ConfigError("parallel.distributed_optimizer=true needs a fresh optim.name='adamw' optimizer")
         self.dims = dims
+        self.mixed = mixed  # moecore.optim.mixed_precision.MixedPrecision under bf16
+        self.grad_scale = 1.0  # the clipping coefficient for the next step (set by clip_grad_norm)
+        names = {p: n for n, p in model.named_parameters()}
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.flats: list[_FlatShard] = []
+        group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self.group_names = [[names[p] for p in g["params"]] for g in optimizer.param_groups]
+        self.names = names
+        if grad_sync is None:
+            grad_sync = getattr(model, "_moecore_grad_sync", None) or wrap_model_for_data_parallel(model, dims)
+        self.sync = grad_sync
+        self.buckets: list[_Bucket] = grad_sync.shard_for_optimizer(group_of)
+        masters = mixed.masters if mixed is not None else {}
+        self.master: dict[int, torch.Tensor] = {}  # bucket index -> this rank's fp32 master shard
+        for i, b in enumerate(self.buckets):
+            self.master[i] = torch.zeros(b.shard_size, dtype=torch.float32, device=b.params[0].device)
+            self._refresh_master(i, [masters.get(p, p) for p in b.params])
+        # One inner group per optimizer group, holding the master shards of that group's buckets.
         inner_groups = []
-        for group in optimizer.param_groups:
+        for gi, group in enumerate(optimizer.param_groups):
             hyper = {k: v for k, v in group.items() if k != "params"}
-            domains: dict[str, list[torch.nn.Parameter]] = {"dense": [], "expert": []}
-            for p in group["params"]:
-                domains["expert" if get_shard(p).kind == "expert" else "dense"].append(p)
-            for domain, params in domains.items():
-                if not params:
-                    continue
-                pg = dims.edp_group if domain == "expert" else dims.dp_cp_group
-                if pg.size == 1:
-                    inner_groups.append({**hyper, "params": params})
-                    continue
-                flat = self._make_flat(params, pg)
-                self.flats.append(flat)
-                inner_groups.append({**hyper, "params": [flat.shard]})
-        keep = inspect.signature(torch.optim.AdamW.__init__).parameters
-        defaults = {k: v for k, v in optimizer.defaults.items() if k in keep}
-        self.inner = torch.optim.AdamW(inner_groups, **defaults)
+            shards = [self.master[i] for i, b in enumerate(self.buckets) if b.opt_group == gi]
+            inner_groups.append({**hyper, "params": shards})
+        groups = [g for g in inner_groups if g["params"]]
+        self.state_dtype = state_dtype
+        if state_dtype == torch.float32:
+            keep = inspect.signature(torch.optim.AdamW.__init__).parameters
+            self.inner = torch.optim.AdamW(groups, **{k: v for k, v in optimizer.defaults.items() if k in keep})
+        else:  # moments in bf16: the fused update (fp32 arithmetic, moments rounded) on the fp32 master shards
+            from moecore.optim.fused_adamw import FusedAdamW
 
-    @staticmethod
-    def _make_flat(params: list[torch.nn.Parameter], group: Group) -> _FlatShard:
-        n = sum(p.numel() for p in params)
-        size = -(-n // group.size)
-        shard = torch.zeros(size, dtype=torch.float32, device=params[0].device)
-        flat = _FlatShard(params, group, n, size, shard)
-        return flat
+            keep = ("lr", "betas", "eps", "weight_decay")
+            defaults = {k: v for k, v in optimizer.defaults.items() if k in keep}
+            self.inner = FusedAdamW(groups, None, state_dtype=state_dtype, **defaults)
+        self._inner_index = [gi for gi, g in enumerate(inner_groups) if g["params"]]
+        if mixed is not None:
+            mixed.masters.clear()  # the master shards are now the only fp32 copy of the weights
+        self._pending: dict[int, tuple[object | None, torch.Tensor]] = {}  # bucket -> (all-gather, result)
+        self._hook_forward(model)
 
     # ------------------------------------------------------------------ helpers
-    def _local_slice(self, flat: _FlatShard, tensors: list[torch.Tensor | None]) -> torch.Tensor:
-        """This rank's elements of the concatenation of `tensors` (None counts as zeros), fp32, zero-padded."""
-        out = torch.zeros(flat.shard_size, dtype=torch.float32, device=flat.shard.device)
-        lo, hi = flat.lo, flat.lo + flat.shard_size
+    @torch.no_grad()
+    def _refresh_master(self, i: int, tensors: list[torch.Tensor]) -> None:
+        """Copy this rank's elements of the concatenation of `tensors` (bucket i's params) into its master shard."""
+        b, m = self.buckets[i], self.master[i]
+        by_id = {id(p): t for p, t in zip(b.params, tensors)}
+        for p, off, a, e in b.overlaps():
+            t = by_id[id(p)]
+            m[a - b.lo : e - b.lo].copy_(t.detach().reshape(-1)[a - off : e - off])
+
+    def _gather(self, b: _Bucket, shard: torch.Tensor) -> torch.Tensor:
+        """The whole flat bucket (padded) from every rank's shard."""
+        if b.group.size == 1:
+            return shard
+        full = shard.new_empty(b.shard_size * b.group.size)
+        _all_gather_single(full, shard.contiguous(), group=b.group.pg)
+        return full
+
+    def _per_param(self, b: _Bucket, full: torch.Tensor) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
         off = 0
-        for p, t in zip(flat.params, tensors):
+        for p in b.params:
             n = p.numel()
-            a, b = max(lo, off), min(hi, off + n)  # overlap of this parameter with the shard
-            if a < b and t is not None:
-                out[a - lo : b - lo] = t.detach().reshape(-1)[a - off : b - off]
+            yield p, full[off : off + n].view(p.shape)
             off += n
-        return out
+
+    def _hook_forward(self, model: torch.nn.Module) -> None:
+        """Forward pre-hooks that finish the parameter all-gathers a module needs, just before it runs.
+
+        Each decoder layer (`model.layers`) waits for the buckets holding its parameters; the model's
+        own hook waits for those of every other parameter (embeddings, final norm, head). So the
+        all-gathers launched at the end of a step overlap the next forward's first layers.
+        """
+        bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+
+        def needs(params) -> list[int]:
+            return sorted({bucket_of[id(p)] for p in params if id(p) in bucket_of})
+
+        layers = list(getattr(model, "layers", []))
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        rest = needs(p for p in model.parameters() if id(p) not in in_layers)
+        self._hooks = [model.register_forward_pre_hook(lambda m, a, n=rest: self._wait(n))]
+        for layer in layers:
+            n = needs(layer.parameters())
+            self._hooks.append(layer.register_forward_pre_hook(lambda m, a, n=n: self._wait(n)))
 
     @torch.no_grad()
-    def _write_back(self, flat: _FlatShard) -> None:
-        """All-gather the updated shards over the domain group and copy them into the parameters."""
-        parts = [torch.empty_like(flat.shard) for _ in range(flat.group.size)]
-        dist.all_gather(parts, flat.shard, group=flat.group.pg)
-        full = torch.cat(parts)
-        off = 0
-        for p in flat.params:
-            n = p.numel()
-            p.copy_(full[off : off + n].view_as(p))
-            off += n
+    def _wait(self, indices: list[int]) -> None:
+        """Finish the pending all-gathers of these buckets and write them into the parameters."""
+        for i in indices:
+            pending = self._pending.pop(i, None)
+            if pending is None:
+                continue
+            work, full = pending
+            if work is not None:
+                work.wait()
+            pairs = list(self._per_param(self.buckets[i], full))
+            torch._foreach_copy_([p.data for p, _ in pairs], [t for _, t in pairs])
+
+    def wait_for_params(self) -> None:
+        """Make every parameter hold its updated value (before reading the weights outside a forward)."""
+        self._wait(sorted(self._pending))
+
+    @torch.no_grad()
+    def _write_back(self) -> None:
+        """Launch the all-gathers of the updated master shards (forward order); the forward hooks finish them."""
+        for i in reversed(range(len(self.buckets))):
+            b = self.buckets[i]
+            if b.group.size == 1:
+                self._pending[i] = (None, self.master[i])
+                continue
+            full = self.master[i].new_empty(b.shard_size * b.group.size)
+            self._pending[i] = (_all_gather_single(full, self.master[i], group=b.group.pg, async_op=True), full)
 
     # ------------------------------------------------------------------ optimizer interface
     @property
@@ -121,51 +191,149 @@ class DistributedOptimizer:
         return self.inner.state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.mixed is not None:
+            self.mixed.zero_grad()
         for p in self.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+            p.grad = None
+        for b in self.buckets:
+            b.shard_grad = None
         self.inner.zero_grad(set_to_none=True)
 
     @torch.no_grad()
-    def step(self) -> None:
-        for flat in self.flats:
-            # Refresh the master shard from the parameters (they may have been loaded since the last step).
-            flat.shard.copy_(self._local_slice(flat, list(flat.params)))
-            flat.shard.grad = self._local_slice(flat, [p.grad for p in flat.params])
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the (reduced, sharded) gradient, every element counted once; scale to max_norm."""
+        dev = self.master[0].device if self.master else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float64, device=dev)
+        for b in self._ready_buckets():
+            g = b.group.size
+            for p, _, a, e in b.overlaps():
+                # Ranks holding this same shard element: the parameter's copies, divided among g shards.
+                copies = replication_factor(get_shard(p), self.dims) // g
+                sq = torch.linalg.vector_norm(b.shard_grad[a - b.lo : e - b.lo], dtype=torch.float32)
+                total += sq.double().square() / copies
+        if self.dims.world_group.size > 1:
+            dist.all_reduce(total, group=self.dims.world_group.pg)
+        norm = total.sqrt().float()
+        if max_norm > 0:
+            self.grad_scale = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        return norm
+
+    def _ready_buckets(self) -> list[_Bucket]:
+        missing = [b for b in self.buckets if b.shard_grad is None]
+        if missing:
+            raise RuntimeError("the distributed optimizer needs GradSync.finish_grad_sync() before it steps")
+        return self.buckets
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        scale, self.grad_scale = self.grad_scale, 1.0
+        self.wait_for_params()
+        for i, b in enumerate(self._ready_buckets()):
+            self.master[i].grad = b.shard_grad if scale == 1.0 else b.shard_grad.mul_(scale)
         self.inner.step()
-        for flat in self.flats:
-            flat.shard.grad = None
-            self._write_back(flat)
+        for i in self.master:
+            self.master[i].grad = None
+        self._write_back()
 
-    def layout_signature(self) -> dict:
-        d = self.dims
-        return {
-            "world": d.world_size,
-            "dp": d.dp,
-            "tp": d.tp,
-            "ep": d.ep,
-            "etp": d.etp,
-            "flats": [(f.numel, f.group.size) for f in self.flats],
+    # ------------------------------------------------------------------ weights for checkpoints
+    @contextlib.contextmanager
+    def master_weights_in_model(self) -> Iterator[None]:
+        """Parameters hold fp32 weights inside the block (gathered from the master shards under bf16).
+
+        On exit the master shards are re-cut from the parameters (which a checkpoint load may have
+        replaced) and, under bf16, the parameters get their bf16 tensors back, rounded from them.
+        """
+        lent: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self.wait_for_params()
+        try:
+            if self.mixed is not None:
+                for i, b in enumerate(self.buckets):
+                    for p, t in self._per_param(b, self._gather(b, self.master[i])):
+                        if p.dtype != torch.float32:
+                            lent[p] = p.data
+                            p.data = t.clone()
+            yield
+        finally:
+            with torch.no_grad():
+                self._refresh_all()
+                for p, data in lent.items():
+                    data.copy_(p.data)
+                    p.data = data
+
+    def _refresh_all(self) -> None:
+        for i, b in enumerate(self.buckets):
+            self._refresh_master(i, list(b.params))
+
+    # ------------------------------------------------------------------ layout-free state
+    def state_dict(self, flat: bool = False) -> dict:
+        """The AdamW state per parameter (local shapes, keyed by name): `get_state_dict`'s format; collective.
+
+        `flat`: its flattened form ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"), what
+        `StateDictOptions(flatten_optimizer_state_dict=True)` gives for torch's AdamW.
+        """
+        self.wait_for_params()  # the model's state dict is read next
+        state: dict[str, dict] = {}
+        for i, b in enumerate(self.buckets):
+            st = self.inner.state.get(self.master[i], {})
+            step = st.get("step", torch.zeros((), dtype=torch.float32))
+            moments = {}
+            for key in _MOMENTS:
+                shard = st[key] if key in st else torch.zeros_like(self.master[i], dtype=self.state_dtype)
+                moments[key] = dict(self._per_param(b, self._gather(b, shard)))
+            for p in b.params:
+                state[self.names[p]] = {"step": step.clone(), **{k: moments[k][p].clone() for k in _MOMENTS}}
+        groups = []
+        for gi, fqns in enumerate(self.group_names):
+            hyper = self.inner.param_groups[self._inner_index.index(gi)] if gi in self._inner_index else {}
+            groups.append({**{k: v for k, v in hyper.items() if k != "params"}, "params": list(fqns)})
+        if not flat:
+            return {"state": state, "param_groups": groups}
+        out = {f"state.{fqn}.{k}": v for fqn, st in state.items() for k, v in st.items()}
+        for g in groups:
+            out.update({f"param_groups.{fqn}.{k}": v for fqn in g["params"] for k, v in g.items() if k != "params"})
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Cut this rank's shards out of a per-parameter AdamW state (`state_dict()`'s format, any layout saved it)."""
+        if "state" not in state_dict:  # the flattened form
+            state_dict = self._unflatten(state_dict)
+        state = state_dict["state"]
+        self._pending.clear()  # the weights were just loaded: nothing older may overwrite them
+        self.inner.state.clear()
+        for i, b in enumerate(self.buckets):
+            m = self.master[i]
+            st = {"step": torch.as_tensor(state[self.names[b.params[0]]]["step"], dtype=torch.float32).clone()}
+            for key in _MOMENTS:
+                shard = torch.zeros_like(m, dtype=self.state_dtype)
+                for p, off, a, e in b.overlaps():
+                    shard[a - b.lo : e - b.lo] = state[self.names[p]][key].reshape(-1)[a - off : e - off]
+                st[key] = shard
+            self.inner.state[m] = st
+        for gi, saved in enumerate(state_dict.get("param_groups", [])):
+            if gi in self._inner_index:
+                group = self.inner.param_groups[self._inner_index.index(gi)]
+                group.update({k: v for k, v in saved.items() if k != "params"})
+        self._refresh_all()  # the weights were loaded just before (fp32 in master_weights_in_model)
+
+    def _unflatten(self, flat: dict) -> dict:
+        state = {
+            fqn: {k: flat[f"state.{fqn}.{k}"] for k in ("step", *_MOMENTS)} for fqns in self.group_names for fqn in fqns
         }
+        groups = []
+        for fqns in self.group_names:
+            prefix = f"param_groups.{fqns[0]}." if fqns else None
+            hyper = {k[len(prefix) :]: v for k, v in flat.items() if prefix and k.startswith(prefix)}
+            groups.append({**hyper, "params": list(fqns)})
+        return {"state": state, "param_groups": groups}
 
-    def state_dict(self) -> dict:
-        return {"inner": self.inner.state_dict(), "layout": self.layout_signature()}
-
-    def load_state_dict(self, state: dict) -> None:
-        saved, mine = state.get("layout"), self.layout_signature()
-        if saved != mine:
-
-            def show(sig: dict | None) -> str:
-                return "?" if sig is None else " ".join(f"{k}={sig[k]}" for k in ("world", "dp", "tp", "ep", "etp"))
-
-            raise ConfigError(
-                f"checkpoint.resume is invalid: the distributed optimizer state was saved under {show(saved)}, "
-                f"this run is {show(mine)}; resume under the layout it was saved with"
-            )
-        self.inner.load_state_dict(state["inner"])
-
+    # ------------------------------------------------------------------ memory
     def shard_numel(self) -> int:
         """Elements of every moment tensor this rank keeps (exp_avg; exp_avg_sq is the same size)."""
-        return sum(int(s["exp_avg"].numel()) for s in self.inner.state.values() if "exp_avg" in s)
+        return sum(int(m.numel()) for m in self.master.values())
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this optimizer holds, by kind: reduced gradient shards; master shards and moments."""
+        optim = list(self.master.values()) + [t for s in self.inner.state.values() for t in s.values()]
+        grads = [b.shard_grad for b in self.buckets if b.shard_grad is not None]
+        return {"grads": grads, "optim": optim}

@@ -20,6 +20,7 @@ def check_layout(cfg: Config) -> None:
         check_pipeline(cfg)  # stage layout and schedule (micro-batch counts: config.validate_layout)
         not_yet = [
             ("parallel.distributed_optimizer", p.distributed_optimizer, p.distributed_optimizer, "false"),
+            ("parallel.fsdp", p.fsdp, p.fsdp, "false"),
             ("train.precision", cfg.train.precision, cfg.train.precision == "fp16", "auto | fp32 | bf16"),
             ("moe.router_replay_mode", e.router_replay_mode, e.router_replay_mode != "none", "none"),
             # the pipeline step does not collect the DSA indexers' KL loss (moecore/models/dsa.py)
@@ -31,7 +32,22 @@ def check_layout(cfg: Config) -> None:
     if p.cp > 1:
         raise ConfigError(f"parallel.cp={p.cp} is not supported yet: context parallel is not implemented; use 1")
     if p.fsdp:
-        raise ConfigError("parallel.fsdp=True is not supported yet; use false")
+        if p.etp > 1:
+            raise ConfigError(f"parallel.fsdp=true is not supported with parallel.etp={p.etp} yet; use etp = 1")
+        if p.distributed_optimizer:
+            raise ConfigError(
+                "parallel.fsdp=true shards the optimizer state itself; use parallel.distributed_optimizer=false"
+            )
+        if cfg.optim.name != "adamw" or cfg.train.precision == "fp16":
+            raise ConfigError(
+                f"optim.name={cfg.optim.name!r}, train.precision={cfg.train.precision!r} are not supported with "
+                "parallel.fsdp=true; use adamw with fp32 or bf16"
+            )
+        if cfg.optim.master_weights != "fp32" or cfg.optim.state_dtype != "fp32":
+            raise ConfigError(
+                "optim.master_weights / optim.state_dtype = bf16 are not supported with parallel.fsdp=true "
+                "(FSDP keeps fp32 sharded weights and states); use fp32"
+            )
     if p.distributed_optimizer and cfg.optim.name != "adamw":
         raise ConfigError(
             f"optim.name={cfg.optim.name!r} is not supported with parallel.distributed_optimizer=true; use adamw"

@@ -287,6 +287,29 @@ def checkpoint_state_dict(module: torch.nn.Module) -> dict[str, object]:
     return out
 
 
+def _fsdp_shard(t: torch.Tensor, spec: ShardSpec):
+    """A DTensor (dim 0 sharded by FSDP2) of a local shard `spec`: its rows as a chunk of the global tensor.
+
+    FSDP2 keeps rows [start, start + n) of dim 0 of the local tensor; where global dim 0 is not split
+    in the view (EP shards along dim 0; ETP splits other dims) they are rows start.. of the local view.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if tuple(t.shape) != tuple(spec.local_shape) or spec.groups[0] != [0]:
+        raise ValueError(f"cannot checkpoint an FSDP shard of {spec}: its dim 0 is split in the view")
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    n, start = shape[0], offset[0]
+    composed = ShardSpec(
+        spec.kind,
+        spec.global_shape,
+        (n, *spec.local_shape[1:]),
+        spec.view_shape,
+        (n, *spec.local_view[1:]),
+        (spec.offsets[0] + start, *spec.offsets[1:]),
+    )
+    return CheckpointShard(t.to_local(), composed)
+
+
 def wrap_for_checkpoint(
     model: torch.nn.Module, model_sd: dict, optim_sd: dict | None = None
 ) -> tuple[dict, dict | None]:
@@ -303,6 +326,8 @@ def wrap_for_checkpoint(
         spec = specs.get(name)
         if spec is None or not spec.is_sharded or not isinstance(t, torch.Tensor):
             return t
+        if hasattr(t, "to_local"):  # FSDP2: a DTensor over data parallel of the local (EP) shard
+            return _fsdp_shard(t, spec)
         if tuple(t.shape) != tuple(spec.local_shape):
             return t
         return CheckpointShard(t, spec)

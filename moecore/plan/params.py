@@ -19,10 +19,11 @@ over the expert data-parallel group, not dp x cp).
 
 "Summed" gradients: more than one micro-batch per step, or more than one rank. With the
 distributed optimizer the master weights and moments of each (parameter group, reduction domain)
-are one flat buffer padded to a multiple of the domain's size and split evenly
-(moecore/parallel/distributed_optimizer.py; a domain of one rank stays unsharded), while bf16
-training keeps its full fp32 master weights beside them; with fsdp the parameters, gradients, master
-weights and moments are all sharded.
+are one flat buffer padded to a multiple of the domain's size and split evenly, and the reduced
+gradient is kept as the same fp32 shard (moecore/parallel/distributed_optimizer.py; up to
+`parallel.grad_bucket_mb` per buffer; a domain of one rank is one whole shard); the fp32 master
+shard is the only fp32 copy under bf16 too. With fsdp the parameters, gradients, master weights
+and moments are all sharded.
 """
 
 from __future__ import annotations
@@ -290,13 +291,14 @@ def state_bytes(
             opt += shard * (mode.master + moments)
             params += shard * mode.param
             grads += shard * mode.grad
-        elif sharded and g > 1:
-            # moecore's distributed optimizer: an fp32 shard and its moments per flat buffer, beside the
-            # full master weights that bf16 training keeps (moecore/optim/mixed_precision.py)
+        elif layout.distributed_optimizer and layout.world > 1:
+            # moecore's distributed optimizer: per (group, domain) bucket an fp32 master shard (the only
+            # fp32 copy, also under bf16) and its moments, and after backward the reduced fp32 gradient
+            # shard only (moecore/parallel/distributed_optimizer.py); a domain of one rank is one shard
             shard = _flat_shard(n, g)
-            opt += n * mode.master + shard * (4 + moments)
+            opt += shard * (4 + moments)
             params += n * mode.param
-            grads += n * mode.grad
+            grads += shard * 4
         else:
             opt += n * (mode.master + moments)
             params += n * mode.param

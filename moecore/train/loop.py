@@ -27,6 +27,7 @@ from moecore.config import Config, ConfigError
 from moecore.models.transformer import MoETransformer
 from moecore.optim.schedule import lr_at
 from moecore.train.guards import StepGuard
+from moecore.train.memory import memory_metrics
 from moecore.train.resume import resolve_resume
 from moecore.train.runtime import Runtime, setup_runtime
 from moecore.train.signals import StopRequest
@@ -47,6 +48,7 @@ class TrainResult:
     stopped_by: str | None = None  # the stop signal (SIGTERM, ...) that ended the run early, after a checkpoint
     checkpoint: Path | None = None  # the newest checkpoint this run saved
     stages: list = field(default_factory=list)  # pipeline parallel: per stage rank, its layers, parameters, peak memory
+    memory: dict = field(default_factory=dict)  # memory/{params,grads,optim}_gb of this rank at the last log
 
 
 def resolve_run_dir(cfg: Config) -> Path:
@@ -372,6 +374,8 @@ class Trainer:
                     metrics["tokens_per_s"] = tps
                     metrics["step_time_s"] = elapsed / max(window_steps, 1)
                     metrics.update(rt.perf_metrics(tps, flops_per_token, cfg))
+                    result.memory = memory_metrics(self.model, self.optimizer, rt.mixed)  # per rank, by kind
+                    metrics.update(result.memory)
                     logger.log(self.step, metrics)
                     window_t, window_steps = time.perf_counter(), 0
                 progress.update(self.step, metrics)

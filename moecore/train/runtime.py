@@ -57,6 +57,13 @@ class Runtime:
         `micro_batches`: per rank and step; with more than one (or several ranks) gradients are summed,
         in fp32 main gradients. The precision hooks go first: the data-parallel ones read what they sum.
         """
+        if self.dims.cfg.fsdp and self.world_size > 1:  # FSDP2: sharded fp32 weights, its own bf16 policy
+            from moecore.parallel.fsdp import FullyShardedModel
+
+            self.grad_reducer = FullyShardedModel(
+                model, self.dims, torch.bfloat16 if self.precision == "bf16" else None
+            )
+            return model
         if self.precision == "bf16":
             from moecore.optim.mixed_precision import MixedPrecision
 
@@ -91,6 +98,9 @@ class Runtime:
 
         if self.scaler is not None:
             self.scaler.unscale_(self._optimizer)
+        for owner in (getattr(self, "_optimizer", None), self.grad_reducer):
+            if hasattr(owner, "clip_grad_norm"):  # sharded gradients: the norm of their owner
+                return float(owner.clip_grad_norm(max_norm))
         params = [p for p in model.parameters() if grad_of(p) is not None]
         grads = [grad_of(p) for p in params]
         if self.world_size > 1 or all(g.dtype == torch.float32 for g in grads):
@@ -129,8 +139,10 @@ class Runtime:
                 param_groups(model, o.weight_decay), self.mixed, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                 weight_decay=o.weight_decay, state_dtype=state_dtype,
             )  # fmt: skip
-        else:
+        elif self._sharded_optimizer(cfg):  # keeps its own fp32 master shards
             opt = self.wrap_optimizer(model, build_optimizer(model, cfg.optim), cfg)
+        else:
+            opt = build_optimizer(model, cfg.optim)
             if self.mixed is not None:
                 from moecore.optim.mixed_precision import MasterWeightOptimizer
 
@@ -147,13 +159,19 @@ class Runtime:
             return optimizer
         from moecore.parallel.distributed_optimizer import DistributedOptimizer
 
-        return DistributedOptimizer(model, optimizer, self.dims)
+        state_dtype = torch.bfloat16 if cfg.optim.state_dtype == "bf16" else torch.float32
+        return DistributedOptimizer(
+            model, optimizer, self.dims, grad_sync=self.grad_reducer, mixed=self.mixed, state_dtype=state_dtype
+        )
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer
 
     def master_weights_in_model(self):
         """Parameters hold their fp32 master weights inside the block (for checkpoint save and load)."""
+        optimizer = getattr(self, "_optimizer", None)
+        if hasattr(optimizer, "master_weights_in_model"):
+            return optimizer.master_weights_in_model()
         if self.mixed is None:
             return contextlib.nullcontext()
         return self.mixed.fp32_view()

@@ -44,7 +44,10 @@ def test_invalid_layouts_are_refused_naming_the_field(par, world, kwargs, messag
             {"parallel.etp": 3, "moe.ffn_hidden_size": 16, "parallel.tp": 1},
             "parallel.etp=3 does not divide moe.ffn_hidden_size=16",
         ),
-        ({"parallel.fsdp": True}, "parallel.fsdp=True is not supported yet"),
+        (
+            {"parallel.fsdp": True, "parallel.distributed_optimizer": True},
+            "parallel.fsdp=true shards the optimizer state itself",
+        ),
         ({"optim.name": "muon"}, "optim.name='muon' is not supported with parallel.tp=2"),
     ],
 )

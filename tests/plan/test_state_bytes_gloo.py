@@ -4,7 +4,8 @@ For each layout that the trainer runs today (tp, ep, etp, dp with the distribute
 their mixes) every rank builds the model with its ParallelDims, the optimizer the trainer would wrap
 (AdamW, or DistributedOptimizer over it), gives every parameter a gradient and takes one step (so
 that the moments exist), then sums the bytes of its parameters, gradients and optimizer tensors
-(AdamW moments; the distributed optimizer's fp32 master shards and their moments). The planner's
+(AdamW moments; the distributed optimizer's fp32 master shards and their moments; its gradients are
+the reduced shards it keeps after a real backward). The planner's
 `state_bytes` for the same layout (fp32 precision, CPU) must equal them exactly on every rank.
 """
 
@@ -57,14 +58,14 @@ def _real_bytes_bf16(rank: int, world: int, par: dict) -> dict:
     model(ids, labels=ids).loss.backward()
     rt.finish_grad_sync(model)
     size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-    grads = size(grad_of(p) for p in model.parameters())  # the step hands them to the optimizer and frees them
+    # The reduced gradient shards (the full gradients were freed when their buckets were launched).
+    grads = size([g for p in model.parameters() if (g := grad_of(p)) is not None] + opt.memory_tensors()["grads"])
     rt.optimizer_step(opt)
-    dist_opt = opt.inner
-    moments = [t for s in dist_opt.inner.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    moments = [t for s in opt.inner.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
     return {
         "params": size(model.parameters()),
         "grads": grads,
-        "optimizer": size(rt.mixed.masters.values()) + size(moments) + size(f.shard for f in dist_opt.flats),
+        "optimizer": size(rt.mixed.masters.values()) + size(moments) + size(opt.master.values()),
     }
 
 
@@ -74,20 +75,22 @@ def _real_bytes(rank: int, world: int, par: dict) -> dict:
     torch.manual_seed(0)
     model = MoETransformer(cfg, dims)
     opt = build_optimizer(model, cfg.optim)
-    if cfg.parallel.distributed_optimizer:
-        opt = DistributedOptimizer(model, opt, dims)
-    for p in model.parameters():
-        p.grad = torch.full_like(p, 1e-3)
-    opt.step()
     size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    if cfg.parallel.distributed_optimizer:  # gradients reduce-scattered by its buckets, then the step
+        opt = DistributedOptimizer(model, opt, dims)
+        ids = torch.randint(0, 64, (1, 8))  # the same on every rank (tensor-parallel ranks need it)
+        model(ids, labels=ids).loss.backward()
+        model._moecore_grad_sync.finish_grad_sync()
+        grads = size(opt.memory_tensors()["grads"]) + size(p.grad for p in model.parameters() if p.grad is not None)
+    else:
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 1e-3)
+        grads = size(p.grad for p in model.parameters())
+    opt.step()
     state = opt.state if not cfg.parallel.distributed_optimizer else opt.inner.state
     moments = [t for s in state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
-    masters = [f.shard for f in getattr(opt, "flats", [])]
-    return {
-        "params": size(model.parameters()),
-        "grads": size(p.grad for p in model.parameters()),
-        "optimizer": size(moments) + size(masters),
-    }
+    masters = list(getattr(opt, "master", {}).values())
+    return {"params": size(model.parameters()), "grads": grads, "optimizer": size(moments) + size(masters)}
 
 
 LAYOUTS = [

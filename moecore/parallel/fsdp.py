@@ -1,0 +1,127 @@
+"""parallel.fsdp: parameters, gradients and optimizer state sharded over data parallel with torch's FSDP2.
+
+`FullyShardedModel(model, dims, param_dtype)` applies `torch.distributed.fsdp.fully_shard` in place:
+
+- every `GroupedExperts` module (the experts' `w13`, `w2`) on a mesh over the `edp` group, with the
+  gradient divided by dp x cp instead of edp (an expert's gradient is a sum over the tokens its EP
+  peers routed to it: summing over edp and dividing by the number of replicas gives the mean the
+  dense parameters get — the same rule as `GradSync`);
+- then every decoder layer, and the model itself (embeddings, final norm, head, what is left), on a
+  mesh over `dp_cp`; FSDP2 all-gathers a layer's parameters before its forward (prefetching the
+  next) and reduce-scatters its gradients during backward.
+
+Parameters become DTensors sharded along dim 0 over their mesh; their `ShardSpec` (how the
+EP-local tensor sits in the global one) is attached again to the new parameters. The optimizer is
+torch's AdamW over those DTensors: its state is sharded like them. Under `train.precision=bf16` the
+sharded parameters stay fp32 (they are the master weights) and FSDP2's mixed-precision policy
+all-gathers them in bf16 and reduces gradients in fp32 (moecore's own `MixedPrecision` is not used).
+
+This object takes the gradient reducer's role in the runtime: `no_sync()` (gradient accumulation),
+`finish()` (FSDP2 finishes its reductions at the end of backward; `tp_partial` gradients — norms
+under sequence parallel, the router — are then summed over tp), and `clip_grad_norm(max_norm)`
+from the local gradient shards, each weighted by the number of ranks holding the same element
+(tp peers for replicated parameters, one rank for TP and expert shards). Checkpoints: `moecore.parallel.sharding.wrap_for_checkpoint`
+saves a DTensor of an EP-sharded parameter as its chunk of the global tensor, so the files are
+layout-free as without FSDP.
+
+Supported: tp, dp and ep with edp > 1; etp = cp = pp = 1 (refused otherwise by `check_layout`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from moecore.config import ConfigError
+from moecore.parallel.dims import ParallelDims
+from moecore.parallel.sharding import _ATTR, get_shard, replication_factor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class FullyShardedModel:
+    """FSDP2 on the dense (dp_cp) and expert (edp) meshes; see the module docstring."""
+
+    def __init__(self, model: torch.nn.Module, dims: ParallelDims, param_dtype: torch.dtype | None = None) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from moecore.moe.experts import GroupedExperts
+
+        if dims.edp_group.size == 1 and any(isinstance(m, GroupedExperts) for m in model.modules()):
+            raise ConfigError(
+                f"parallel.fsdp=true needs experts replicated over data parallel (edp > 1): parallel.ep={dims.ep} "
+                f"over {dims.world_size} ranks leaves edp = 1; use a smaller parallel.ep"
+            )
+        self.model, self.dims = model, dims
+        specs = {name: get_shard(p) for name, p in model.named_parameters()}
+        device_type = next(model.parameters()).device.type
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+        dense_mesh = DeviceMesh.from_group(dims.dp_cp_group.pg, device_type)
+        expert_mesh = DeviceMesh.from_group(dims.edp_group.pg, device_type) if dims.edp_group.size > 1 else None
+        for module in model.modules():
+            if isinstance(module, GroupedExperts):
+                fully_shard(module, mesh=expert_mesh, mp_policy=policy)
+                module.set_gradient_divide_factor(float(dims.dp * dims.cp))
+                if dist.get_backend(dims.edp_group.pg) == "gloo":  # gloo has no PREMUL_SUM: sum, divide apart
+                    module.set_force_sum_reduction_for_comms(True)
+        for layer in getattr(model, "layers", []):
+            fully_shard(layer, mesh=dense_mesh, mp_policy=policy)
+        fully_shard(model, mesh=dense_mesh, mp_policy=policy)
+        for name, p in model.named_parameters():  # fully_shard made new parameters: keep their ShardSpecs
+            setattr(p, _ATTR, specs[name])
+        self.tp_partial = [p for p in model.parameters() if get_shard(p).kind == "tp_partial"]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients without reducing them."""
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """FSDP2 has reduce-scattered every gradient by the end of backward; sum the `tp_partial` ones over tp.
+
+        tp peers hold the same rows of a `tp_partial` parameter (same shape, same dp_cp index).
+        """
+        tp = self.dims.tp_group
+        grads = [_local(p.grad) for p in self.tp_partial if p.grad is not None]
+        if tp.size == 1 or not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=tp.pg)
+        torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+    finish_grad_sync = finish
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm from the local gradient shards (each element on one rank); scale them to max_norm."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grads = [_local(p.grad) for p in params]
+        dev = grads[0].device if grads else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float64, device=dev)
+        for p, g in zip(params, grads):
+            # Ranks holding this element: the local tensor's copies, divided among the FSDP shards.
+            spec = get_shard(p)
+            mesh = self.dims.edp_group if spec.kind == "expert" else self.dims.dp_cp_group
+            copies = replication_factor(spec, self.dims) // mesh.size
+            total += torch.linalg.vector_norm(g, dtype=torch.float32).double().square() / copies
+        if self.dims.world_group.size > 1:
+            dist.all_reduce(total, group=self.dims.world_group.pg)
+        norm = total.sqrt().float()
+        if max_norm > 0:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coef.to(dev))
+        return norm
+
+    def remove(self) -> None:
+        """Nothing to unregister (the model stays sharded)."""
