@@ -298,4 +298,10 @@ def init_distributed(
 def destroy_distributed() -> None:
     """Tear down torch.distributed if it was initialised (end of a run)."""
     if dist.is_initialized():
+        # Every rank arrives before any tears its connections down: a gloo peer whose connection closes
+        # while it still finishes its last operations aborts the process.
+        try:
+            dist.barrier()
+        except RuntimeError:  # a peer already gone (a failed run): tear down what is left
+            pass
         dist.destroy_process_group()
