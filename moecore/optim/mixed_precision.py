@@ -95,9 +95,6 @@ class MixedPrecision:
             if hasattr(p, "main_grad"):
                 p.main_grad = None
 
-    def grads(self) -> list[torch.Tensor]:
-        return [g for g in (grad_of(p) for p in self.params) if g is not None]
-
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def copy_to_compute(self) -> None:
@@ -136,14 +133,6 @@ class MixedPrecision:
                 if hasattr(p, "main_grad"):
                     p.main_grad = None
             self.copy_to_compute()
-
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes held now: compute parameters, master weights, gradients (main or bf16)."""
-        return {
-            "params": sum(p.numel() * p.element_size() for p in self.params),
-            "masters": sum(m.numel() * m.element_size() for m in self.masters.values()),
-            "grads": sum(g.numel() * g.element_size() for g in self.grads()),
-        }
 
 
 class MasterWeightOptimizer:

@@ -360,6 +360,18 @@ def clip_grad_norm_(
     return norm
 
 
+def apply_clip(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float, optimizer: object = None) -> None:
+    """Clip to `max_norm` given the global `norm`: the coefficient min(1, max_norm / (norm + 1e-6)) goes to the
+    optimizer's fused update where it takes one (`grad_scale`), else the gradients are scaled in place."""
+    if max_norm <= 0 or not grads:
+        return
+    coef = float((max_norm / (norm.float() + 1e-6)).clamp(max=1.0))
+    if hasattr(optimizer, "grad_scale"):
+        optimizer.grad_scale = coef
+    elif coef < 1.0:
+        torch._foreach_mul_(grads, coef)
+
+
 def average_over_data_parallel(t: torch.Tensor, dims: ParallelDims | None) -> torch.Tensor:
     """Mean of a per-replica metric (e.g. the LM loss) over the data-parallel replicas; a detached copy."""
     t = t.detach().clone()

@@ -43,6 +43,7 @@ from moecore.config import Config, ConfigError
 from moecore.models.transformer import ModelParts, MoETransformer
 from moecore.optim.mixed_precision import grad_of, set_grad
 from moecore.parallel import comm
+from moecore.parallel.data_parallel import apply_clip
 from moecore.parallel.dims import Group, ParallelDims
 from moecore.parallel.pipeline_layout import StageSpec, check_pipeline, stage_ranks
 from moecore.parallel.sharding import get_shard, replication_factor
@@ -436,11 +437,6 @@ def clip_grad_norm_pipeline(pipe: Pipeline, max_norm: float, optimizer: object =
     """Global grad norm over every stage (`pipeline_grad_norm`), then gradients scaled to at most max_norm:
     by the optimizer's fused update where it takes a coefficient (`grad_scale`), else in place."""
     norm = pipeline_grad_norm(pipe)
-    if max_norm > 0:
-        coef = float((max_norm / (norm + 1e-6)).clamp(max=1.0))
-        if hasattr(optimizer, "grad_scale"):
-            optimizer.grad_scale = coef
-        elif coef < 1.0:
-            grads = [g for g in (grad_of(p) for p in pipe.model.parameters()) if g is not None]
-            torch._foreach_mul_(grads, coef)
+    grads = [g for g in (grad_of(p) for p in pipe.model.parameters()) if g is not None]
+    apply_clip(grads, norm, max_norm, optimizer)
     return norm

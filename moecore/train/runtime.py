@@ -103,21 +103,15 @@ class Runtime:
                 return float(owner.clip_grad_norm(max_norm))
         params = [p for p in model.parameters() if grad_of(p) is not None]
         grads = [grad_of(p) for p in params]
-        if self.world_size > 1 or all(g.dtype == torch.float32 for g in grads):
-            from moecore.parallel.data_parallel import global_grad_norm
+        from moecore.parallel.data_parallel import apply_clip, global_grad_norm
 
+        if self.world_size > 1 or all(g.dtype == torch.float32 for g in grads):
             # One algorithm for every layout (per-tensor fp32 norms, squares summed in fp64), so that a
             # one-process run and a parallel run of the same gradients report the same norm.
             norm = global_grad_norm(params, self.dims if self.world_size > 1 else None)
         else:  # bf16 gradients on one process: one foreach norm, squares summed in fp32
             norm = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).norm()
-        if max_norm > 0 and grads:
-            coef = float((max_norm / (norm.float() + 1e-6)).clamp(max=1.0))
-            optimizer = getattr(self, "_optimizer", None)
-            if hasattr(optimizer, "grad_scale"):
-                optimizer.grad_scale = coef
-            elif coef < 1.0:
-                torch._foreach_mul_(grads, coef)
+        apply_clip(grads, norm, max_norm, getattr(self, "_optimizer", None))
         return float(norm)
 
     def build_optimizer(self, model: torch.nn.Module, cfg: Config):
