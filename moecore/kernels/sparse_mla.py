@@ -164,6 +164,10 @@ class _SparseMLA(torch.autograd.Function):
         dq = torch.empty_like(q)
         dkv = torch.zeros(b, s, d, dtype=torch.float32, device=q.device)
         blocks = _blocks(dv, d - dv, ctx.block_h)
+        if blocks["BLOCK_V"] > 256:
+            # DeepSeek's 512-wide latent: the backward holds q, dO, dq and a gathered kv tile of 512 columns;
+            # 16-row kv tiles without multi-buffering keep it inside the H200's 227 KB of shared memory.
+            blocks.update(BLOCK_K=16, num_stages=1)
         grid = (b * s, triton.cdiv(nh, blocks["BLOCK_H"]))
         _sparse_mla_bwd[grid](
             q, kv, idx, d_out, lse, delta, dq, dkv, s, nh, idx.shape[-1], dv, d - dv, ctx.scale,

@@ -94,7 +94,7 @@ def test_sparse_mla_kernel_deepseek_shape_bf16():
 def _grads(layer, x):
     layer.zero_grad()
     x = x.clone().requires_grad_()
-    out = layer(x, torch.arange(x.shape[1]))
+    out = layer(x, torch.arange(x.shape[1], device=x.device))
     out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.device))
     return [out.detach(), x.grad] + [p.grad.clone() for _, p in layer.named_parameters() if p.grad is not None]
 
