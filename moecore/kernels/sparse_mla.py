@@ -125,7 +125,7 @@ if triton_importable():
         tl.store(dqb + DV + dr[None, :], (dq_rope * scale).to(dq_ptr.dtype.element_ty), mask=mh[:, None] & mr[None, :])
 
 
-DEFAULT_BLOCK_H = 16
+DEFAULT_BLOCK_H = 32  # fastest of 16 / 32 / 64 at DeepSeek-V3.2's shape (docs/benchmarks.md)
 
 
 def _blocks(dv: int, dr: int, block_h: int) -> dict:
@@ -166,8 +166,10 @@ class _SparseMLA(torch.autograd.Function):
         blocks = _blocks(dv, d - dv, ctx.block_h)
         if blocks["BLOCK_V"] > 256:
             # DeepSeek's 512-wide latent: the backward holds q, dO, dq and a gathered kv tile of 512 columns;
-            # 16-row kv tiles without multi-buffering keep it inside the H200's 227 KB of shared memory.
-            blocks.update(BLOCK_K=16, num_stages=1)
+            # at most 32 heads per program, 16-row kv tiles without multi-buffering keep it inside the H200's
+            # 227 KB of shared memory (64 heads need 304 KB). The head blocking of the backward is free of the
+            # forward's: it only decides the grid.
+            blocks.update(BLOCK_H=min(blocks["BLOCK_H"], 32), BLOCK_K=16, num_stages=1)
         grid = (b * s, triton.cdiv(nh, blocks["BLOCK_H"]))
         _sparse_mla_bwd[grid](
             q, kv, idx, d_out, lse, delta, dq, dkv, s, nh, idx.shape[-1], dv, d - dv, ctx.scale,
