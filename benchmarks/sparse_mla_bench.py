@@ -55,6 +55,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--block-h", default="16,32,64", help="heads per program of the sparse kernel, comma-separated")
+    p.add_argument("--warps", default="4,8", help="warps per program of the sparse kernel, comma-separated")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     dev, dt = "cuda", torch.bfloat16
@@ -68,18 +69,19 @@ def main() -> None:
     idx = random_selection(s, k, dev)
     g = torch.randn(1, s, n, r, device=dev, dtype=dt)
 
-    for block_h in [int(x) for x in a.block_h.split(",")]:
+    configs = [(int(h), int(w)) for h in a.block_h.split(",") for w in a.warps.split(",")]
+    for block_h, warps in configs:
 
-        def sparse_fwd(block_h=block_h):
+        def sparse_fwd(block_h=block_h, warps=warps):
             with torch.no_grad():
-                sparse_mla_attention(q, kv, idx, scale, r, block_h=block_h)
+                sparse_mla_attention(q, kv, idx, scale, r, block_h=block_h, num_warps=warps)
 
-        def sparse_step(block_h=block_h):
-            out, _ = sparse_mla_attention(q, kv, idx, scale, r, block_h=block_h)
+        def sparse_step(block_h=block_h, warps=warps):
+            out, _ = sparse_mla_attention(q, kv, idx, scale, r, block_h=block_h, num_warps=warps)
             out.backward(g)
 
         for what, fn in (("fwd", sparse_fwd), ("fwd+bwd", sparse_step)):
-            impl = f"sparse_mla {what} (block_h {block_h})"
+            impl = f"sparse_mla {what} (block_h {block_h}, warps {warps})"
             try:
                 records.append({"impl": impl, "ms": timed(fn, a.iters, a.warmup)})
             except Exception as err:  # a block size whose tiles exceed the GPU's shared memory or registers

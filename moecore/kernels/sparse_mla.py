@@ -136,7 +136,9 @@ def _blocks(dv: int, dr: int, block_h: int) -> dict:
 
 class _SparseMLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, dv: int, block_h: int):
+    def forward(
+        ctx, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, dv: int, block_h: int, num_warps: int
+    ):
         b, s, nh, d = q.shape
         q, kv = q.contiguous(), kv.contiguous()
         idx = idx.to(torch.int32).contiguous()
@@ -147,10 +149,10 @@ class _SparseMLA(torch.autograd.Function):
         grid = (b * s, triton.cdiv(nh, blocks["BLOCK_H"]))
         _sparse_mla_fwd[grid](
             q, kv, idx, out, lse, s, nh, k, dv, d - dv, scale,
-            q.stride(1), q.stride(2), kv.stride(1), out.stride(1), out.stride(2), **blocks,
+            q.stride(1), q.stride(2), kv.stride(1), out.stride(1), out.stride(2), num_warps=num_warps, **blocks,
         )  # fmt: skip
         ctx.save_for_backward(q, kv, idx, out, lse)
-        ctx.scale, ctx.dv, ctx.block_h = scale, dv, block_h
+        ctx.scale, ctx.dv, ctx.block_h, ctx.num_warps = scale, dv, block_h, num_warps
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -170,22 +172,30 @@ class _SparseMLA(torch.autograd.Function):
             # 227 KB of shared memory (64 heads need 304 KB). The head blocking of the backward is free of the
             # forward's: it only decides the grid.
             blocks.update(BLOCK_H=min(blocks["BLOCK_H"], 32), BLOCK_K=16, num_stages=1)
+        blocks.setdefault("num_warps", ctx.num_warps)
         grid = (b * s, triton.cdiv(nh, blocks["BLOCK_H"]))
         _sparse_mla_bwd[grid](
             q, kv, idx, d_out, lse, delta, dq, dkv, s, nh, idx.shape[-1], dv, d - dv, ctx.scale,
             q.stride(1), q.stride(2), kv.stride(1), d_out.stride(1), d_out.stride(2), dkv.stride(1), **blocks,
         )  # fmt: skip
-        return dq, dkv.to(kv.dtype), None, None, None, None
+        return dq, dkv.to(kv.dtype), None, None, None, None, None
 
 
 def sparse_mla_attention(
-    q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, dv: int, block_h: int = DEFAULT_BLOCK_H
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    idx: torch.Tensor,
+    scale: float,
+    dv: int,
+    block_h: int = DEFAULT_BLOCK_H,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, S, n, dv], lse [B, S, n] fp32) of the module docstring; differentiable in q and kv.
 
     `block_h`: heads per program (a power of two >= 16); larger blocks re-read the gathered rows fewer times
-    and issue fewer atomic adds in the backward, at the price of registers (benchmarks/sparse_mla_bench.py).
+    and issue fewer atomic adds in the backward, at the price of registers (benchmarks/sparse_mla_bench.py);
+    `num_warps`: warps per program (Triton's launch option), for the forward and the backward.
     """
     if not triton_importable():
         raise ValueError("the sparse MLA kernel needs the triton package, which does not import here")
-    return _SparseMLA.apply(q, kv, idx, scale, dv, block_h)
+    return _SparseMLA.apply(q, kv, idx, scale, dv, block_h, num_warps)
