@@ -27,10 +27,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moecore.config import Config
+from moecore.moe import expert_parallel as ep_util
 from moecore.moe.experts import GroupedExperts, _ContiguousGrad, activation_fn, grouped_mm_supported
 from moecore.moe.layer import MoELayer
 from moecore.moe.router import TopKRouter
-from moecore.parallel import expert_parallel as ep_util
 from moecore.parallel.sharding import set_shard
 
 

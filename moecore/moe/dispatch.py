@@ -135,19 +135,3 @@ class LocalDispatcher(TokenDispatcher):
     def combine_postprocess(self, rows: torch.Tensor, ctx: DispatchCtx) -> torch.Tensor:
         weight = None if self.apply_probs_on_input else ctx.weight_TK
         return unpermute(rows, ctx.permute_ctx, weight)
-
-
-def build_dispatcher(
-    num_experts: int, apply_probs_on_input: bool = False, dims=None, kind: str = "alltoall"
-) -> TokenDispatcher:
-    """The dispatcher for this layout: local with ep = etp = 1, else `kind` (moe.token_dispatcher_type).
-
-    The expert-parallel ones (allgather / alltoall) live in moecore.parallel.expert_parallel.
-    """
-    ep = getattr(dims, "ep", 1) if dims is not None else 1
-    etp = getattr(dims, "etp", 1) if dims is not None else 1
-    if ep == 1 and etp == 1:
-        return LocalDispatcher(num_experts, apply_probs_on_input, dims)
-    from moecore.parallel.expert_parallel import build_parallel_dispatcher
-
-    return build_parallel_dispatcher(kind, num_experts, apply_probs_on_input, dims)

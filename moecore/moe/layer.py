@@ -34,12 +34,11 @@ from torch.utils.checkpoint import checkpoint
 from moecore.config import MoEConfig
 from moecore.kernels._triton import use_triton
 from moecore.kernels.router import FusedRouting
+from moecore.moe import expert_parallel as ep_util
 from moecore.moe import losses
-from moecore.moe.dispatch import build_dispatcher
 from moecore.moe.experts import GroupedExperts
 from moecore.moe.permute import capacity_keep, expert_capacity
 from moecore.moe.router import TopKRouter, scores_for_balancing
-from moecore.parallel import expert_parallel as ep_util
 from moecore.train.profiling import nvtx_range
 
 
@@ -103,7 +102,9 @@ class MoELayer(nn.Module):
         )
         self.experts.recompute_act = recompute_act
         self.recompute_shared = recompute_shared
-        self.dispatcher = build_dispatcher(cfg.num_experts, cfg.apply_probs_on_input, dims, cfg.token_dispatcher_type)
+        self.dispatcher = ep_util.build_dispatcher(
+            cfg.num_experts, cfg.apply_probs_on_input, dims, cfg.token_dispatcher_type
+        )
         self.shared_experts = None
         self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:

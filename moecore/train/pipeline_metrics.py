@@ -20,7 +20,7 @@ def pipeline_metrics(
     pipe: Pipeline, rec: StepRecord, rt: Runtime, global_tokens: torch.Tensor, micro_batches: int, with_moe: bool
 ) -> dict:
     """loss, mtp_loss, mtp/depth_k_loss and (with_moe) the per-layer MoE metrics of every stage."""
-    from moecore.train.loop import moe_metrics  # the one-process aggregation, reused per stage
+    from moecore.train.moe_metrics import moe_metrics  # the one-process aggregation, reused per stage
 
     out: dict = {}
     n_mb_global = micro_batches * rt.dp_size

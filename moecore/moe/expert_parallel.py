@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from moecore.moe.dispatch import DispatchCtx, TokenDispatcher
+from moecore.moe.dispatch import DispatchCtx, LocalDispatcher, TokenDispatcher
 from moecore.moe.permute import permute, permute_probs, unpermute
 from moecore.parallel import comm
 from moecore.parallel.dims import ParallelDims
@@ -222,10 +222,12 @@ class AllGatherDispatcher(TokenDispatcher):
         return rows
 
 
-def build_parallel_dispatcher(
-    kind: str, num_experts: int, apply_probs_on_input: bool, dims: ParallelDims
+def build_dispatcher(
+    num_experts: int, apply_probs_on_input: bool = False, dims: ParallelDims | None = None, kind: str = "alltoall"
 ) -> TokenDispatcher:
-    """The dispatcher named by moe.token_dispatcher_type for a layout with ep * etp > 1."""
+    """The dispatcher for this layout: local with ep = etp = 1, else `kind` (moe.token_dispatcher_type)."""
+    if dims is None or (dims.ep == 1 and dims.etp == 1):
+        return LocalDispatcher(num_experts, apply_probs_on_input, dims)
     if kind == "alltoall":
         return AllToAllDispatcher(num_experts, apply_probs_on_input, dims)
     if kind == "allgather":
