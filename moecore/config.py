@@ -602,7 +602,7 @@ class Config:
 
     SECTIONS = ("model", "moe", "parallel", "optim", "data", "train", "checkpoint", "log")
 
-    def validate(self, world_size: int | None = None) -> Config:
+    def validate(self) -> Config:
         """Check every section and the rules that span sections; returns self."""
         self.model.validate()
         self.moe.validate(self.model.num_layers)
@@ -631,8 +631,6 @@ class Config:
             _fail("optim.state_dtype", "bf16", "needs optim.name=adamw")
         if self.train.exit_interval is not None and self.train.exit_interval > self.train.steps:
             _fail("train.exit_interval", self.train.exit_interval, f"must be <= train.steps={self.train.steps}")
-        if world_size is not None:
-            validate_layout(self, world_size)
         return self
 
     def to_dict(self) -> dict:
@@ -641,34 +639,6 @@ class Config:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-
-def validate_layout(cfg: Config, world_size: int) -> None:
-    """Checks that need the world size: the parallel degrees must tile the ranks (with folding)."""
-    p = cfg.parallel
-    dense = p.tp * p.pp * p.cp
-    if world_size % dense:
-        culprit = "pp" if p.pp > 1 else "cp" if p.cp > 1 else "tp"
-        _fail(f"parallel.{culprit}", getattr(p, culprit), f"tp*pp*cp={dense} must divide the world size {world_size}")
-    expert = p.etp * p.ep * p.pp
-    if world_size % expert:
-        culprit = "ep" if p.ep > 1 else "etp" if p.etp > 1 else "pp"
-        _fail(f"parallel.{culprit}", getattr(p, culprit), f"etp*ep*pp={expert} must divide the world size {world_size}")
-    from moecore.parallel.layout import check_layout  # what the parallel code implements (torch-free)
-
-    check_layout(cfg)
-    dp = world_size // dense
-    mb_total = cfg.train.micro_batch_size * dp
-    if cfg.train.global_batch_size % mb_total:
-        _fail(
-            "train.global_batch_size",
-            cfg.train.global_batch_size,
-            f"must be a multiple of train.micro_batch_size * data-parallel size = {mb_total}",
-        )
-    if p.pp > 1:  # the schedule's micro-batch rules
-        from moecore.parallel.pipeline_layout import check_pipeline
-
-        check_pipeline(cfg, cfg.train.global_batch_size // mb_total)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Which model / parallel-layout combinations this version runs; checked before any work (no torch needed).
 
 `check_layout(cfg)` raises ConfigError with one line naming the field, the value and what is
-allowed. It is called by `moecore.config.validate_layout` (the preflight of `moecore train`), so an
+allowed. It is called by `validate_layout(cfg, world_size)` (the preflight of `moecore train`), so an
 unsupported layout is refused before processes start work; the layers raise the same errors if built
 directly.
 """
@@ -9,15 +9,14 @@ directly.
 from __future__ import annotations
 
 from moecore.config import Config, ConfigError
+from moecore.parallel.pipeline_layout import check_pipeline
 
 
 def check_layout(cfg: Config) -> None:
     """Refuse degrees and combinations that are not implemented or do not divide the model's sizes."""
     p, m, e = cfg.parallel, cfg.model, cfg.moe
     if p.pp > 1:
-        from moecore.parallel.pipeline_layout import check_pipeline
-
-        check_pipeline(cfg)  # stage layout and schedule (micro-batch counts: config.validate_layout)
+        check_pipeline(cfg)  # stage layout and schedule (micro-batch counts: validate_layout)
         not_yet = [
             ("parallel.distributed_optimizer", p.distributed_optimizer, p.distributed_optimizer, "false"),
             ("parallel.fsdp", p.fsdp, p.fsdp, "false"),
@@ -89,3 +88,32 @@ def check_layout(cfg: Config) -> None:
     for name, value in checks:
         if value % tp:
             raise ConfigError(f"parallel.tp={tp} does not divide {name}={value}")
+
+
+def validate_layout(cfg: Config, world_size: int) -> None:
+    """`cfg.validate()` plus the checks that need the world size: the degrees must tile the ranks (with folding),
+    this version must run the layout (`check_layout`), the batch must split over data parallel."""
+    cfg.validate()
+    p = cfg.parallel
+    dense = p.tp * p.pp * p.cp
+    if world_size % dense:
+        culprit = "pp" if p.pp > 1 else "cp" if p.cp > 1 else "tp"
+        raise ConfigError(
+            f"parallel.{culprit}={getattr(p, culprit)} is invalid: tp*pp*cp={dense} must divide the world size {world_size}"
+        )
+    expert = p.etp * p.ep * p.pp
+    if world_size % expert:
+        culprit = "ep" if p.ep > 1 else "etp" if p.etp > 1 else "pp"
+        raise ConfigError(
+            f"parallel.{culprit}={getattr(p, culprit)} is invalid: etp*ep*pp={expert} must divide the world size {world_size}"
+        )
+    check_layout(cfg)
+    dp = world_size // dense
+    mb_total = cfg.train.micro_batch_size * dp
+    if cfg.train.global_batch_size % mb_total:
+        raise ConfigError(
+            f"train.global_batch_size={cfg.train.global_batch_size} is invalid: must be a multiple of "
+            f"train.micro_batch_size * data-parallel size = {mb_total}"
+        )
+    if p.pp > 1:  # the schedule's micro-batch rules
+        check_pipeline(cfg, cfg.train.global_batch_size // mb_total)

@@ -18,6 +18,7 @@ import copy
 from dataclasses import dataclass, field
 
 from moecore.config import Config, ConfigError
+from moecore.parallel.layout import validate_layout
 
 
 @dataclass(frozen=True)
@@ -192,8 +193,8 @@ def unsupported_reason(cfg: Config, layout: Layout) -> str | None:
     try:
         c = layout_config(cfg, layout)
         # the rules that span sections (e.g. bf16 Adam moments without the distributed optimizer), the tiling of
-        # the GPUs and the pipeline schedule's micro-batch counts (config.validate_layout calls check_layout)
-        c.validate(world_size=layout.world)
+        # the GPUs and the pipeline schedule's micro-batch counts (validate_layout calls check_layout)
+        validate_layout(c, layout.world)
         for reason in _model_refusals(c):
             return reason
     except ConfigError as e:

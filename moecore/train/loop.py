@@ -26,6 +26,7 @@ from moecore.checkpoint.saver import CheckpointSaver
 from moecore.config import Config, ConfigError
 from moecore.models.transformer import MoETransformer
 from moecore.optim.schedule import lr_at
+from moecore.parallel.layout import validate_layout
 from moecore.train.guards import StepGuard
 from moecore.train.memory import memory_metrics
 from moecore.train.moe_metrics import moe_metrics
@@ -74,7 +75,7 @@ def check_resume(cfg: Config) -> Path | None:
 def preflight(cfg: Config) -> None:
     """Every check that can refuse the run before any work: config, layout for the launch, resume folder."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg.validate(world_size=world_size)
+    validate_layout(cfg, world_size)
     check_resume(cfg)
 
 
@@ -102,7 +103,7 @@ class Trainer:
         self.data = build_data(cfg, dp_rank=self.rt.dp_rank, dp_size=self.rt.dp_size)
         if cfg.model.vocab_size <= 0:
             cfg.model.vocab_size = self.data.vocab_size
-        cfg.validate(world_size=self.rt.world_size)
+        validate_layout(cfg, self.rt.world_size)
         if self.rt.device.type == "cuda" and cfg.train.preflight_memory != "off":
             from moecore.plan.preflight import check_memory
 

@@ -12,6 +12,7 @@ from moecore.config import Config, ConfigError, ParallelConfig
 from moecore.models.transformer import MoETransformer
 from moecore.parallel.data_parallel import global_grad_norm
 from moecore.parallel.dims import ParallelDims, _mesh_groups, single_process_dims
+from moecore.parallel.layout import validate_layout
 from moecore.parallel.sharding import ShardSpec, _chunks, get_shard, set_shard
 from moecore.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -61,7 +62,7 @@ def test_config_preflight_refuses_unsupported_layouts(overrides, message):
         setattr(getattr(cfg, section), name, value)
     world = 6 if cfg.parallel.etp == 3 else 2
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        cfg.validate(world_size=world)
+        validate_layout(cfg, world)
 
 
 def test_rank_layout_folds_attention_and_expert_meshes():

@@ -20,6 +20,7 @@ from pipeline_parity import reference, resume_same_layout, run_pipeline, worst
 
 from moecore.config import Config, ConfigError
 from moecore.parallel.launch import run_local
+from moecore.parallel.layout import validate_layout
 from moecore.parallel.pipeline_layout import expand_layout, parse_layout, stage_layout, stage_ranks
 
 pytestmark = pytest.mark.distributed
@@ -80,7 +81,7 @@ def _cfg(**parallel) -> Config:
 def test_schedules_refuse_what_they_cannot_run(parallel, world, message):
     cfg = _cfg(**parallel)  # global batch 8 of micro-batches of 2: 4 / data-parallel size per pipeline
     with pytest.raises(ConfigError) as err:
-        cfg.validate(world_size=world)
+        validate_layout(cfg, world)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
@@ -181,7 +182,7 @@ def test_pipeline_layouts_train_like_one_process(world):
     names, refs, cases = [], [], []
     for name, cfg in CASES[world].items():
         cfg = copy.deepcopy(cfg)
-        cfg.validate(world_size=world)
+        validate_layout(cfg, world)
         init, ref = reference(cfg, data, STEPS)
         names.append(name)
         refs.append(ref)
