@@ -33,10 +33,13 @@ from torch.utils.checkpoint import checkpoint
 
 from moecore.config import MoEConfig
 from moecore.kernels._triton import use_triton
+from moecore.kernels.grouped_ffn import GemmPlan
 from moecore.kernels.router import FusedRouting
 from moecore.moe import expert_parallel as ep_util
 from moecore.moe import losses
+from moecore.moe.dispatch import LocalDispatcher
 from moecore.moe.experts import GroupedExperts
+from moecore.moe.minimal import minimal_experts
 from moecore.moe.permute import capacity_keep, expert_capacity
 from moecore.moe.router import TopKRouter, scores_for_balancing
 from moecore.train.profiling import nvtx_range
@@ -101,6 +104,8 @@ class MoELayer(nn.Module):
             self.experts.w13, self.experts.w2, cfg.num_experts, cfg.ffn_hidden_size, activation == "swiglu", dims
         )
         self.experts.recompute_act = recompute_act
+        if cfg.sync_free:  # grouped GEMMs on device offsets only (the measured "loop" plans read counts on the host)
+            self.experts.gemm_plan = GemmPlan()
         self.recompute_shared = recompute_shared
         self.dispatcher = ep_util.build_dispatcher(
             cfg.num_experts, cfg.apply_probs_on_input, dims, cfg.token_dispatcher_type
@@ -161,12 +166,18 @@ class MoELayer(nn.Module):
                 pad = capacity
 
         # 3. permute + dispatch, 4. experts, 5. combine + unpermute
-        with nvtx_range("moe/dispatch"):
-            expert_in, counts, probs, ctx = self.dispatcher.token_dispatch(x_TH, idx_TK, weight_TK, keep_TK, pad)
-        with nvtx_range("moe/experts"):
-            expert_out = self.experts(expert_in, counts, probs)
-        with nvtx_range("moe/combine"):
-            y_TH = self.dispatcher.token_combine(expert_out, ctx)
+        if self._minimal_memory(x_TH, keep_TK, pad):  # one Function keeping x, h and routing (moe/minimal.py)
+            with nvtx_range("moe/experts"):
+                e = self.experts
+                y_TH, _ = minimal_experts(x_TH, idx_TK, weight_TK, e.w13, e.w2, self.cfg.apply_probs_on_input)
+                e.last_path = "minimal"
+        else:
+            with nvtx_range("moe/dispatch"):
+                expert_in, counts, probs, ctx = self.dispatcher.token_dispatch(x_TH, idx_TK, weight_TK, keep_TK, pad)
+            with nvtx_range("moe/experts"):
+                expert_out = self.experts(expert_in, counts, probs)
+            with nvtx_range("moe/combine"):
+                y_TH = self.dispatcher.token_combine(expert_out, ctx)
 
         # 6. shared experts
         if self.shared_experts is not None:
@@ -186,6 +197,15 @@ class MoELayer(nn.Module):
         if self.fused_router_impl != "auto":
             return True
         return use_triton("auto", x_TH)
+
+    def _minimal_memory(self, x_TH: torch.Tensor, keep_TK: torch.Tensor | None, pad: int | None) -> bool:
+        """moe.activation_memory=minimal where it runs: one device, dropless, SwiGLU, torch._grouped_mm for
+        these rows (else the standard path, e.g. fp64 on CPU)."""
+        if self.cfg.activation_memory != "minimal" or keep_TK is not None or pad is not None:
+            return False
+        e = self.experts
+        ok = type(self.dispatcher) is LocalDispatcher and e.activation == "swiglu" and x_TH.shape[0] > 0
+        return ok and e.uses_grouped_mm(x_TH)
 
     def _shared_expert_output(self, x_TH: torch.Tensor) -> torch.Tensor:
         """The shared experts' output, sigmoid-gated when moe.shared_expert_gate (Qwen2-MoE)."""
@@ -218,7 +238,7 @@ class MoELayer(nn.Module):
                 scores_TE = scores_TE * valid_T.to(scores_TE.dtype).unsqueeze(-1)
                 num_tokens = valid_T.sum().to(scores_TE.dtype)
             else:
-                num_tokens = torch.tensor(float(B * S), dtype=scores_TE.dtype, device=scores_TE.device)
+                num_tokens = scores_TE.new_full((), float(B * S))  # no host-to-device copy (graph capturable)
         # Only the losses in the objective are computed (each costs a top-k, a scatter and their backward:
         # launch-bound at small expert sizes); the per-expert load statistics come from _load_stats.
         if "aux_loss" in self.coeffs or "global_aux_loss" in self.coeffs:
