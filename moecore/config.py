@@ -671,16 +671,32 @@ def _validate_moe_perf(cfg: Config) -> None:
         )
     if t.cuda_graphs == "none":
         return
+    g = t.cuda_graphs
+
+    def refuse(why: str) -> None:
+        _fail("train.cuda_graphs", g, why + "; use train.cuda_graphs=none")
+
     if t.device == "cpu":
-        _fail("train.cuda_graphs", t.cuda_graphs, "needs a CUDA device (train.device=cpu); use none")
+        refuse("needs a CUDA device (train.device=cpu)")
     if p.pp > 1:
-        _fail(
-            "train.cuda_graphs",
-            t.cuda_graphs,
-            "needs parallel.pp=1 (a pipeline schedule runs several forwards before their backwards)",
+        refuse("needs parallel.pp=1 (a pipeline schedule runs several forwards of a layer before their backwards)")
+    if p.tp > 1 or p.cp > 1 or p.fsdp:
+        refuse(
+            "needs parallel.tp=1, parallel.cp=1 and parallel.fsdp=false (collectives and resharded weights in a layer)"
         )
-    if t.cuda_graphs == "full" and e.num_experts and not e.sync_free:
-        _fail("train.cuda_graphs", "full", "captures the MoE layer and needs moe.sync_free=true")
+    if t.precision == "fp16":
+        refuse("needs train.precision bf16 or fp32 (fp16 autocast caches casts outside the graph)")
+    if m.attention_type == "dsa" or (m.layer_types and "linear_attention" in m.layer_types):
+        refuse("captures full attention layers only (model.attention_type=dsa / linear_attention layers are not)")
+    if g in ("moe_static", "full") and e.num_experts:
+        if "global_aux_loss" in e.balancing_types or e.router_replay_mode != "none":
+            refuse("cannot capture the router with global_aux_loss or router replay (Python-side bookkeeping)")
+    if g == "full" and e.num_experts:
+        if not e.sync_free:
+            refuse("captures the MoE layer and needs moe.sync_free=true")
+        recompute_moe = "moe" in m.recompute_modules or m.recompute_granularity == "full"
+        if recompute_moe and e.router_enable_expert_bias:
+            refuse("with expert bias cannot recompute the MoE block (its token counts would be added twice)")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -53,6 +53,18 @@ class MoELayerAux:
     stats: dict = field(default_factory=dict)  # detached tensors, see the module docstring
 
 
+@dataclass
+class Routed:
+    """Step 1 of the layer: the chosen experts [T, K], their weights [T, K], the routing losses' weighted sum
+    and unweighted values, and the routed counts [E] when the fused router summed them (else None)."""
+
+    idx_TK: torch.Tensor
+    weight_TK: torch.Tensor
+    loss: torch.Tensor
+    stats: dict
+    counts_E: torch.Tensor | None = None
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward pass (e.g. activation recomputation of a checkpointed layer)."""
     task_id = getattr(torch._C, "_current_graph_task_id", None)
@@ -131,7 +143,32 @@ class MoELayer(nn.Module):
         self.fused_router_impl = "auto"
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, MoELayerAux]:
+    def route(self, x: torch.Tensor, loss_mask: torch.Tensor | None, full_loss_mask: torch.Tensor | None) -> Routed:
+        """Step 1 on this rank's tokens x [B, S, H]: the chosen experts, their weights, the routing losses.
+
+        `full_loss_mask`: the whole micro-batch's mask (the balancing losses see it under tensor parallel).
+        """
+        B, S, H = x.shape
+        x_TH = x.reshape(B * S, H)
+        valid_T = None if loss_mask is None else (loss_mask.reshape(B * S) > 0)
+        with nvtx_range("moe/route"):
+            if self._use_fused_router(x_TH):
+                need_sums, need_z = bool(self.coeffs), bool(self.cfg.z_loss_coeff)
+                segment = S if "seq_aux_loss" in self.coeffs else B * S
+                r, sums = self.router.forward_fused(x_TH, valid_T, segment, need_sums, need_z, self.fused_router_impl)
+                loss, stats = self._routing_losses_from_sums(sums)
+                return Routed(r.topk_idx_TK, r.topk_weight_TK, loss, stats, sums.counts_GE.sum(0))
+            r = self.router(x_TH)
+            loss_logits, loss_valid, loss_S = ep_util.router_logits_for_losses(
+                r.logits_TE, B, full_loss_mask, self.dims
+            )
+            loss, stats = self._routing_losses(loss_logits, loss_valid, B, loss_S)
+            return Routed(r.topk_idx_TK, r.topk_weight_TK, loss, stats)
+
+    def forward(
+        self, x: torch.Tensor, loss_mask: torch.Tensor | None = None, routed: Routed | None = None
+    ) -> tuple[torch.Tensor, MoELayerAux]:
+        """`routed`: step 1 already done (a captured CUDA graph of the router, moecore/models/cuda_graphs.py)."""
         full_loss_mask = loss_mask
         x, loss_mask = ep_util.moe_tokens_enter(x, loss_mask, self.dims)  # tensor parallel: this rank's tokens
         B, S, H = x.shape
@@ -139,21 +176,10 @@ class MoELayer(nn.Module):
         valid_T = None if loss_mask is None else (loss_mask.reshape(B * S) > 0)
 
         # 1. route (the balancing losses see the whole micro-batch, also under tensor parallel)
-        with nvtx_range("moe/route"):
-            routed_counts_E = None  # this rank's routed counts when the fused router summed them
-            if self._use_fused_router(x_TH):
-                need_sums, need_z = bool(self.coeffs), bool(self.cfg.z_loss_coeff)
-                segment = S if "seq_aux_loss" in self.coeffs else B * S
-                r, sums = self.router.forward_fused(x_TH, valid_T, segment, need_sums, need_z, self.fused_router_impl)
-                loss, stats = self._routing_losses_from_sums(sums)
-                routed_counts_E = sums.counts_GE.sum(0)
-            else:
-                r = self.router(x_TH)
-                loss_logits, loss_valid, loss_S = ep_util.router_logits_for_losses(
-                    r.logits_TE, B, full_loss_mask, self.dims
-                )
-                loss, stats = self._routing_losses(loss_logits, loss_valid, B, loss_S)
-            idx_TK, weight_TK = r.topk_idx_TK, r.topk_weight_TK
+        if routed is None:
+            routed = self.route(x, loss_mask, full_loss_mask)
+        idx_TK, weight_TK, loss, stats = routed.idx_TK, routed.weight_TK, routed.loss, dict(routed.stats)
+        routed_counts_E = routed.counts_E  # this rank's routed counts when the fused router summed them
 
         # 2. capacity (optional): which assignments fit
         keep_TK, pad = None, None
