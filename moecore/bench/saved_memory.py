@@ -65,17 +65,24 @@ def moe_saved_bytes(
     tokens: int = 256,
     mode: str = "standard",
     seed: int = 0,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, int]:
-    """{"activations", "routing", "total"}: bytes one fp32 MoE layer forward keeps for backward (CPU)."""
+    """{"activations", "routing", "total"}: bytes one MoE layer forward keeps for backward.
+
+    On CPU (fp32) the standard path runs the GPU's fused expert FFN Function through torch._grouped_mm;
+    on CUDA (bf16) every path is the real one.
+    """
     from moecore.moe.layer import MoELayer
 
     torch.manual_seed(seed)
     cfg = MoEConfig(num_experts=num_experts, router_topk=topk, ffn_hidden_size=ffn, activation_memory=mode)
-    layer = MoELayer(cfg, hidden)
-    x = torch.randn(1, tokens, hidden, requires_grad=True)
-    with _fused_path_on_cpu() if mode == "standard" else contextlib.nullcontext():
+    layer = MoELayer(cfg, hidden).to(device=device, dtype=dtype)
+    x = torch.randn(1, tokens, hidden, requires_grad=True, device=device, dtype=dtype)
+    emulate = mode == "standard" and device == "cpu"
+    with _fused_path_on_cpu() if emulate else contextlib.nullcontext():
         (y, aux), saved = saved_bytes(lambda: layer(x), exclude=[*layer.parameters(), x])
-    (y.square().sum() + aux.loss).backward()  # the saved state is usable
+    (y.float().square().sum() + aux.loss).backward()  # the saved state is usable
     routing_max = tokens * max(topk, num_experts)
     act = sum(
         t.untyped_storage().nbytes() for t in saved if t.untyped_storage().nbytes() // t.element_size() > routing_max

@@ -113,3 +113,19 @@ def test_config_refuses_minimal_with_capacity_and_expert_parallel():
     cfg.moe.activation_memory = "fast"
     with pytest.raises(ConfigError, match="standard | minimal"):
         cfg.validate()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_saved_bytes_do_not_grow_with_granularity():
+    """The same on the GPU's real paths (bf16: fused router, Triton permute, fused expert FFN)."""
+    kw = dict(hidden=256, tokens=1024, device="cuda", dtype=torch.bfloat16)
+    coarse = moe_saved_bytes(8, 2, 64, mode="minimal", **kw)
+    fine = moe_saved_bytes(32, 8, 16, mode="minimal", **kw)
+    assert coarse["activations"] == fine["activations"] == 1024 * 8 * 16 * 2 * 2  # h: T x K x 2F bf16
+    std_coarse = moe_saved_bytes(8, 2, 64, mode="standard", **kw)
+    std_fine = moe_saved_bytes(32, 8, 16, mode="standard", **kw)
+    print(
+        f"bf16 saved activations, 8x top-2 / 32x top-8: standard {std_coarse} / {std_fine}, minimal {coarse} / {fine}"
+    )
+    assert std_fine["activations"] > std_coarse["activations"] > fine["activations"]
