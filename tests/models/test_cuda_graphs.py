@@ -141,6 +141,18 @@ def test_trainer_refuses_graphs_without_cuda(tmp_path):
         Trainer(cfg)
 
 
+def test_bench_train_takes_the_graph_overrides(capsys):
+    """`moecore bench train ... train.cuda_graphs=...`: the override reaches the config (and is validated)."""
+    from moecore.bench import main
+    from moecore.bench.train import bench_config
+
+    cfg = bench_config("qwen3-30b-a3b", "bf16", extra=["train.cuda_graphs=full", "moe.sync_free=true"]).validate()
+    assert (cfg.train.cuda_graphs, cfg.moe.sync_free) == ("full", True)
+    assert main(["train", "--model", "qwen3-30b-a3b", "train.cuda_graphs=full"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "train.cuda_graphs='full' is invalid" in err and "moe.sync_free" in err and len(err.splitlines()) == 1
+
+
 # ---------------------------------------------------------------- GPU: real CUDA graphs
 
 GPU_TOLERANCE = 5e-3  # per-step loss, absolute, bf16 (docs/train.md): when replays differ from eager at all
