@@ -32,8 +32,10 @@ class PermuteCtx:
 
     num_tokens: int  # T
     topk: int  # K
-    src_flat: torch.Tensor  # [N_kept] flat assignment t*K+k of each kept row, in permuted (expert) order
-    dest_rows: torch.Tensor | None  # [N_kept] row of each kept assignment in the padded buffer; None: row i
+    # [N_kept] flat assignment t*K+k of each kept row, in permuted (expert) order; padded: all T*K, dropped last
+    src_flat: torch.Tensor
+    # padded: [T*K] row of each assignment in the padded buffer, num_rows (a scratch row) for dropped ones; None: row i
+    dest_rows: torch.Tensor | None
     num_rows: int  # rows of the permuted buffer: N_kept, or E*C when padded to capacity
     tokens_per_expert: torch.Tensor  # [E] int64 rows per expert in the buffer (C each when padded)
     kept_per_expert: torch.Tensor  # [E] int64 real (unpadded) assignments per expert
