@@ -165,10 +165,13 @@ class GraphedBlock:
         self.module = module
         self.simulate = simulate
         self.capture: _Capture | None = None
+        self.replays = 0  # forward replays so far (tests, diagnostics)
 
     def eligible(self, args: tuple) -> bool:
         on_device = all(isinstance(a, torch.Tensor) and (a.is_cuda or self.simulate) for a in args)
-        return self.module.training and torch.is_grad_enabled() and on_device
+        # the wrapper itself is outside the model (model.train() / eval() never reach it): ask its parts
+        training = all(m.training for m in self.module.children())
+        return training and torch.is_grad_enabled() and on_device
 
     def __call__(self, *args: torch.Tensor) -> tuple:
         if not self.eligible(args):
@@ -177,6 +180,7 @@ class GraphedBlock:
             self.capture = _Capture(self.module, args, self.simulate)
         elif _signature(args) != self.capture.signature:
             return _flat(self.module(*args))
+        self.replays += 1
         return _Replay.apply(self.capture, *args, *self.capture.params)
 
 

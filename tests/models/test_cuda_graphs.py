@@ -107,6 +107,13 @@ def test_simulated_graphs_train_like_eager(mode, extra):
     ids = torch.randint(0, 64, (1, 8))
     with torch.no_grad():
         close(graphed(ids).logits, eager(ids).logits, "eval logits")
+    ids = torch.randint(0, 64, (2, 16))  # the captured shape, gradients on, eval mode: still eager
+    blocks = [b for layer in graphed.layers for b in (layer.cuda_graphs.attention, layer.cuda_graphs.moe_head,
+              layer.cuda_graphs.whole) if b is not None]  # fmt: skip
+    replays = [b.replays for b in blocks]
+    assert min(replays) >= 6  # one per training micro-batch (3 steps x 2), again where recomputed
+    close(graphed(ids).logits, eager(ids).logits, "eval logits with grad")
+    assert [b.replays for b in blocks] == replays
 
 
 @pytest.mark.parametrize(
