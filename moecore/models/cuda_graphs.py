@@ -199,7 +199,8 @@ class _Attention(nn.Module):
 
 
 class _MoEHead(nn.Module):
-    """The static head of an MoE block: mlp_norm + routing (moecore/moe/layer.py `MoELayer.route`)."""
+    """The static head of an MoE block: mlp_norm + routing + the dispatch preprocessing (the assignments' sort
+    by expert; moecore/moe/layer.py `MoELayer.route`, `MoELayer.presort`)."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -209,10 +210,14 @@ class _MoEHead(nn.Module):
     def forward(self, x: torch.Tensor, *mask: torch.Tensor) -> tuple:
         h = self.norm(x)
         m = mask[0] if mask else None
-        routed = self.moe.route(h, m, m)  # no tensor parallel under cuda_graphs: this rank's tokens are all
+        routed = self.moe.presort(self.moe.route(h, m, m))  # no tensor parallel here: all tokens are this rank's
         self.stat_keys = sorted(routed.stats)
-        counts = routed.counts_E if routed.counts_E is not None else h.new_empty(0)  # empty: None
-        return (h, routed.idx_TK, routed.weight_TK, routed.loss, counts, *(routed.stats[k] for k in self.stat_keys))
+        empty = h.new_empty(0)  # stands for None (graph outputs are tensors)
+        counts = routed.counts_E if routed.counts_E is not None else empty
+        ps = routed.presorted
+        sort = (ps.sorted_e, ps.order, ps.counts) if ps is not None else (empty, empty, empty)
+        head = (h, routed.idx_TK, routed.weight_TK, routed.loss, counts, *sort)
+        return (*head, *(routed.stats[k] for k in self.stat_keys))
 
 
 class _WholeLayer(nn.Module):
@@ -255,11 +260,13 @@ class LayerGraphs:
     def routed(self, x: torch.Tensor, loss_mask: torch.Tensor | None):
         """(mlp_norm(x), the MoE block's `Routed`) from the captured head."""
         from moecore.moe.layer import Routed
+        from moecore.moe.permute import SortedAssignments
 
         outs = self.moe_head(x, *(() if loss_mask is None else (loss_mask,)))
-        h, idx, weight, loss, counts = outs[:5]
-        stats = dict(zip(self._head.stat_keys, outs[5:]))
-        return h, Routed(idx, weight, loss, stats, counts if counts.numel() else None)
+        h, idx, weight, loss, counts, sorted_e, order, sorted_counts = outs[:8]
+        stats = dict(zip(self._head.stat_keys, outs[8:]))
+        presorted = SortedAssignments(sorted_e, order, sorted_counts) if order.numel() else None
+        return h, Routed(idx, weight, loss, stats, counts if counts.numel() else None, presorted)
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:

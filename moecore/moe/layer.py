@@ -40,7 +40,7 @@ from moecore.moe import losses
 from moecore.moe.dispatch import LocalDispatcher
 from moecore.moe.experts import GroupedExperts
 from moecore.moe.minimal import minimal_experts
-from moecore.moe.permute import capacity_keep, expert_capacity
+from moecore.moe.permute import SortedAssignments, capacity_keep, expert_capacity, sort_assignments
 from moecore.moe.router import TopKRouter, scores_for_balancing
 from moecore.train.profiling import nvtx_range
 
@@ -63,6 +63,7 @@ class Routed:
     loss: torch.Tensor
     stats: dict
     counts_E: torch.Tensor | None = None
+    presorted: SortedAssignments | None = None  # dispatch preprocessing done with the routing (see `presort`)
 
 
 def _in_backward() -> bool:
@@ -165,6 +166,14 @@ class MoELayer(nn.Module):
             loss, stats = self._routing_losses(loss_logits, loss_valid, B, loss_S)
             return Routed(r.topk_idx_TK, r.topk_weight_TK, loss, stats)
 
+    def presort(self, routed: Routed) -> Routed:
+        """`routed` with the dispatch preprocessing (the assignments' sort by expert) done, where the layer
+        can use it: one device and dropless routing; else `routed` unchanged."""
+        if type(self.dispatcher) is not LocalDispatcher or self.cfg.expert_capacity_factor is not None:
+            return routed
+        routed.presorted = sort_assignments(routed.idx_TK, self.num_experts)
+        return routed
+
     def forward(
         self, x: torch.Tensor, loss_mask: torch.Tensor | None = None, routed: Routed | None = None
     ) -> tuple[torch.Tensor, MoELayerAux]:
@@ -195,11 +204,20 @@ class MoELayer(nn.Module):
         if self._minimal_memory(x_TH, keep_TK, pad):  # one Function keeping x, h and routing (moe/minimal.py)
             with nvtx_range("moe/experts"):
                 e = self.experts
-                y_TH, _ = minimal_experts(x_TH, idx_TK, weight_TK, e.w13, e.w2, self.cfg.apply_probs_on_input)
+                y_TH, _ = minimal_experts(
+                    x_TH, idx_TK, weight_TK, e.w13, e.w2, self.cfg.apply_probs_on_input, routed.presorted
+                )
                 e.last_path = "minimal"
         else:
             with nvtx_range("moe/dispatch"):
-                expert_in, counts, probs, ctx = self.dispatcher.token_dispatch(x_TH, idx_TK, weight_TK, keep_TK, pad)
+                if routed.presorted is not None and keep_TK is None:  # sorted already (LocalDispatcher only)
+                    d = self.dispatcher
+                    rows, ctx = d.dispatch_preprocess(x_TH, idx_TK, weight_TK, None, pad, routed.presorted)
+                    expert_in, counts, probs = d.dispatch_postprocess(d.dispatch(rows, ctx), ctx)
+                else:
+                    expert_in, counts, probs, ctx = self.dispatcher.token_dispatch(
+                        x_TH, idx_TK, weight_TK, keep_TK, pad
+                    )
             with nvtx_range("moe/experts"):
                 expert_out = self.experts(expert_in, counts, probs)
             with nvtx_range("moe/combine"):

@@ -33,21 +33,23 @@ import torch
 from moecore.kernels.grouped_ffn import gemm_nn, gemm_nt, gemm_tn
 from moecore.kernels.permute import unpermute_rows
 from moecore.kernels.swiglu import swiglu, swiglu_backward
+from moecore.moe.permute import SortedAssignments, sort_assignments
 
 
-def sort_by_expert(idx_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sort_by_expert(
+    idx_TK: torch.Tensor, num_experts: int, presorted: SortedAssignments | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order [M], inverse [M], bounds [E+1] int32) of the stable sort of the flat assignments by expert.
 
     Rows of expert e are order[bounds[e]:bounds[e+1]]; counts come from a binary search in the sorted
     ids, so no host synchronisation (torch.bincount reads the maximum back on CUDA).
     """
-    flat_e = idx_TK.reshape(-1)
-    sorted_e, order = torch.sort(flat_e, stable=True)
-    targets = torch.arange(num_experts + 1, device=flat_e.device, dtype=sorted_e.dtype)
-    bounds = torch.searchsorted(sorted_e, targets).to(torch.int32)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
-    return order, inv, bounds
+    s = presorted if presorted is not None else sort_assignments(idx_TK, num_experts)
+    bounds = torch.zeros(num_experts + 1, dtype=torch.int32, device=idx_TK.device)
+    torch.cumsum(s.counts, 0, out=bounds[1:])
+    inv = torch.empty_like(s.order)
+    inv[s.order] = torch.arange(s.order.numel(), device=s.order.device)
+    return s.order, inv, bounds
 
 
 class _MinimalExperts(torch.autograd.Function):
@@ -101,13 +103,14 @@ def minimal_experts(
     w13_EFH: torch.Tensor,
     w2_EHF: torch.Tensor,
     probs_in_act: bool = False,
+    presorted: SortedAssignments | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_k weight[t, k] * expert_{idx[t, k]}(x[t]) for SwiGLU experts, keeping x, h and routing for backward.
 
     Returns (out [T, H] in x's dtype, rows per expert [E] int64). Differentiable in x, the weights and
-    weight_TK (the router's gradient path).
+    weight_TK (the router's gradient path). `presorted`: `sort_assignments(idx_TK)` already computed.
     """
     E = w13_EFH.shape[0]
-    order, inv, bounds = sort_by_expert(idx_TK, E)
+    order, inv, bounds = sort_by_expert(idx_TK, E, presorted)
     out = _MinimalExperts.apply(x_TH.contiguous(), w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act)
     return out, (bounds[1:] - bounds[:-1]).long()

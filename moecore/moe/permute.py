@@ -77,25 +77,45 @@ def sorted_counts(sorted_e: torch.Tensor, num_experts: int) -> torch.Tensor:
     return bounds[1:] - bounds[:-1]
 
 
+@dataclass
+class SortedAssignments:
+    """The stable sort of the flat assignments t*K+k by expert (dropless): what `permute` starts from."""
+
+    sorted_e: torch.Tensor  # [T*K] expert ids, ascending
+    order: torch.Tensor  # [T*K] the flat assignment at each sorted position
+    counts: torch.Tensor  # [E] int64 assignments per expert
+
+
+def sort_assignments(idx_TK: torch.Tensor, num_experts: int) -> SortedAssignments:
+    """Sort the assignments by expert on the device (dispatch preprocessing; no host synchronisation)."""
+    sorted_e, order = torch.sort(idx_TK.reshape(-1), stable=True)
+    return SortedAssignments(sorted_e, order, sorted_counts(sorted_e, num_experts))
+
+
 def permute(
     x_TH: torch.Tensor,
     idx_TK: torch.Tensor,
     num_experts: int,
     keep_TK: torch.Tensor | None = None,
     pad_to_capacity: int | None = None,
+    presorted: SortedAssignments | None = None,
 ) -> tuple[torch.Tensor, PermuteCtx]:
     """Rows of x grouped by expert: returns (permuted [N, H], ctx).
 
     keep_TK: assignments to keep (None: all, dropless). pad_to_capacity=C: each expert's block is
     exactly C rows (requires every expert to keep at most C assignments), zeros in the unused rows.
     Dropless or padded needs no host synchronisation; with drops and no padding, N is read back from the device.
+    `presorted`: `sort_assignments(idx_TK)` already computed (dropless only; e.g. inside a captured CUDA graph).
     """
     T, K = idx_TK.shape
-    flat_e = idx_TK.reshape(-1)
-    if keep_TK is not None:
-        flat_e = torch.where(keep_TK.reshape(-1), flat_e, num_experts)  # dropped -> sentinel, sorted last
-    sorted_flat, order = torch.sort(flat_e, stable=True)
-    kept_per_expert = sorted_counts(sorted_flat, num_experts)
+    if presorted is not None and keep_TK is None:
+        sorted_flat, order, kept_per_expert = presorted.sorted_e, presorted.order, presorted.counts
+    else:
+        flat_e = idx_TK.reshape(-1)
+        if keep_TK is not None:
+            flat_e = torch.where(keep_TK.reshape(-1), flat_e, num_experts)  # dropped -> sentinel, sorted last
+        sorted_flat, order = torch.sort(flat_e, stable=True)
+        kept_per_expert = sorted_counts(sorted_flat, num_experts)
     if pad_to_capacity is None:
         n_kept = T * K if keep_TK is None else int(kept_per_expert.sum())  # drops, unpadded: a host sync
         src_flat = order[:n_kept]
