@@ -129,3 +129,23 @@ def test_gpu_saved_bytes_do_not_grow_with_granularity():
         f"bf16 saved activations, 8x top-2 / 32x top-8: standard {std_coarse} / {std_fine}, minimal {coarse} / {fine}"
     )
     assert std_fine["activations"] > std_coarse["activations"] > fine["activations"]
+
+
+def test_planner_counts_the_minimal_mode():
+    """`moecore plan`'s activation model: with minimal, the MoE block's activations (beyond routing indices)
+    do not grow with top-k at fixed top-k x expert FFN, and are below the standard path's."""
+    from moecore.config import load_config
+    from moecore.plan.activations import ActContext, ffn_modules
+    from moecore.plan.layout import layout_of
+
+    def moe_bytes(mode: str, k: int, f: int) -> dict:
+        over = [f"moe.activation_memory={mode}", f"moe.router_topk={k}", f"moe.ffn_hidden_size={f}",
+                "moe.num_experts=64", "parallel.ep=1"]  # fmt: skip
+        cfg = load_config("tiny-moe", over)
+        out = ffn_modules(cfg, True, layout_of(cfg, 1), ActContext(4096, 2, 2, True, 1.0))
+        return out
+
+    coarse, fine = moe_bytes("minimal", 2, 256), moe_bytes("minimal", 16, 32)
+    assert coarse["experts"] == fine["experts"] == 4096 * 2 * 2 * 256 * 2
+    std = moe_bytes("standard", 16, 32)
+    assert std["experts"] + std["permute"] - fine["experts"] - fine["permute"] >= 2 * 4096 * 16 * 128 * 2
