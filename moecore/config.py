@@ -275,6 +275,10 @@ class MoEConfig:
     apply_probs_on_input: bool = False  # multiply routing probs inside the activation instead of at combine
     router_replay_mode: str = "none"  # none | record | replay: save / reuse every forward's top-k experts (RL)
     router_replay_path: str | None = None  # the file recorded to (record) or read from (replay)
+    # standard | minimal: minimal keeps only the layer input, the FC1 output and the routing for backward
+    # (no top-k copies of hidden-sized rows; moecore/moe/minimal.py)
+    activation_memory: str = "standard"
+    sync_free: bool = False  # no host synchronisation from routing to combine (CUDA-graph capturable)
 
     BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
@@ -308,6 +312,9 @@ class MoEConfig:
         replay_files = (Path(str(self.router_replay_path)), Path(f"{self.router_replay_path}.rank-0"))
         if self.router_replay_mode == "replay" and not any(f.is_file() for f in replay_files):
             _fail("moe.router_replay_path", self.router_replay_path, "no such file to replay (record it first)")
+        _check_choice("moe.activation_memory", self.activation_memory, ("standard", "minimal"))
+        if not isinstance(self.sync_free, bool):
+            _fail("moe.sync_free", self.sync_free, "true | false")
         if self.num_experts == 0:
             return
         _check_range("moe.router_topk", self.router_topk, 1, self.num_experts)
@@ -507,8 +514,10 @@ class TrainConfig:
     max_skipped_steps: int = 5  # on_nonfinite=skip: stop after this many non-finite steps in a row
     stop_signals: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # save, then exit 75
     preflight_memory: str | bool = "warn"  # error | warn | off: when `moecore plan`'s estimate exceeds the GPU's memory
+    cuda_graphs: str = "none"  # none | attention | moe_static | full: what each decoder layer captures (docs/train.md)
 
     STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
+    CUDA_GRAPHS = ("none", "attention", "moe_static", "full")
 
     def validate(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "seq_length", "eval_iters"):
@@ -543,6 +552,7 @@ class TrainConfig:
         if self.preflight_memory is False:  # YAML reads a bare `off` as false
             self.preflight_memory = "off"
         _check_choice("train.preflight_memory", self.preflight_memory, ("error", "warn", "off"))
+        _check_choice("train.cuda_graphs", self.cuda_graphs, self.CUDA_GRAPHS)
 
 
 @dataclass
@@ -631,6 +641,7 @@ class Config:
             _fail("optim.state_dtype", "bf16", "needs optim.name=adamw")
         if self.train.exit_interval is not None and self.train.exit_interval > self.train.steps:
             _fail("train.exit_interval", self.train.exit_interval, f"must be <= train.steps={self.train.steps}")
+        _validate_moe_perf(self)
         return self
 
     def to_dict(self) -> dict:
@@ -639,6 +650,53 @@ class Config:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _validate_moe_perf(cfg: Config) -> None:
+    """Cross-section rules of moe.activation_memory, moe.sync_free and train.cuda_graphs (docs/train.md)."""
+    e, p, m, t = cfg.moe, cfg.parallel, cfg.model, cfg.train
+    if e.num_experts and (e.activation_memory == "minimal" or e.sync_free):
+        name, value = (
+            ("moe.activation_memory", "minimal") if e.activation_memory == "minimal" else ("moe.sync_free", True)
+        )
+        if p.ep > 1 or p.etp > 1:
+            _fail(name, value, "needs parallel.ep=1 and parallel.etp=1 (expert-parallel dispatch reads split sizes)")
+        if m.activation != "swiglu" or m.expert_linear_bias:
+            _fail(name, value, f"needs SwiGLU experts without biases (model.activation={m.activation})")
+    if e.num_experts and e.activation_memory == "minimal" and e.expert_capacity_factor is not None:
+        _fail("moe.activation_memory", "minimal", "needs dropless routing (moe.expert_capacity_factor unset)")
+    if e.num_experts and e.sync_free and e.expert_capacity_factor is not None and not e.pad_expert_input_to_capacity:
+        _fail(
+            "moe.sync_free", True, "with a capacity factor needs moe.pad_expert_input_to_capacity=true (static shapes)"
+        )
+    if t.cuda_graphs == "none":
+        return
+    g = t.cuda_graphs
+
+    def refuse(why: str) -> None:
+        _fail("train.cuda_graphs", g, why + "; use train.cuda_graphs=none")
+
+    if t.device == "cpu":
+        refuse("needs a CUDA device (train.device=cpu)")
+    if p.pp > 1:
+        refuse("needs parallel.pp=1 (a pipeline schedule runs several forwards of a layer before their backwards)")
+    if p.tp > 1 or p.cp > 1 or p.fsdp:
+        refuse(
+            "needs parallel.tp=1, parallel.cp=1 and parallel.fsdp=false (collectives and resharded weights in a layer)"
+        )
+    if t.precision == "fp16":
+        refuse("needs train.precision bf16 or fp32 (fp16 autocast caches casts outside the graph)")
+    if m.attention_type == "dsa" or (m.layer_types and "linear_attention" in m.layer_types):
+        refuse("captures full attention layers only (model.attention_type=dsa / linear_attention layers are not)")
+    if g in ("moe_static", "full") and e.num_experts:
+        if "global_aux_loss" in e.balancing_types or e.router_replay_mode != "none":
+            refuse("cannot capture the router with global_aux_loss or router replay (Python-side bookkeeping)")
+    if g == "full" and e.num_experts:
+        if not e.sync_free:
+            refuse("captures the MoE layer and needs moe.sync_free=true")
+        recompute_moe = "moe" in m.recompute_modules or m.recompute_granularity == "full"
+        if recompute_moe and e.router_enable_expert_bias:
+            refuse("with expert bias cannot recompute the MoE block (its token counts would be added twice)")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         default="moecore",
         help="comma-separated moecore variants to time: moecore, moecore-unfused-router (both benches), "
-        "moecore-all-grouped (moe-layer)",
+        "moecore-all-grouped, moecore-minimal, moecore-sync-free (moe-layer)",
     )
     p.add_argument("--phases", action="store_true", help="add a GPU-time breakdown by phase (torch.profiler)")
     p.add_argument("--trace", default=None, metavar="DIR", help="train: write a gzipped Chrome trace of one step each")

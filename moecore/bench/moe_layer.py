@@ -48,6 +48,8 @@ VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore"
     "moecore-unfused-router": "moe.router_fusion=false: routing through separate torch ops",
     "moecore-all-grouped": "every expert GEMM through torch._grouped_mm (no host sync, one launch each)",
     "moecore-streams": "default_plan with its per-expert GEMM loops on two CUDA streams",
+    "moecore-minimal": "moe.activation_memory=minimal: experts, permute and combine as one Function (x, h, routing kept)",
+    "moecore-sync-free": "moe.sync_free=true: no host synchronisation from routing to combine",
 }
 
 
@@ -66,6 +68,8 @@ def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore", tok
         aux_loss_coeff=0.0,
         apply_probs_on_input=True,  # weights inside the SwiGLU (Megatron-Core's fused weighted SwiGLU)
         router_fusion=variant != "moecore-unfused-router",
+        activation_memory="minimal" if variant == "moecore-minimal" else "standard",
+        sync_free=variant == "moecore-sync-free",
     )
     cfg.validate()
     layer = MoELayer(cfg, h)

@@ -124,6 +124,7 @@ class DecoderLayer(nn.Module):
         rec = set(m.recompute_modules)
         self.recompute_norm = "norm" in rec
         self.recompute_mlp = ("moe" in rec) if self.is_moe else ("mlp" in rec)
+        self.cuda_graphs = None  # LayerGraphs with train.cuda_graphs (moecore/models/cuda_graphs.py)
 
     def _maybe_checkpoint(self, enabled: bool, fn, *args):
         if enabled and self.training and torch.is_grad_enabled():
@@ -138,7 +139,22 @@ class DecoderLayer(nn.Module):
         return consumer(norm(x))
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, loss_mask: torch.Tensor | None):
-        x = x + self._norm_then(self.attn_norm, x, lambda h: self.attn(h, position_ids))
+        g = self.cuda_graphs
+        if g is not None and g.whole is not None:
+            return g.layer_forward(x, position_ids, loss_mask)
+        return self.eager_forward(x, position_ids, loss_mask)
+
+    def eager_forward(self, x: torch.Tensor, position_ids: torch.Tensor, loss_mask: torch.Tensor | None):
+        """The layer op by op, except the parts `train.cuda_graphs` captured (attention, MoE routing)."""
+        g = self.cuda_graphs
+        if g is not None and g.attention is not None:
+            x = x + g.attention(x, position_ids)[0]
+        else:
+            x = x + self._norm_then(self.attn_norm, x, lambda h: self.attn(h, position_ids))
+        if self.is_moe and g is not None and g.moe_head is not None:
+            h, routed = g.routed(x, loss_mask)
+            out, aux = self._maybe_checkpoint(self.recompute_mlp, self.mlp, h, loss_mask, routed)
+            return x + out, aux
         if self.is_moe:
             out, aux = self._norm_then(
                 self.mlp_norm, x, lambda h: self._maybe_checkpoint(self.recompute_mlp, self.mlp, h, loss_mask)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moecore.moe.permute import PermuteCtx, permute, permute_probs, unpermute
+from moecore.moe.permute import PermuteCtx, SortedAssignments, permute, permute_probs, unpermute
 
 
 @dataclass
@@ -110,8 +110,10 @@ class LocalDispatcher(TokenDispatcher):
         weight_TK: torch.Tensor,
         keep_TK: torch.Tensor | None = None,
         pad_to_capacity: int | None = None,
+        presorted: SortedAssignments | None = None,
     ) -> tuple[torch.Tensor, DispatchCtx]:
-        rows, pctx = permute(x_TH, idx_TK, self.num_experts, keep_TK, pad_to_capacity)
+        """`presorted`: the assignments' sort by expert, already done (moecore/moe/permute.py)."""
+        rows, pctx = permute(x_TH, idx_TK, self.num_experts, keep_TK, pad_to_capacity, presorted)
         ctx = DispatchCtx(permute_ctx=pctx, weight_TK=weight_TK, tokens_per_expert=pctx.tokens_per_expert)
         if self.apply_probs_on_input:
             ctx.probs_N = permute_probs(weight_TK, pctx)

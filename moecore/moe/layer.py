@@ -33,11 +33,14 @@ from torch.utils.checkpoint import checkpoint
 
 from moecore.config import MoEConfig
 from moecore.kernels._triton import use_triton
+from moecore.kernels.grouped_ffn import GemmPlan
 from moecore.kernels.router import FusedRouting
 from moecore.moe import expert_parallel as ep_util
 from moecore.moe import losses
+from moecore.moe.dispatch import LocalDispatcher
 from moecore.moe.experts import GroupedExperts
-from moecore.moe.permute import capacity_keep, expert_capacity
+from moecore.moe.minimal import minimal_experts
+from moecore.moe.permute import SortedAssignments, capacity_keep, expert_capacity, sort_assignments
 from moecore.moe.router import TopKRouter, scores_for_balancing
 from moecore.train.profiling import nvtx_range
 
@@ -48,6 +51,19 @@ class MoELayerAux:
 
     loss: torch.Tensor  # weighted sum of the enabled routing losses (scalar, differentiable)
     stats: dict = field(default_factory=dict)  # detached tensors, see the module docstring
+
+
+@dataclass
+class Routed:
+    """Step 1 of the layer: the chosen experts [T, K], their weights [T, K], the routing losses' weighted sum
+    and unweighted values, and the routed counts [E] when the fused router summed them (else None)."""
+
+    idx_TK: torch.Tensor
+    weight_TK: torch.Tensor
+    loss: torch.Tensor
+    stats: dict
+    counts_E: torch.Tensor | None = None
+    presorted: SortedAssignments | None = None  # dispatch preprocessing done with the routing (see `presort`)
 
 
 def _in_backward() -> bool:
@@ -101,6 +117,8 @@ class MoELayer(nn.Module):
             self.experts.w13, self.experts.w2, cfg.num_experts, cfg.ffn_hidden_size, activation == "swiglu", dims
         )
         self.experts.recompute_act = recompute_act
+        if cfg.sync_free:  # grouped GEMMs on device offsets only (the measured "loop" plans read counts on the host)
+            self.experts.gemm_plan = GemmPlan()
         self.recompute_shared = recompute_shared
         self.dispatcher = ep_util.build_dispatcher(
             cfg.num_experts, cfg.apply_probs_on_input, dims, cfg.token_dispatcher_type
@@ -126,7 +144,40 @@ class MoELayer(nn.Module):
         self.fused_router_impl = "auto"
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, MoELayerAux]:
+    def route(self, x: torch.Tensor, loss_mask: torch.Tensor | None, full_loss_mask: torch.Tensor | None) -> Routed:
+        """Step 1 on this rank's tokens x [B, S, H]: the chosen experts, their weights, the routing losses.
+
+        `full_loss_mask`: the whole micro-batch's mask (the balancing losses see it under tensor parallel).
+        """
+        B, S, H = x.shape
+        x_TH = x.reshape(B * S, H)
+        valid_T = None if loss_mask is None else (loss_mask.reshape(B * S) > 0)
+        with nvtx_range("moe/route"):
+            if self._use_fused_router(x_TH):
+                need_sums, need_z = bool(self.coeffs), bool(self.cfg.z_loss_coeff)
+                segment = S if "seq_aux_loss" in self.coeffs else B * S
+                r, sums = self.router.forward_fused(x_TH, valid_T, segment, need_sums, need_z, self.fused_router_impl)
+                loss, stats = self._routing_losses_from_sums(sums)
+                return Routed(r.topk_idx_TK, r.topk_weight_TK, loss, stats, sums.counts_GE.sum(0))
+            r = self.router(x_TH)
+            loss_logits, loss_valid, loss_S = ep_util.router_logits_for_losses(
+                r.logits_TE, B, full_loss_mask, self.dims
+            )
+            loss, stats = self._routing_losses(loss_logits, loss_valid, B, loss_S)
+            return Routed(r.topk_idx_TK, r.topk_weight_TK, loss, stats)
+
+    def presort(self, routed: Routed) -> Routed:
+        """`routed` with the dispatch preprocessing (the assignments' sort by expert) done, where the layer
+        can use it: one device and dropless routing; else `routed` unchanged."""
+        if type(self.dispatcher) is not LocalDispatcher or self.cfg.expert_capacity_factor is not None:
+            return routed
+        routed.presorted = sort_assignments(routed.idx_TK, self.num_experts)
+        return routed
+
+    def forward(
+        self, x: torch.Tensor, loss_mask: torch.Tensor | None = None, routed: Routed | None = None
+    ) -> tuple[torch.Tensor, MoELayerAux]:
+        """`routed`: step 1 already done (a captured CUDA graph of the router, moecore/models/cuda_graphs.py)."""
         full_loss_mask = loss_mask
         x, loss_mask = ep_util.moe_tokens_enter(x, loss_mask, self.dims)  # tensor parallel: this rank's tokens
         B, S, H = x.shape
@@ -134,21 +185,10 @@ class MoELayer(nn.Module):
         valid_T = None if loss_mask is None else (loss_mask.reshape(B * S) > 0)
 
         # 1. route (the balancing losses see the whole micro-batch, also under tensor parallel)
-        with nvtx_range("moe/route"):
-            routed_counts_E = None  # this rank's routed counts when the fused router summed them
-            if self._use_fused_router(x_TH):
-                need_sums, need_z = bool(self.coeffs), bool(self.cfg.z_loss_coeff)
-                segment = S if "seq_aux_loss" in self.coeffs else B * S
-                r, sums = self.router.forward_fused(x_TH, valid_T, segment, need_sums, need_z, self.fused_router_impl)
-                loss, stats = self._routing_losses_from_sums(sums)
-                routed_counts_E = sums.counts_GE.sum(0)
-            else:
-                r = self.router(x_TH)
-                loss_logits, loss_valid, loss_S = ep_util.router_logits_for_losses(
-                    r.logits_TE, B, full_loss_mask, self.dims
-                )
-                loss, stats = self._routing_losses(loss_logits, loss_valid, B, loss_S)
-            idx_TK, weight_TK = r.topk_idx_TK, r.topk_weight_TK
+        if routed is None:
+            routed = self.route(x, loss_mask, full_loss_mask)
+        idx_TK, weight_TK, loss, stats = routed.idx_TK, routed.weight_TK, routed.loss, dict(routed.stats)
+        routed_counts_E = routed.counts_E  # this rank's routed counts when the fused router summed them
 
         # 2. capacity (optional): which assignments fit
         keep_TK, pad = None, None
@@ -161,12 +201,27 @@ class MoELayer(nn.Module):
                 pad = capacity
 
         # 3. permute + dispatch, 4. experts, 5. combine + unpermute
-        with nvtx_range("moe/dispatch"):
-            expert_in, counts, probs, ctx = self.dispatcher.token_dispatch(x_TH, idx_TK, weight_TK, keep_TK, pad)
-        with nvtx_range("moe/experts"):
-            expert_out = self.experts(expert_in, counts, probs)
-        with nvtx_range("moe/combine"):
-            y_TH = self.dispatcher.token_combine(expert_out, ctx)
+        if self._minimal_memory(x_TH, keep_TK, pad):  # one Function keeping x, h and routing (moe/minimal.py)
+            with nvtx_range("moe/experts"):
+                e = self.experts
+                y_TH, _ = minimal_experts(
+                    x_TH, idx_TK, weight_TK, e.w13, e.w2, self.cfg.apply_probs_on_input, routed.presorted
+                )
+                e.last_path = "minimal"
+        else:
+            with nvtx_range("moe/dispatch"):
+                if routed.presorted is not None and keep_TK is None:  # sorted already (LocalDispatcher only)
+                    d = self.dispatcher
+                    rows, ctx = d.dispatch_preprocess(x_TH, idx_TK, weight_TK, None, pad, routed.presorted)
+                    expert_in, counts, probs = d.dispatch_postprocess(d.dispatch(rows, ctx), ctx)
+                else:
+                    expert_in, counts, probs, ctx = self.dispatcher.token_dispatch(
+                        x_TH, idx_TK, weight_TK, keep_TK, pad
+                    )
+            with nvtx_range("moe/experts"):
+                expert_out = self.experts(expert_in, counts, probs)
+            with nvtx_range("moe/combine"):
+                y_TH = self.dispatcher.token_combine(expert_out, ctx)
 
         # 6. shared experts
         if self.shared_experts is not None:
@@ -186,6 +241,15 @@ class MoELayer(nn.Module):
         if self.fused_router_impl != "auto":
             return True
         return use_triton("auto", x_TH)
+
+    def _minimal_memory(self, x_TH: torch.Tensor, keep_TK: torch.Tensor | None, pad: int | None) -> bool:
+        """moe.activation_memory=minimal where it runs: one device, dropless, SwiGLU, torch._grouped_mm for
+        these rows (else the standard path, e.g. fp64 on CPU)."""
+        if self.cfg.activation_memory != "minimal" or keep_TK is not None or pad is not None:
+            return False
+        e = self.experts
+        ok = type(self.dispatcher) is LocalDispatcher and e.activation == "swiglu" and x_TH.shape[0] > 0
+        return ok and e.uses_grouped_mm(x_TH)
 
     def _shared_expert_output(self, x_TH: torch.Tensor) -> torch.Tensor:
         """The shared experts' output, sigmoid-gated when moe.shared_expert_gate (Qwen2-MoE)."""
@@ -218,7 +282,7 @@ class MoELayer(nn.Module):
                 scores_TE = scores_TE * valid_T.to(scores_TE.dtype).unsqueeze(-1)
                 num_tokens = valid_T.sum().to(scores_TE.dtype)
             else:
-                num_tokens = torch.tensor(float(B * S), dtype=scores_TE.dtype, device=scores_TE.device)
+                num_tokens = scores_TE.new_full((), float(B * S))  # no host-to-device copy (graph capturable)
         # Only the losses in the objective are computed (each costs a top-k, a scatter and their backward:
         # launch-bound at small expert sizes); the per-expert load statistics come from _load_stats.
         if "aux_loss" in self.coeffs or "global_aux_loss" in self.coeffs:

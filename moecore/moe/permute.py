@@ -32,8 +32,10 @@ class PermuteCtx:
 
     num_tokens: int  # T
     topk: int  # K
-    src_flat: torch.Tensor  # [N_kept] flat assignment t*K+k of each kept row, in permuted (expert) order
-    dest_rows: torch.Tensor | None  # [N_kept] row of each kept assignment in the padded buffer; None: row i
+    # [N_kept] flat assignment t*K+k of each kept row, in permuted (expert) order; padded: all T*K, dropped last
+    src_flat: torch.Tensor
+    # padded: [T*K] row of each assignment in the padded buffer, num_rows (a scratch row) for dropped ones; None: row i
+    dest_rows: torch.Tensor | None
     num_rows: int  # rows of the permuted buffer: N_kept, or E*C when padded to capacity
     tokens_per_expert: torch.Tensor  # [E] int64 rows per expert in the buffer (C each when padded)
     kept_per_expert: torch.Tensor  # [E] int64 real (unpadded) assignments per expert
@@ -58,12 +60,36 @@ def capacity_keep(
     else:
         raise ValueError(f"moe.token_drop_policy={policy!r} is invalid: allowed: probs | position")
     sorted_e = flat_e[order]
-    counts = torch.bincount(flat_e, minlength=num_experts)
+    counts = sorted_counts(sorted_e, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.arange(flat_e.numel(), device=flat_e.device) - starts[sorted_e]
     keep = torch.empty_like(flat_e, dtype=torch.bool)
     keep[order] = rank < capacity
     return keep.view_as(idx_TK)
+
+
+def sorted_counts(sorted_e: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64 occurrences of 0..E-1 in the ascending ids `sorted_e` (ids >= E, the dropped sentinel, not
+    counted). A binary search per expert: no host synchronisation, where torch.bincount on CUDA reads the
+    maximum back to size its output."""
+    targets = torch.arange(num_experts + 1, device=sorted_e.device, dtype=sorted_e.dtype)
+    bounds = torch.searchsorted(sorted_e, targets)
+    return bounds[1:] - bounds[:-1]
+
+
+@dataclass
+class SortedAssignments:
+    """The stable sort of the flat assignments t*K+k by expert (dropless): what `permute` starts from."""
+
+    sorted_e: torch.Tensor  # [T*K] expert ids, ascending
+    order: torch.Tensor  # [T*K] the flat assignment at each sorted position
+    counts: torch.Tensor  # [E] int64 assignments per expert
+
+
+def sort_assignments(idx_TK: torch.Tensor, num_experts: int) -> SortedAssignments:
+    """Sort the assignments by expert on the device (dispatch preprocessing; no host synchronisation)."""
+    sorted_e, order = torch.sort(idx_TK.reshape(-1), stable=True)
+    return SortedAssignments(sorted_e, order, sorted_counts(sorted_e, num_experts))
 
 
 def permute(
@@ -72,37 +98,44 @@ def permute(
     num_experts: int,
     keep_TK: torch.Tensor | None = None,
     pad_to_capacity: int | None = None,
+    presorted: SortedAssignments | None = None,
 ) -> tuple[torch.Tensor, PermuteCtx]:
     """Rows of x grouped by expert: returns (permuted [N, H], ctx).
 
     keep_TK: assignments to keep (None: all, dropless). pad_to_capacity=C: each expert's block is
     exactly C rows (requires every expert to keep at most C assignments), zeros in the unused rows.
-    Dropless needs no host synchronisation; with drops and no padding, N is read back from the device.
+    Dropless or padded needs no host synchronisation; with drops and no padding, N is read back from the device.
+    `presorted`: `sort_assignments(idx_TK)` already computed (dropless only; e.g. inside a captured CUDA graph).
     """
     T, K = idx_TK.shape
-    flat_e = idx_TK.reshape(-1)
-    if keep_TK is not None:
-        flat_e = torch.where(keep_TK.reshape(-1), flat_e, num_experts)  # dropped -> sentinel, sorted last
-    order = torch.argsort(flat_e, stable=True)
-    kept_per_expert = torch.bincount(flat_e, minlength=num_experts + 1)[:num_experts]
-    n_kept = T * K if keep_TK is None else int(kept_per_expert.sum())
-    src_flat = order[:n_kept]
-    token_of_row = src_flat // K
+    if presorted is not None and keep_TK is None:
+        sorted_flat, order, kept_per_expert = presorted.sorted_e, presorted.order, presorted.counts
+    else:
+        flat_e = idx_TK.reshape(-1)
+        if keep_TK is not None:
+            flat_e = torch.where(keep_TK.reshape(-1), flat_e, num_experts)  # dropped -> sentinel, sorted last
+        sorted_flat, order = torch.sort(flat_e, stable=True)
+        kept_per_expert = sorted_counts(sorted_flat, num_experts)
     if pad_to_capacity is None:
+        n_kept = T * K if keep_TK is None else int(kept_per_expert.sum())  # drops, unpadded: a host sync
+        src_flat = order[:n_kept]
         if keep_TK is None and x_TH.is_cuda:  # fused gather (Triton), same values; see moecore/kernels/permute.py
             rows = permute_rows(x_TH, src_flat, K)
         else:
-            rows = x_TH.index_select(0, token_of_row)
+            rows = x_TH.index_select(0, src_flat // K)
         ctx = PermuteCtx(T, K, src_flat, None, n_kept, kept_per_expert, kept_per_expert)
         return rows, ctx
+    # Padded: static shapes. Every assignment keeps a row index; dropped ones point at a scratch row E*C
+    # past the buffer (written, then cut off), so nothing depends on how many were kept.
     C = pad_to_capacity
     starts = torch.cumsum(kept_per_expert, 0) - kept_per_expert
-    sorted_e = flat_e[src_flat]
-    rank = torch.arange(n_kept, device=x_TH.device) - starts[sorted_e]
-    dest_rows = sorted_e * C + rank
-    rows = x_TH.new_zeros(num_experts * C, x_TH.shape[-1]).index_copy(0, dest_rows, x_TH.index_select(0, token_of_row))
+    starts = torch.cat([starts, starts.new_zeros(1)])  # the sentinel's start (its rows go to the scratch row)
+    rank = torch.arange(T * K, device=x_TH.device) - starts[sorted_flat]
+    dest_rows = torch.where(sorted_flat < num_experts, sorted_flat * C + rank, num_experts * C)
+    buf = x_TH.new_zeros(num_experts * C + 1, x_TH.shape[-1])
+    rows = buf.index_copy(0, dest_rows, x_TH.index_select(0, order // K))[: num_experts * C]
     per_expert = torch.full_like(kept_per_expert, C)
-    return rows, PermuteCtx(T, K, src_flat, dest_rows, num_experts * C, per_expert, kept_per_expert)
+    return rows, PermuteCtx(T, K, order, dest_rows, num_experts * C, per_expert, kept_per_expert)
 
 
 def permute_probs(weight_TK: torch.Tensor, ctx: PermuteCtx) -> torch.Tensor:
@@ -110,7 +143,7 @@ def permute_probs(weight_TK: torch.Tensor, ctx: PermuteCtx) -> torch.Tensor:
     w = weight_TK.reshape(-1).index_select(0, ctx.src_flat)
     if ctx.dest_rows is None:
         return w
-    return w.new_zeros(ctx.num_rows).index_copy(0, ctx.dest_rows, w)
+    return w.new_zeros(ctx.num_rows + 1).index_copy(0, ctx.dest_rows, w)[: ctx.num_rows]  # + the scratch row
 
 
 def unpermute(rows_NH: torch.Tensor, ctx: PermuteCtx, weight_TK: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,7 +153,10 @@ def unpermute(rows_NH: torch.Tensor, ctx: PermuteCtx, weight_TK: torch.Tensor | 
     weight_TK=None: plain sum over k (the weights were applied inside the experts).
     """
     T, K, H = ctx.num_tokens, ctx.topk, rows_NH.shape[-1]
-    rows = rows_NH if ctx.dest_rows is None else rows_NH.index_select(0, ctx.dest_rows)
+    rows = rows_NH
+    if ctx.dest_rows is not None:  # padded: one row per assignment, zero for the dropped (scratch row E*C)
+        kept = (ctx.dest_rows < ctx.num_rows).to(rows_NH.dtype).unsqueeze(-1)
+        rows = rows_NH.index_select(0, ctx.dest_rows.clamp(max=ctx.num_rows - 1)) * kept
     if ctx.src_flat.numel() == T * K and ctx.dest_rows is None:
         # Dropless: every slot is filled, a gather by the inverse permutation is enough.
         inv = torch.empty_like(ctx.src_flat)

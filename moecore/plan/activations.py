@@ -20,6 +20,7 @@ expert rank holds: T/tp x top-k x etp, times the load-imbalance margin when ep >
 | router | router logits (fp32), top-k indices (int64), valid mask | moe |
 | permute | permutation indices; with probabilities applied at combine also the expert outputs | moe |
 | experts | expert input rows [N, H], w13 output [N, 2F/etp], probabilities; unfused: activation intermediates | moe (moe_act: the intermediates) |
+| (minimal) | `moe.activation_memory=minimal`: permute = order, inverse, probabilities; experts = w13 output [N, 2F] | moe |
 | shared_experts | the shared expert MLP's intermediates | shared_experts, moe |
 
 With full recomputation a layer keeps only its input (T/tp x H x b). `model.offload_modules` moves the
@@ -125,7 +126,12 @@ def ffn_modules(cfg: Config, is_moe: bool, layout: Layout, c: ActContext) -> dic
     if not e.apply_probs_on_input:
         perm += n * h * b + n * 4  # unpermute keeps the expert outputs and probabilities to weight them
     out["permute"] = perm
-    if swiglu and c.fused and e.grouped_gemm and b == 2:  # the fused expert FFN runs in bf16 on GPUs
+    minimal = e.activation_memory == "minimal" and swiglu and e.grouped_gemm and e.expert_capacity_factor is None
+    if minimal and layout.ep == 1 and layout.etp == 1 and (b == 2 or not c.fused):  # moecore/moe/minimal.py
+        out["permute"] = n * (8 + 8 + 4)  # sort order, its inverse, per-row probability (x is norm_out)
+        out["experts"] = n * 2 * f * b  # the w13 output only
+        out["moe_act"] = 0.0
+    elif swiglu and c.fused and e.grouped_gemm and b == 2:  # the fused expert FFN runs in bf16 on GPUs
         out["experts"] = n * h * b + n * 2 * f * b + n * 4
         out["moe_act"] = 0.0
     else:

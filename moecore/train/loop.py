@@ -98,6 +98,8 @@ class Trainer:
         self.cfg = cfg
         check_resume(cfg)
         self.rt = setup_runtime(cfg)
+        if cfg.train.cuda_graphs != "none" and self.rt.device.type != "cuda":
+            raise ConfigError(f"train.cuda_graphs={cfg.train.cuda_graphs!r} is invalid: needs a CUDA device; use none")
         self.resume_from = resolve_resume(cfg)  # the newest intact checkpoint (verified on every rank)
         self.console = console
         self.data = build_data(cfg, dp_rank=self.rt.dp_rank, dp_size=self.rt.dp_size)
@@ -139,6 +141,10 @@ class Trainer:
                 extra = load_training_state(self.resume_from, self.model, self.optimizer, verify_files=False)
             self.step = extra["step"]
             self.data.train.load_state_dict(extra["data"])
+        if cfg.train.cuda_graphs != "none":  # captured on each layer's first training forward
+            from moecore.models.cuda_graphs import apply_cuda_graphs
+
+            apply_cuda_graphs(self.model, cfg.train.cuda_graphs)
         from moecore.moe.router_replay import setup_router_replay
 
         self.router_replay = setup_router_replay(self.model, cfg.moe, self.rt.dims.rank, self.rt.world_size)

@@ -1,0 +1,116 @@
+"""The routed experts of one MoE layer as one autograd Function whose saved state does not grow with top-k.
+
+Legend: T tokens, K experts per token, E experts, H hidden, F expert FFN width, M = T*K routed rows.
+
+`moe.activation_memory=minimal` runs gather -> FC1 -> SwiGLU -> FC2 -> weighted combine as one
+Function that keeps for backward only
+
+    x [T, H]        the layer input (the router keeps it anyway),
+    h [M, 2F]       the FC1 output (M * 2F = T * 2 * K * F: fixed at fixed active parameters),
+    routing         the sort order [M], its inverse [M], the per-row probability [M], the expert bounds [E+1],
+
+where the standard path (permute -> fused expert FFN -> unpermute) also keeps the permuted input
+[M, H] and the expert outputs [M, H] (for the probability gradient): two top-k copies of a hidden-
+sized row, which grow with K at fixed active parameters (SonicMoE, Guo et al. 2025, makes the same
+observation). Backward, with g = dOut[token of row] (a gather of the output gradient) and a = silu(gate) * up:
+
+    da_u  = g @ w2[e]                       [M, F]  (grouped GEMM)
+    dp    = sum_f da_u * a  = <dOut_t, expert_out_row>   (the probability gradient, from the SwiGLU backward)
+    dh    = SwiGLU'(h) applied to p * da_u                (a * p recomputed from h on the way)
+    dW2   = g^T (a * p),   dW13 = dh^T x[token of row] (x gathered again),   dx_t = sum_k (dh @ w13[e])_row
+
+so nothing the size of [M, H] outlives the forward. The forward multiplies the probability where the
+standard path does (`apply_probs_on_input`: inside the activation; else at the combine, in fp32), so
+both paths round alike. Every step is device-side (sort, counts by `searchsorted`, grouped GEMMs on
+device offsets): no host synchronisation. It needs `torch._grouped_mm` for the rows' device and dtype
+(`experts.grouped_mm_supported`); the layer falls back to the standard path elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moecore.kernels.grouped_ffn import gemm_nn, gemm_nt, gemm_tn
+from moecore.kernels.permute import unpermute_rows
+from moecore.kernels.swiglu import swiglu, swiglu_backward
+from moecore.moe.permute import SortedAssignments, sort_assignments
+
+
+def sort_by_expert(
+    idx_TK: torch.Tensor, num_experts: int, presorted: SortedAssignments | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order [M], inverse [M], bounds [E+1] int32) of the stable sort of the flat assignments by expert.
+
+    Rows of expert e are order[bounds[e]:bounds[e+1]]; counts come from a binary search in the sorted
+    ids, so no host synchronisation (torch.bincount reads the maximum back on CUDA).
+    """
+    s = presorted if presorted is not None else sort_assignments(idx_TK, num_experts)
+    bounds = torch.zeros(num_experts + 1, dtype=torch.int32, device=idx_TK.device)
+    torch.cumsum(s.counts, 0, out=bounds[1:])
+    inv = torch.empty_like(s.order)
+    inv[s.order] = torch.arange(s.order.numel(), device=s.order.device)
+    return s.order, inv, bounds
+
+
+class _MinimalExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, probs_in_act: bool):
+        T, H = x_TH.shape
+        K = order_M.numel() // max(T, 1)
+        dt = x_TH.dtype
+        w13c, w2c = w13.to(dt), w2.to(dt)
+        tok_M = order_M // K
+        p_M = weight_TK.reshape(-1).index_select(0, order_M)
+        xg = x_TH.index_select(0, tok_M)
+        h = gemm_nt(xg, w13c, bounds, None, "grouped")
+        del xg
+        a = swiglu(h, p_M if probs_in_act else None)
+        y = gemm_nt(a, w2c, bounds, None, "grouped")
+        del a
+        out = unpermute_rows(y, order_M, inv_M, None if probs_in_act else weight_TK, T, K)
+        ctx.save_for_backward(x_TH, w13c, w2c, h, p_M, order_M, inv_M, bounds)
+        ctx.K, ctx.w_dtypes, ctx.p_dtype = K, (w13.dtype, w2.dtype), weight_TK.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x_TH, w13c, w2c, h, p_M, order_M, inv_M, bounds = ctx.saved_tensors
+        T, K = x_TH.shape[0], ctx.K
+        tok_M = order_M // K
+        g = d_out.to(x_TH.dtype).contiguous().index_select(0, tok_M)  # dOut of each row's token
+        da_u = gemm_nn(g, w2c, bounds, None, "grouped")
+        dh, dp, a_p = swiglu_backward(h, p_M, da_u)  # dp = <da_u, a> = <dOut_t, expert output of the row>
+        del da_u
+        dw2 = gemm_tn(g, a_p, bounds, None, "grouped", ctx.w_dtypes[1]) if ctx.needs_input_grad[2] else None
+        del g, a_p
+        dw13 = None
+        if ctx.needs_input_grad[1]:
+            dw13 = gemm_tn(dh, x_TH.index_select(0, tok_M), bounds, None, "grouped", ctx.w_dtypes[0])
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dxg = gemm_nn(dh, w13c, bounds, None, "grouped")
+            dx = unpermute_rows(dxg, order_M, inv_M, None, T, K)  # sum over each token's K rows (fp32)
+        dw = None
+        if ctx.needs_input_grad[3]:
+            dw = dp.index_select(0, inv_M).view(T, K).to(ctx.p_dtype)
+        return dx, dw13, dw2, dw, None, None, None, None
+
+
+def minimal_experts(
+    x_TH: torch.Tensor,
+    idx_TK: torch.Tensor,
+    weight_TK: torch.Tensor,
+    w13_EFH: torch.Tensor,
+    w2_EHF: torch.Tensor,
+    probs_in_act: bool = False,
+    presorted: SortedAssignments | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum_k weight[t, k] * expert_{idx[t, k]}(x[t]) for SwiGLU experts, keeping x, h and routing for backward.
+
+    Returns (out [T, H] in x's dtype, rows per expert [E] int64). Differentiable in x, the weights and
+    weight_TK (the router's gradient path). `presorted`: `sort_assignments(idx_TK)` already computed.
+    """
+    E = w13_EFH.shape[0]
+    order, inv, bounds = sort_by_expert(idx_TK, E, presorted)
+    out = _MinimalExperts.apply(x_TH.contiguous(), w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act)
+    return out, (bounds[1:] - bounds[:-1]).long()
