@@ -25,6 +25,7 @@ SHAPES = {  # hidden, expert ffn, experts, top-k, tokens
     "qwen3_30b_a3b": (2048, 768, 128, 8, 16384),
     "mixtral_8x7b": (4096, 14336, 8, 2, 16384),
     "deepseek_v3": (7168, 2048, 256, 8, 8192),
+    "qwen3_next": (2048, 512, 512, 10, 16384),  # Qwen3-Next-80B-A3B's routed experts (its shared expert aside)
 }
 
 
