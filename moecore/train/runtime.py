@@ -121,7 +121,11 @@ class Runtime:
         optimizer of `optim.name` (sharded by the distributed optimizer when asked for), driven on the
         fp32 master weights when there are any.
         """
-        from moecore.optim.adamw import build_optimizer
+        from moecore.optim.adamw import build_optimizer as build_named
+        from moecore.parallel.distributed_muon import distributed_muon
+
+        def build_optimizer(model, ocfg):  # Muon's matrices orthogonalised once each over the ranks
+            return build_named(model, ocfg, distributed_muon(self.dims, ocfg.muon_ns_steps))
 
         if self.mixed is not None and cfg.optim.name == "adamw" and not self._sharded_optimizer(cfg):
             from moecore.optim.adamw import param_groups

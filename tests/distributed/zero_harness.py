@@ -20,7 +20,10 @@ from moecore.checkpoint import load_training_state, save_training_state
 from moecore.models.transformer import MoETransformer
 from moecore.optim.adamw import param_groups
 from moecore.optim.fused_adamw import FusedAdamW
-from moecore.optim.mixed_precision import MixedPrecision, grad_of
+from moecore.config import OptimConfig
+from moecore.optim.mixed_precision import MasterWeightOptimizer, MixedPrecision, grad_of
+from moecore.optim.muon import build_muon
+from moecore.parallel.distributed_muon import distributed_muon
 from moecore.parallel.data_parallel import clip_grad_norm_, wrap_model_for_data_parallel
 from moecore.parallel.distributed_optimizer import DistributedOptimizer
 from moecore.parallel.fsdp import FullyShardedModel
@@ -52,6 +55,7 @@ class Run:
         seed: int = 0,
         bf16_states: bool = False,
         fsdp: bool = False,
+        muon: bool = False,
     ) -> None:
         self.cfg, self.dims, self.bf16 = cfg, dims, bf16
         if init is not None:
@@ -67,7 +71,19 @@ class Run:
             self.mixed = MixedPrecision(self.model, torch.bfloat16, True, sum_in_fp32=True) if bf16 else None
             self.sync = None if dims is None else wrap_model_for_data_parallel(self.model, dims, bucket_mb=BUCKET_MB)
         groups = param_groups(self.model, WD)
-        if dist_opt:
+        if muon:  # Muon's matrices orthogonalised once each over the ranks (moecore.parallel.distributed_muon)
+            o = OptimConfig(name="muon", lr=LR, beta1=BETAS[0], beta2=BETAS[1], weight_decay=WD)
+            base = build_muon(self.model, o, distributed_muon(dims))
+            if dist_opt:
+                states = torch.bfloat16 if bf16_states else torch.float32
+                self.opt = DistributedOptimizer(
+                    self.model, base, dims, grad_sync=self.sync, mixed=self.mixed, state_dtype=states
+                )
+            elif self.mixed is not None:
+                self.opt = MasterWeightOptimizer(base, self.mixed)
+            else:
+                self.opt = base
+        elif dist_opt:
             base = torch.optim.AdamW(groups, lr=LR, betas=BETAS)
             states = torch.bfloat16 if bf16_states else torch.float32
             self.opt = DistributedOptimizer(
@@ -158,13 +174,24 @@ class Run:
 
 
 def train(
-    rank, world, par, init, data, dist_opt=True, bf16=False, ckpt=None, steps=3, bf16_states=False, fsdp=False
+    rank,
+    world,
+    par,
+    init,
+    data,
+    dist_opt=True,
+    bf16=False,
+    ckpt=None,
+    steps=3,
+    bf16_states=False,
+    fsdp=False,
+    muon=False,
 ) -> dict:
     """`steps` steps of one layout from the reference's weights; save after step 1 when `ckpt`."""
     cfg = layout(par, dist_opt and not fsdp)
     cfg.parallel.fsdp = fsdp
     dims = None if world == 1 else make_dims(cfg, rank, world)
-    run = Run(cfg, dims, init, dist_opt and not fsdp, bf16, bf16_states=bf16_states, fsdp=fsdp)
+    run = Run(cfg, dims, init, dist_opt and not fsdp, bf16, bf16_states=bf16_states, fsdp=fsdp, muon=muon)
     out = run.steps(data, 0, 1)
     if ckpt is not None:
         run.save(ckpt, 1)
@@ -174,6 +201,7 @@ def train(
     }
     out["params"] = run.global_params()
     out["param_numel"] = sum(p.numel() for p in run.model.parameters())
+    out["muon_owned"], out["muon_matrices"] = muon_work(run.opt)
     if dims is not None and not fsdp:
         out["buckets"] = len(run.sync.buckets)
     if dims is not None:
@@ -181,12 +209,20 @@ def train(
     return out
 
 
-def resume(rank, world, par, ckpt, data, dist_opt, seed=100, fsdp=False) -> dict:
+def muon_work(opt) -> tuple[int, int]:
+    """(matrices this rank orthogonalises, matrices of its stage) of a distributed Muon; (0, 0) otherwise."""
+    inner = getattr(opt, "inner", opt)
+    muon = getattr(inner, "optimizers", [None])[0]
+    plan = getattr(getattr(muon, "orthogonalize", None), "plan", None)
+    return (0, 0) if plan is None else (len(plan.owned()), len(plan.matrices))
+
+
+def resume(rank, world, par, ckpt, data, dist_opt, seed=100, fsdp=False, muon=False) -> dict:
     """Resume `ckpt` (written after step 1 under another layout) with fresh weights; steps 2-3."""
     cfg = layout(par, dist_opt)
     cfg.parallel.fsdp = fsdp
     dims = None if world == 1 else make_dims(cfg, rank, world)
-    run = Run(cfg, dims, None, dist_opt, seed=seed + rank, fsdp=fsdp)
+    run = Run(cfg, dims, None, dist_opt, seed=seed + rank, fsdp=fsdp, muon=muon)
     step = run.load(ckpt)
     out = run.steps(data, step, 3 - step)
     out["step"] = step
