@@ -166,7 +166,7 @@ class MatrixPlan:
             name, idx = key
             if m.owner == self.me:
                 full[key] = torch.zeros(m.view, dtype=dtype, device=dev)
-            for offs, (size, ranks) in sorted(m.blocks.items()):
+            for offs, (size, _ranks) in sorted(m.blocks.items()):
                 if m.sender[offs] != self.me:
                     continue
                 block = self._block(name, idx, updates[name]).to(dtype)
@@ -180,7 +180,7 @@ class MatrixPlan:
             m = self.matrices[key]
             if m.owner != self.me:
                 continue
-            for offs, (size, ranks) in sorted(m.blocks.items()):
+            for offs, (size, _ranks) in sorted(m.blocks.items()):
                 s = m.sender[offs]
                 if s == self.me:
                     continue
@@ -219,7 +219,7 @@ class MatrixPlan:
             name, idx = key
             if m.owner == self.me or name not in updates:
                 continue
-            for offs, (size, ranks) in sorted(m.blocks.items()):
+            for _offs, (size, ranks) in sorted(m.blocks.items()):
                 if self.me not in ranks:
                     continue
                 i, n = index[m.owner], math.prod(size)

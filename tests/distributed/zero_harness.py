@@ -17,14 +17,14 @@ import torch
 from dist_parity import CLIP, GLOBAL_BATCH, MICRO_BATCH, build, make_dims, tiny_config
 
 from moecore.checkpoint import load_training_state, save_training_state
+from moecore.config import OptimConfig
 from moecore.models.transformer import MoETransformer
 from moecore.optim.adamw import param_groups
 from moecore.optim.fused_adamw import FusedAdamW
-from moecore.config import OptimConfig
 from moecore.optim.mixed_precision import MasterWeightOptimizer, MixedPrecision, grad_of
 from moecore.optim.muon import build_muon
-from moecore.parallel.distributed_muon import distributed_muon
 from moecore.parallel.data_parallel import clip_grad_norm_, wrap_model_for_data_parallel
+from moecore.parallel.distributed_muon import distributed_muon
 from moecore.parallel.distributed_optimizer import DistributedOptimizer
 from moecore.parallel.fsdp import FullyShardedModel
 from moecore.parallel.sharding import _ATTR, get_shard, global_state_dict, global_tensor
