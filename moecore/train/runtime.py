@@ -32,6 +32,7 @@ class Runtime:
     precision: str = "fp32"  # resolved train.precision: fp32 | bf16 | fp16
     master_weights: bool = True  # bf16: keep fp32 master weights (optim.master_weights=fp32)
     mixed: object | None = None  # moecore.optim.mixed_precision.MixedPrecision with precision bf16
+    qk_clip: object | None = None  # moecore.models.qk_clip.QKClip with optim.muon_qk_clip > 0
 
     # ------------------------------------------------------------------ identity
     @property
@@ -146,6 +147,10 @@ class Runtime:
 
                 opt = MasterWeightOptimizer(opt, self.mixed)
         self.attach_optimizer(opt)
+        if cfg.optim.muon_qk_clip > 0:  # MuonClip: rescale q/k of heads whose max logit passed tau, after each step
+            from moecore.models.qk_clip import QKClip
+
+            self.qk_clip = QKClip(model, cfg.optim.muon_qk_clip, self.dims)
         return opt
 
     def _sharded_optimizer(self, cfg: Config) -> bool:
@@ -181,6 +186,8 @@ class Runtime:
             # Skips the step when the gradients overflowed, and adapts the scale.
             self.scaler.step(optimizer)
             self.scaler.update()
+        if self.qk_clip is not None:
+            self.qk_clip.apply(self.master_weights_in_model)
 
     # ------------------------------------------------------------------ reductions
     def sum_over_dp(self, t: torch.Tensor) -> torch.Tensor:
