@@ -34,8 +34,8 @@ from torch.utils.checkpoint import checkpoint
 from moecore.config import ModelConfig
 from moecore.models.attention import sdpa_backends
 from moecore.models.norms import RMSNorm
-from moecore.models.recompute import recompute_output
 from moecore.models.qk_clip import record_max_logit
+from moecore.models.recompute import recompute_output
 from moecore.models.rope import RotaryEmbedding, apply_rotary
 
 LATENT_NORM_EPS = 1e-6
