@@ -44,10 +44,6 @@ def check_layout(cfg: Config) -> None:
                 "optim.master_weights / optim.state_dtype = bf16 are not supported with parallel.fsdp=true "
                 "(FSDP keeps fp32 sharded weights and states); use fp32"
             )
-    if p.distributed_optimizer and cfg.optim.name != "adamw":
-        raise ConfigError(
-            f"optim.name={cfg.optim.name!r} is not supported with parallel.distributed_optimizer=true; use adamw"
-        )
     if p.distributed_optimizer and cfg.train.precision == "fp16":
         raise ConfigError(
             "train.precision='fp16' is not supported with parallel.distributed_optimizer=true; use bf16 or fp32"

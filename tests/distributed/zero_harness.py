@@ -212,8 +212,10 @@ def train(
 def muon_work(opt) -> tuple[int, int]:
     """(matrices this rank orthogonalises, matrices of its stage) of a distributed Muon; (0, 0) otherwise."""
     inner = getattr(opt, "inner", opt)
-    muon = getattr(inner, "optimizers", [None])[0]
-    plan = getattr(getattr(muon, "orthogonalize", None), "plan", None)
+    ortho = getattr(opt, "orthogonalize", None) or getattr(
+        getattr(inner, "optimizers", [None])[0], "orthogonalize", None
+    )
+    plan = getattr(ortho, "plan", None)
     return (0, 0) if plan is None else (len(plan.owned()), len(plan.matrices))
 
 
