@@ -39,11 +39,6 @@ def check_layout(cfg: Config) -> None:
             )
         if cfg.train.precision == "fp16":
             raise ConfigError("train.precision='fp16' is not supported with parallel.fsdp=true; use fp32 or bf16")
-        if cfg.optim.master_weights != "fp32" or cfg.optim.state_dtype != "fp32":
-            raise ConfigError(
-                "optim.master_weights / optim.state_dtype = bf16 are not supported with parallel.fsdp=true "
-                "(FSDP keeps fp32 sharded weights and states); use fp32"
-            )
     if p.distributed_optimizer and cfg.train.precision == "fp16":
         raise ConfigError(
             "train.precision='fp16' is not supported with parallel.distributed_optimizer=true; use bf16 or fp32"

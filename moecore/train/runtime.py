@@ -58,11 +58,16 @@ class Runtime:
         `micro_batches`: per rank and step; with more than one (or several ranks) gradients are summed,
         in fp32 main gradients. The precision hooks go first: the data-parallel ones read what they sum.
         """
-        if self.dims.cfg.fsdp and self.world_size > 1:  # FSDP2: sharded fp32 weights, its own bf16 policy
+        if self.dims.cfg.fsdp and self.world_size > 1:  # FSDP2: sharded weights, its own bf16 policy
             from moecore.parallel.fsdp import FullyShardedModel
 
+            bf16 = self.precision == "bf16"
+            if bf16 and not self.master_weights:  # optim.master_weights=bf16: the shards are the bf16 weights
+                for p in model.parameters():
+                    p.data = p.data.to(torch.bfloat16)
+            param_dtype = torch.bfloat16 if bf16 and self.master_weights else None
             self.grad_reducer = FullyShardedModel(
-                model, self.dims, torch.bfloat16 if self.precision == "bf16" else None
+                model, self.dims, param_dtype, reduce_dtype=torch.float32 if bf16 else None
             )
             return model
         if self.precision == "bf16":
@@ -138,6 +143,16 @@ class Runtime:
                 param_groups(model, o.weight_decay), self.mixed, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                 weight_decay=o.weight_decay, state_dtype=state_dtype,
             )  # fmt: skip
+        elif self._fsdp_fused(cfg):  # FSDP shards: bf16 moments, or bf16 weights updated in fp32 arithmetic
+            from moecore.optim.adamw import param_groups
+            from moecore.optim.fused_adamw import FusedAdamW
+
+            o = cfg.optim
+            state_dtype = torch.bfloat16 if o.state_dtype == "bf16" else torch.float32
+            opt = FusedAdamW(
+                param_groups(model, o.weight_decay), None, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                weight_decay=o.weight_decay, state_dtype=state_dtype,
+            )  # fmt: skip
         elif self._sharded_optimizer(cfg):  # keeps its own fp32 master shards
             opt = self.wrap_optimizer(model, build_optimizer(model, cfg.optim), cfg)
         else:
@@ -152,6 +167,10 @@ class Runtime:
 
             self.qk_clip = QKClip(model, cfg.optim.muon_qk_clip, self.dims)
         return opt
+
+    def _fsdp_fused(self, cfg: Config) -> bool:
+        fsdp = cfg.parallel.fsdp and self.world_size > 1 and cfg.optim.name == "adamw"
+        return fsdp and (cfg.optim.state_dtype == "bf16" or (self.precision == "bf16" and not self.master_weights))
 
     def _sharded_optimizer(self, cfg: Config) -> bool:
         return cfg.parallel.distributed_optimizer and self.world_size > 1

@@ -56,6 +56,7 @@ class Run:
         bf16_states: bool = False,
         fsdp: bool = False,
         muon: bool = False,
+        master_bf16: bool = False,
     ) -> None:
         self.cfg, self.dims, self.bf16 = cfg, dims, bf16
         if init is not None:
@@ -64,18 +65,23 @@ class Run:
             torch.manual_seed(seed)
             self.model = MoETransformer(copy.deepcopy(cfg), dims)
         self.fsdp = fsdp
-        if fsdp:  # FSDP2 keeps fp32 sharded parameters and computes in bf16 itself
+        states = torch.bfloat16 if bf16_states else torch.float32
+        if fsdp:  # FSDP2 keeps fp32 sharded parameters (bf16 ones with master_bf16) and computes in bf16 itself
             self.mixed = None
-            self.sync = FullyShardedModel(self.model, dims, torch.bfloat16 if bf16 else None)
+            if master_bf16:
+                for p in self.model.parameters():
+                    p.data = p.data.to(torch.bfloat16)
+            compute = torch.bfloat16 if bf16 and not master_bf16 else None
+            self.sync = FullyShardedModel(self.model, dims, compute, torch.float32 if bf16 else None)
         else:
-            self.mixed = MixedPrecision(self.model, torch.bfloat16, True, sum_in_fp32=True) if bf16 else None
+            mixed = MixedPrecision(self.model, torch.bfloat16, not master_bf16, sum_in_fp32=True) if bf16 else None
+            self.mixed = mixed
             self.sync = None if dims is None else wrap_model_for_data_parallel(self.model, dims, bucket_mb=BUCKET_MB)
         groups = param_groups(self.model, WD)
         if muon:  # Muon's matrices orthogonalised once each over the ranks (moecore.parallel.distributed_muon)
             o = OptimConfig(name="muon", lr=LR, beta1=BETAS[0], beta2=BETAS[1], weight_decay=WD)
             base = build_muon(self.model, o, distributed_muon(dims))
             if dist_opt:
-                states = torch.bfloat16 if bf16_states else torch.float32
                 self.opt = DistributedOptimizer(
                     self.model, base, dims, grad_sync=self.sync, mixed=self.mixed, state_dtype=states
                 )
@@ -85,12 +91,11 @@ class Run:
                 self.opt = base
         elif dist_opt:
             base = torch.optim.AdamW(groups, lr=LR, betas=BETAS)
-            states = torch.bfloat16 if bf16_states else torch.float32
             self.opt = DistributedOptimizer(
                 self.model, base, dims, grad_sync=self.sync, mixed=self.mixed, state_dtype=states
             )
-        elif bf16 and not fsdp:
-            self.opt = FusedAdamW(groups, self.mixed, lr=LR, betas=BETAS, weight_decay=WD)
+        elif (bf16 and not fsdp) or (fsdp and (bf16_states or master_bf16)):
+            self.opt = FusedAdamW(groups, self.mixed, lr=LR, betas=BETAS, weight_decay=WD, state_dtype=states)
         else:
             self.opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS)
 
@@ -186,12 +191,23 @@ def train(
     bf16_states=False,
     fsdp=False,
     muon=False,
+    master_bf16=False,
 ) -> dict:
     """`steps` steps of one layout from the reference's weights; save after step 1 when `ckpt`."""
     cfg = layout(par, dist_opt and not fsdp)
     cfg.parallel.fsdp = fsdp
     dims = None if world == 1 else make_dims(cfg, rank, world)
-    run = Run(cfg, dims, init, dist_opt and not fsdp, bf16, bf16_states=bf16_states, fsdp=fsdp, muon=muon)
+    run = Run(
+        cfg,
+        dims,
+        init,
+        dist_opt and not fsdp,
+        bf16,
+        bf16_states=bf16_states,
+        fsdp=fsdp,
+        muon=muon,
+        master_bf16=master_bf16,
+    )
     out = run.steps(data, 0, 1)
     if ckpt is not None:
         run.save(ckpt, 1)
