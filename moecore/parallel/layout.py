@@ -31,8 +31,6 @@ def check_layout(cfg: Config) -> None:
     if p.cp > 1:
         raise ConfigError(f"parallel.cp={p.cp} is not supported yet: context parallel is not implemented; use 1")
     if p.fsdp:
-        if p.etp > 1:
-            raise ConfigError(f"parallel.fsdp=true is not supported with parallel.etp={p.etp} yet; use etp = 1")
         if p.distributed_optimizer:
             raise ConfigError(
                 "parallel.fsdp=true shards the optimizer state itself; use parallel.distributed_optimizer=false"
