@@ -9,6 +9,8 @@ same initial weights and batches), these layouts give the same losses and grad n
 - the distributed optimizer with Muon (dp2, dp4 x ep2, tp2 x ep2; bf16 compute weights on fp32
   master shards at dp2 against the one-process bf16 Muon) gives the same; per rank it keeps 1/dp of
   the fp32 masters, the momentum and the AdamW moments (up to one bucket);
+- MuonClip's QK-Clip (tau below the model's logits) under tp2 x ep2, fsdp dp2 x tp2 and the
+  distributed optimizer dp4 x ep2: the same losses, grad norms and recorded max logits;
 - a single process has no plan (every matrix whole, the previous Muon's batched update);
 - checkpoints with Muon state reshard: tp2 x ep2 -> fsdp dp2, -> one process; distributed optimizer
   dp4 x ep2 -> tp2 x ep2 (plain), -> distributed optimizer dp2; steps 2-3 equal the unchanged run's.
@@ -31,6 +33,7 @@ from moecore.parallel.launch import run_local
 pytestmark = pytest.mark.distributed
 
 TOL = 1e-5
+TAU = 0.02  # QK-Clip threshold below the tiny model's max logits (1.25 at step 1): every step clips
 
 
 def _rel(got: list[float], want: list[float]) -> float:
@@ -45,6 +48,12 @@ def _world4(rank: int, world: int, init: dict, data, d: dict) -> dict:
         "dist-tp2xep2": zh.train(rank, world, {"tp": 2, "ep": 2}, init, data, muon=True),
         "dist-dp4xep2": zh.train(rank, world, {"ep": 2}, init, data, muon=True, ckpt=d["D"]),
     }
+    for name, par, kw in (
+        ("clip-tp2xep2", {"tp": 2, "ep": 2}, {"dist_opt": False}),
+        ("clip-fsdp-dp2xtp2", {"tp": 2}, {"fsdp": True}),
+        ("clip-dist-dp4xep2", {"ep": 2}, {}),
+    ):
+        out[name] = zh.train(rank, world, par, init, data, muon=True, qk_clip=TAU, **kw)
     out["D->tp2xep2"] = zh.resume(rank, world, {"tp": 2, "ep": 2}, d["D"], data, dist_opt=False, muon=True)
     return out
 
@@ -68,6 +77,7 @@ def results(tmp_path_factory):
     torch.manual_seed(0)
     init = full_state(MoETransformer(copy.deepcopy(tiny_config()), None))
     res = {"ref": zh.train(0, 1, {}, init, data, dist_opt=False, muon=True)}
+    res["ref-clip"] = zh.train(0, 1, {}, init, data, dist_opt=False, muon=True, qk_clip=TAU)
     res["ref-bf16"] = zh.train(0, 1, {}, init, data, dist_opt=False, muon=True, bf16=True)
     res["world4"] = run_local(_world4, 4, init, data, d)
     res["world2"] = run_local(_world2, 2, init, data, d)
@@ -97,6 +107,17 @@ def test_parity_fp32(results, world, name):
     # each matrix once: the owners' counts over the ranks add up to the number of matrices
     owned = [r[name]["muon_owned"] for r in ranks]
     assert sum(owned) == got["muon_matrices"] and min(owned) > 0, owned
+
+
+@pytest.mark.parametrize("name", ["clip-tp2xep2", "clip-fsdp-dp2xtp2", "clip-dist-dp4xep2"])
+def test_qk_clip_parity(results, name):
+    """MuonClip under tp (each rank its heads), fsdp (row shards) and the distributed optimizer (master shards)."""
+    ref, got = results["ref-clip"], results["world4"][0][name]
+    assert max(ref["max_logit"]) > TAU and ref["losses"][1] != results["ref"]["losses"][1]  # it clipped
+    loss, norm = _rel(got["losses"], ref["losses"]), _rel(got["norms"], ref["norms"])
+    logit = _rel(got["max_logit"], ref["max_logit"])
+    print(f"muon {name}: loss {loss:.1e} grad norm {norm:.1e} max logit {logit:.1e}")
+    assert loss <= TOL and norm <= TOL and logit <= TOL, (name, loss, norm, logit)
 
 
 def test_single_process_plan_is_local(results):

@@ -18,6 +18,7 @@ from dist_parity import CLIP, GLOBAL_BATCH, MICRO_BATCH, build, make_dims, tiny_
 
 from moecore.checkpoint import load_training_state, save_training_state
 from moecore.config import OptimConfig
+from moecore.models.qk_clip import QKClip
 from moecore.models.transformer import MoETransformer
 from moecore.optim.adamw import param_groups
 from moecore.optim.fused_adamw import FusedAdamW
@@ -57,6 +58,7 @@ class Run:
         fsdp: bool = False,
         muon: bool = False,
         master_bf16: bool = False,
+        qk_clip: float = 0.0,
     ) -> None:
         self.cfg, self.dims, self.bf16 = cfg, dims, bf16
         if init is not None:
@@ -98,6 +100,8 @@ class Run:
             self.opt = FusedAdamW(groups, self.mixed, lr=LR, betas=BETAS, weight_decay=WD, state_dtype=states)
         else:
             self.opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS)
+
+        self.qk_clip = QKClip(self.model, qk_clip, dims) if qk_clip else None
 
     def _clip(self) -> float:
         for owner in (self.opt, self.sync):
@@ -144,6 +148,8 @@ class Run:
                 lm_sum = dims.all_reduce_dp(lm_sum)
             out["norms"].append(self._clip())
             self.opt.step()
+            if self.qk_clip is not None:  # MuonClip: after the step, through the master weights
+                out.setdefault("max_logit", []).append(self.qk_clip.apply(self.weights_context))
             out.setdefault("pending", []).append(len(getattr(self.opt, "_pending", {})))
             for layer in model.moe_layers():
                 layer.update_expert_bias()
@@ -192,6 +198,7 @@ def train(
     fsdp=False,
     muon=False,
     master_bf16=False,
+    qk_clip=0.0,
 ) -> dict:
     """`steps` steps of one layout from the reference's weights; save after step 1 when `ckpt`."""
     cfg = layout(par, dist_opt and not fsdp)
@@ -207,12 +214,13 @@ def train(
         fsdp=fsdp,
         muon=muon,
         master_bf16=master_bf16,
+        qk_clip=qk_clip,
     )
     out = run.steps(data, 0, 1)
     if ckpt is not None:
         run.save(ckpt, 1)
     rest = run.steps(data, 1, steps - 1)
-    out = {k: out[k] + rest[k] for k in ("losses", "norms", "launched", "pending") if k in out} | {
+    out = {k: out[k] + rest[k] for k in ("losses", "norms", "launched", "pending", "max_logit") if k in out} | {
         "memory": rest["memory"]
     }
     out["params"] = run.global_params()
