@@ -220,7 +220,7 @@ def train(
     if ckpt is not None:
         run.save(ckpt, 1)
     rest = run.steps(data, 1, steps - 1)
-    out = {k: out[k] + rest[k] for k in ("losses", "norms", "launched", "pending", "max_logit") if k in out} | {
+    out = {k: out[k] + rest.get(k, []) for k in ("losses", "norms", "launched", "pending", "max_logit") if k in out} | {
         "memory": rest["memory"]
     }
     out["params"] = run.global_params()
