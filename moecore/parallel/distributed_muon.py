@@ -9,12 +9,16 @@ distributes that work over the ranks of one pipeline stage (tp x cp x dp; the wo
   each matrix it holds (from the parameters' `ShardSpec`: TP/ETP shards, EP-local experts); ranks
   holding the same block are replicas (data parallel). The plan is built once from all ranks'
   descriptions (one `all_gather_object`).
-- Each matrix gets one owner among the ranks that hold part of it: matrices are taken largest
-  first and each goes to the least-loaded candidate (load = Newton-Schulz FLOPs), which for
-  matrices of one size is round-robin. The owner assembles the full matrix from one copy of every
-  block (one `all_to_all_single` over the stage: each block is sent by one of its holders, the
-  owner's own block is not sent), runs Newton-Schulz on all its matrices (batched by shape), scales
-  them, and sends every holder of every block its block of the result (a second `all_to_all_single`).
+- Each matrix gets one owner among the ranks that hold part of it. The unit of assignment is a run
+  of consecutive matrices of one parameter: a dense weight is one run, the experts a set of ranks
+  holds are split into one run per such rank; runs are taken largest first and each goes to the
+  least-loaded candidate (load = Newton-Schulz FLOPs), which spreads equal matrices round-robin.
+  The owner assembles its matrices from one copy of every block (one `all_to_all_single` over the
+  stage: each block is sent by one of its holders, the owner's own block is not sent), runs
+  Newton-Schulz on all of them (batched by shape), scales them, and sends every holder of every
+  block its block of the result (a second `all_to_all_single`). Each block of a run is one slice of
+  the local tensor along the expert dim, so the per-step work is a few tensor operations per
+  (parameter, rank), whatever the number of experts.
 - Under FSDP the parameters are further row-sharded over data parallel: the caller all-gathers the
   update of each FSDP shard over its mesh first, which turns the FSDP peers into replicas
   (`gather_fsdp_rows` / `fsdp_rows`). Under the distributed optimizer the caller does the same
@@ -41,33 +45,48 @@ from moecore.parallel.sharding import get_shard
 
 
 @dataclass
-class _Matrix:
-    """One global matrix: its blocks (offsets within the matrix view -> holder ranks) and its owner."""
+class _Unit:
+    """Consecutive matrices of one parameter (experts start..start+count; one for a dense weight), one owner.
 
-    key: tuple  # (parameter name, leading index)
-    shape: tuple[int, int]  # rows, cols of the global matrix
-    view: tuple[int, ...]  # the matrix's view shape (the ShardSpec's view dims after the leading ones)
-    blocks: dict[tuple, tuple[tuple[int, ...], list[int]]] = field(default_factory=dict)  # offs -> (size, ranks)
+    `blocks`: offsets within the matrix view -> (block size, the ranks holding that block of these
+    matrices); `sender`: for each block, the holder that sends it to the owner.
+    """
+
+    key: tuple  # (parameter name, first leading index)
+    count: int  # matrices in the unit
+    shape: tuple[int, int]  # rows, cols of one global matrix
+    view: tuple[int, ...]  # one matrix's view shape (the ShardSpec's view dims after the leading one)
+    blocks: dict[tuple, tuple[tuple[int, ...], list[int]]] = field(default_factory=dict)
     owner: int = -1
-    sender: dict[tuple, int] = field(default_factory=dict)  # offs -> the holder that sends it to the owner
+    sender: dict[tuple, int] = field(default_factory=dict)
+
+    @property
+    def cost(self) -> float:
+        """Newton-Schulz FLOPs (up to a constant): count x rows x cols x min(rows, cols)."""
+        return self.count * math.prod(self.shape) * min(self.shape)
 
 
 def _describe(named: list[tuple[str, torch.Tensor]]) -> list[tuple]:
-    """Per parameter: (name, global shape, view shape, local view, offsets, leading view dims)."""
+    """Per parameter: (name, global shape, view shape, local view, offsets, leading view dims: 0 or 1)."""
     out = []
     for name, p in named:
         spec = get_shard(p)
         lead = len(spec.global_shape) - 2
-        groups = spec.groups
-        if any(len(g) != 1 for g in groups[:lead]):
-            raise ValueError(f"{name}: a leading (batch) dim of a Muon matrix is split in its shard view")
-        kv = lead  # the leading global dims are single view dims
-        out.append((name, spec.global_shape, spec.view_shape, spec.local_view, spec.offsets, kv))
+        if lead > 1 or (lead == 1 and len(spec.groups[0]) != 1):
+            raise ValueError(
+                f"{name}: distributed Muon takes matrices or one leading (expert) dim, unsplit in its view"
+            )
+        out.append((name, spec.global_shape, spec.view_shape, spec.local_view, spec.offsets, lead))
     return out
 
 
 class MatrixPlan:
-    """Who orthogonalises which matrix, and the two exchanges of a step; see the module docstring."""
+    """Who orthogonalises which matrices, and the two exchanges of a step; see the module docstring.
+
+    The unit of work is a run of consecutive matrices of one parameter (experts of a grouped weight
+    held by the same ranks are split into as many runs as there are such ranks), so the per-step
+    bookkeeping grows with parameters x ranks, not with the number of experts.
+    """
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], group: Group, ns_steps: int = 5) -> None:
         self.group, self.ns_steps = group, ns_steps
@@ -79,72 +98,110 @@ class MatrixPlan:
             dist.all_gather_object(everyone, mine, group=group.pg)
         else:
             everyone = [mine]
-        self.matrices: dict[tuple, _Matrix] = {}
+        # name -> leading range (first, length) -> [(rank, inner offsets, inner size)]
+        held: dict[str, dict[tuple[int, int], list]] = {}
+        meta: dict[str, tuple] = {}
         for rank, descs in zip(group.ranks, everyone):
             for name, gshape, vshape, lview, offs, kv in descs:
-                leading = [range(o, o + n) for o, n in zip(offs[:kv], lview[:kv])]
-                for idx in _product(leading):
-                    key = (name, idx)
-                    m = self.matrices.get(key)
-                    if m is None:
-                        m = self.matrices[key] = _Matrix(key, (gshape[-2], gshape[-1]), tuple(vshape[kv:]))
-                    size, ranks = m.blocks.setdefault(tuple(offs[kv:]), (tuple(lview[kv:]), []))
-                    ranks.append(rank)
+                lead = (offs[0], lview[0]) if kv else (0, 1)
+                held.setdefault(name, {}).setdefault(lead, []).append((rank, tuple(offs[kv:]), tuple(lview[kv:])))
+                meta[name] = ((gshape[-2], gshape[-1]), tuple(vshape[kv:]))
+        self.units: dict[tuple, _Unit] = {}
+        for name in sorted(held):
+            shape, view = meta[name]
+            for (first, n), entries in sorted(held[name].items()):
+                k = min(n, len({r for r, _, _ in entries}))  # one run per holder (fewer if fewer matrices)
+                for c in range(k):
+                    start, end = first + n * c // k, first + n * (c + 1) // k
+                    u = self.units[(name, start)] = _Unit((name, start), end - start, shape, view)
+                    for rank, offs, size in entries:
+                        u.blocks.setdefault(offs, (size, []))[1].append(rank)
+        self.matrices = sum(u.count for u in self.units.values())
         self._assign()
         self._schedule()
 
     # ------------------------------------------------------------------ plan
     def _assign(self) -> None:
-        """Owners: largest matrices first, each to its least-loaded holder; block senders spread likewise."""
+        """Owners: largest units first, each to its least-loaded holder; block senders spread likewise."""
         load = {r: 0.0 for r in self.group.ranks}
         sent = {r: 0 for r in self.group.ranks}
-        order = sorted(self.matrices.values(), key=lambda m: (-math.prod(m.shape) * min(m.shape), m.key))
-        for m in order:
-            holders = sorted({r for _, ranks in m.blocks.values() for r in ranks})
-            m.owner = min(holders, key=lambda r: (load[r], r))
-            load[m.owner] += math.prod(m.shape) * min(m.shape)
-            for offs, (size, ranks) in m.blocks.items():
-                if m.owner in ranks:
-                    m.sender[offs] = m.owner
+        for u in sorted(self.units.values(), key=lambda u: (-u.cost, u.key)):
+            holders = sorted({r for _, ranks in u.blocks.values() for r in ranks})
+            u.owner = min(holders, key=lambda r: (load[r], r))
+            load[u.owner] += u.cost
+            for offs, (size, ranks) in u.blocks.items():
+                if u.owner in ranks:
+                    u.sender[offs] = u.owner
                 else:
-                    m.sender[offs] = min(ranks, key=lambda r: (sent[r], r))
-                    sent[m.sender[offs]] += math.prod(size)
-        self.order = sorted(self.matrices)  # the exchange order every rank uses
+                    u.sender[offs] = min(ranks, key=lambda r: (sent[r], r))
+                    sent[u.sender[offs]] += u.count * math.prod(size)
+        self.order = sorted(self.units)  # the exchange order every rank uses
 
     def _schedule(self) -> None:
-        """Split sizes of both exchanges (elements per peer, in group order), fixed for the run."""
+        """This rank's work lists of both exchanges (in one order every rank agrees on), fixed for the run.
+
+        Only the units this rank holds or owns are visited per step; a unit's block is one slice
+        of the local tensor along its leading (expert) dim.
+        """
         index = {r: i for i, r in enumerate(self.group.ranks)}
-        n = self.group.size
-        self.gather_send, self.gather_recv = [0] * n, [0] * n
-        self.scatter_send, self.scatter_recv = [0] * n, [0] * n
+        n, me = self.group.size, self.me
+        self.send_blocks: list[list[tuple]] = [[] for _ in range(n)]  # (name, lo, hi, numel) to each owner
+        self.recv_blocks: list[list[tuple]] = [[] for _ in range(n)]  # (key, offs, size) from each sender
+        self.own_blocks: list[tuple] = []  # (key, name, lo, hi, offs, size): my blocks of my units
+        self.send_results: list[list[tuple]] = [[] for _ in range(n)]  # (key, offs, size) to each holder
+        self.recv_results: list[list[tuple]] = [[] for _ in range(n)]  # (name, lo, hi, size) from each owner
+        self.keep_results: list[tuple] = []  # (key, name, lo, hi, offs, size): results I own and hold
+        self.by_shape: dict[tuple, list[tuple]] = {}
         for key in self.order:
-            m = self.matrices[key]
-            for offs, (size, ranks) in sorted(m.blocks.items()):
-                numel = math.prod(size)
-                s = m.sender[offs]
-                if s != m.owner:
-                    if s == self.me:
-                        self.gather_send[index[m.owner]] += numel
-                    if m.owner == self.me:
-                        self.gather_recv[index[s]] += numel
+            u = self.units[key]
+            name, start = key
+            if u.owner == me:
+                self.by_shape.setdefault(u.shape, []).append(key)
+            mine = self.local.get(name)
+            lo = start - (mine[4][0] if mine is not None and mine[5] else 0)  # in my local leading dim
+            hi = lo + u.count
+            for offs, (size, ranks) in sorted(u.blocks.items()):
+                sender = u.sender[offs]
+                numel = u.count * math.prod(size)
+                if sender == me and u.owner == me:
+                    self.own_blocks.append((key, name, lo, hi, offs, size))
+                elif sender == me:
+                    self.send_blocks[index[u.owner]].append((name, lo, hi, numel))
+                elif u.owner == me:
+                    self.recv_blocks[index[sender]].append((key, offs, size))
                 for r in ranks:
-                    if r == m.owner:
-                        continue
-                    if m.owner == self.me:
-                        self.scatter_send[index[r]] += numel
-                    if r == self.me:
-                        self.scatter_recv[index[m.owner]] += numel
+                    if r == u.owner == me:
+                        self.keep_results.append((key, name, lo, hi, offs, size))
+                    elif u.owner == me:
+                        self.send_results[index[r]].append((key, offs, size))
+                    elif r == me:
+                        self.recv_results[index[u.owner]].append((name, lo, hi, size))
+
+        def numel(items: list[list[tuple]], count_of) -> list[int]:
+            return [sum(count_of(item) for item in peer) for peer in items]
+
+        units = self.units
+        self.gather_send = numel(self.send_blocks, lambda it: it[3])
+        self.gather_recv = numel(self.recv_blocks, lambda it: units[it[0]].count * math.prod(it[2]))
+        self.scatter_send = numel(self.send_results, lambda it: units[it[0]].count * math.prod(it[2]))
+        self.scatter_recv = numel(self.recv_results, lambda it: (it[2] - it[1]) * math.prod(it[3]))
 
     def owned(self) -> list[tuple]:
-        """Keys of the matrices this rank orthogonalises."""
-        return [k for k in self.order if self.matrices[k].owner == self.me]
+        """Keys of the units this rank orthogonalises."""
+        return [k for keys in self.by_shape.values() for k in keys]
+
+    def owned_matrices(self) -> int:
+        """How many matrices this rank orthogonalises."""
+        return sum(self.units[k].count for k in self.owned())
 
     # ------------------------------------------------------------------ step
-    def _block(self, name: str, idx: tuple, t: torch.Tensor) -> torch.Tensor:
-        """This rank's block of matrix (name, idx), viewed in the matrix's view coordinates."""
-        _, _, _, lview, offs, kv = self.local[name]
-        v = t.reshape(lview)
-        return v[tuple(i - o for i, o in zip(idx, offs[:kv]))]
+    def _views(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each local tensor in its shard-view shape with a leading (matrix index) dim (1 for a dense weight)."""
+        out = {}
+        for name, t in tensors.items():
+            lview, kv = self.local[name][3], self.local[name][5]
+            out[name] = t.reshape(lview if kv else (1, *lview))
+        return out
 
     @torch.no_grad()
     def orthogonalize(self, updates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -154,77 +211,46 @@ class MatrixPlan:
         The result is the orthogonalised update scaled by 0.2 * sqrt(max(rows, cols)) of the global
         matrix, cut to this rank's blocks.
         """
-        index = {r: i for i, r in enumerate(self.group.ranks)}
-        any_t = next(iter(updates.values()))
-        dev, dtype = any_t.device, torch.float32
-        peers = range(self.group.size)
+        dtype = torch.float32
+        dev = next(iter(updates.values())).device
+        src = self._views({k: v.to(dtype) for k, v in updates.items()})
+        units = self.units
         # 1. blocks to their owners
-        out_parts: list[list[torch.Tensor]] = [[] for _ in peers]
-        full: dict[tuple, torch.Tensor] = {}
-        for key in self.order:
-            m = self.matrices[key]
-            name, idx = key
-            if m.owner == self.me:
-                full[key] = torch.zeros(m.view, dtype=dtype, device=dev)
-            for offs, (size, _ranks) in sorted(m.blocks.items()):
-                if m.sender[offs] != self.me:
-                    continue
-                block = self._block(name, idx, updates[name]).to(dtype)
-                if m.owner == self.me:
-                    full[key][_slices(offs, size)] = block
-                else:
-                    out_parts[index[m.owner]].append(block.reshape(-1))
-        recv = self._exchange(out_parts, self.gather_send, self.gather_recv, dev)
-        cursor = [0] * self.group.size
-        for key in self.order:
-            m = self.matrices[key]
-            if m.owner != self.me:
-                continue
-            for offs, (size, _ranks) in sorted(m.blocks.items()):
-                s = m.sender[offs]
-                if s == self.me:
-                    continue
-                i, n = index[s], math.prod(size)
-                full[key][_slices(offs, size)] = recv[i][cursor[i] : cursor[i] + n].view(size)
-                cursor[i] += n
+        full = {k: torch.empty((units[k].count, *units[k].view), dtype=dtype, device=dev) for k in self.owned()}
+        for key, name, lo, hi, offs, size in self.own_blocks:
+            full[key][(slice(None), *_slices(offs, size))] = src[name][lo:hi]
+        parts = [[src[name][lo:hi].reshape(-1) for name, lo, hi, _ in peer] for peer in self.send_blocks]
+        recv = self._exchange(parts, self.gather_send, self.gather_recv, dev)
+        for peer, items in zip(recv, self.recv_blocks):
+            off = 0
+            for key, offs, size in items:
+                c = units[key].count
+                n = c * math.prod(size)
+                full[key][(slice(None), *_slices(offs, size))] = peer[off : off + n].view(c, *size)
+                off += n
         # 2. Newton-Schulz on the owned matrices, batched by shape
         result: dict[tuple, torch.Tensor] = {}
-        by_shape: dict[tuple, list[tuple]] = {}
-        for key in full:
-            by_shape.setdefault(self.matrices[key].shape, []).append(key)
-        for shape, keys in by_shape.items():
-            stack = torch.stack([full[k].reshape(shape) for k in keys])
+        for shape, keys in self.by_shape.items():
+            stack = torch.cat([full[k].reshape(-1, *shape) for k in keys])
             o = newton_schulz(stack, self.ns_steps) * (0.2 * math.sqrt(max(shape)))
-            for k, t in zip(keys, o.unbind(0)):
-                result[k] = t.reshape(self.matrices[k].view)
+            for k, t in zip(keys, o.split([units[k].count for k in keys])):
+                result[k] = t.reshape(units[k].count, *units[k].view)
         # 3. result blocks to every holder
-        out_parts = [[] for _ in peers]
         outputs = {name: torch.empty(updates[name].shape, dtype=dtype, device=dev) for name in updates}
-        for key in self.order:
-            m = self.matrices[key]
-            if m.owner != self.me:
-                continue
-            name, idx = key
-            for offs, (size, ranks) in sorted(m.blocks.items()):
-                block = result[key][_slices(offs, size)]
-                for r in ranks:
-                    if r == self.me:
-                        self._block(name, idx, outputs[name]).copy_(block)
-                    else:
-                        out_parts[index[r]].append(block.reshape(-1))
-        recv = self._exchange(out_parts, self.scatter_send, self.scatter_recv, dev)
-        cursor = [0] * self.group.size
-        for key in self.order:
-            m = self.matrices[key]
-            name, idx = key
-            if m.owner == self.me or name not in updates:
-                continue
-            for _offs, (size, ranks) in sorted(m.blocks.items()):
-                if self.me not in ranks:
-                    continue
-                i, n = index[m.owner], math.prod(size)
-                self._block(name, idx, outputs[name]).copy_(recv[i][cursor[i] : cursor[i] + n].view(size))
-                cursor[i] += n
+        out = self._views(outputs)
+        for key, name, lo, hi, offs, size in self.keep_results:
+            out[name][lo:hi] = result[key][(slice(None), *_slices(offs, size))]
+        parts = [
+            [result[key][(slice(None), *_slices(offs, size))].reshape(-1) for key, offs, size in peer]
+            for peer in self.send_results
+        ]
+        recv = self._exchange(parts, self.scatter_send, self.scatter_recv, dev)
+        for peer, items in zip(recv, self.recv_results):
+            off = 0
+            for name, lo, hi, size in items:
+                n = (hi - lo) * math.prod(size)
+                out[name][lo:hi] = peer[off : off + n].view(hi - lo, *size)
+                off += n
         return outputs
 
     def _exchange(
@@ -241,13 +267,6 @@ class MatrixPlan:
 
 def _slices(offs: tuple[int, ...], size: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(offs, size))
-
-
-def _product(ranges: list[range]) -> list[tuple]:
-    out: list[tuple] = [()]
-    for r in ranges:
-        out = [t + (i,) for t in out for i in r]
-    return out
 
 
 # --------------------------------------------------------------------------------------------------

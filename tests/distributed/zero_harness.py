@@ -240,7 +240,7 @@ def muon_work(opt) -> tuple[int, int]:
         getattr(inner, "optimizers", [None])[0], "orthogonalize", None
     )
     plan = getattr(ortho, "plan", None)
-    return (0, 0) if plan is None else (len(plan.owned()), len(plan.matrices))
+    return (0, 0) if plan is None else (plan.owned_matrices(), plan.matrices)
 
 
 def resume(rank, world, par, ckpt, data, dist_opt, seed=100, fsdp=False, muon=False) -> dict:
