@@ -8,7 +8,8 @@ norms up to the order of the gradient sums (relative <= 1e-5; with bf16 weights 
 sharded gradients: BF16_GRAD_TOL, measured). The
 bf16-moment run is also compared with the fp32-moment one (the tolerance the docs state). Bytes per
 rank: with bf16 moments the optimizer state is 4 bytes per parameter / dp (fp32 masters are the
-sharded parameters themselves), with bf16 weights the parameters are 2 bytes per parameter / dp.
+sharded parameters themselves), with bf16 weights the parameters are 2 bytes per parameter / dp; the
+planner (`moecore plan`) counts the same parameter, gradient and optimizer bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dist_parity import full_state, make_data, tiny_config
 
 from moecore.models.transformer import MoETransformer
 from moecore.parallel.launch import run_local
+from moecore.plan.layout import layout_of
+from moecore.plan.params import precision_mode, state_bytes
 
 pytestmark = pytest.mark.distributed
 
@@ -96,3 +99,13 @@ def test_bytes_per_rank(results):
                 mem = r[mode]["memory"][kind]
                 print(f"fsdp dp2 {mode} {kind}: {mem} bytes per rank, expected {value:.0f}")
                 assert abs(mem - value) <= 4 * n_tensors, (mode, kind, mem, value)  # + step counters
+            # `moecore plan` counts the same bytes (it leaves out the 4-byte step counters)
+            cfg = tiny_config()
+            cfg.parallel.fsdp, cfg.train.precision = True, "bf16"
+            cfg.optim.state_dtype = "bf16" if mode == "bf16-states" else "fp32"
+            cfg.optim.master_weights = "bf16" if mode == "bf16-masters" else "fp32"
+            layout = layout_of(cfg, 2)
+            planned = state_bytes(cfg, layout, 0, precision_mode(cfg, layout, micro_batches=2, device="cpu"))
+            mem = r[mode]["memory"]
+            assert planned["params"] == mem["params"] and planned["grads"] == mem["grads"], (mode, planned, mem)
+            assert 0 <= mem["optim"] - planned["optimizer"] <= 4 * n_tensors, (mode, planned, mem)
