@@ -88,15 +88,18 @@ class MatrixPlan:
     bookkeeping grows with parameters x ranks, not with the number of experts.
     """
 
-    def __init__(self, named: list[tuple[str, torch.Tensor]], group: Group, ns_steps: int = 5) -> None:
+    def __init__(
+        self, named: list[tuple[str, torch.Tensor]], group: Group, ns_steps: int = 5, everyone: list | None = None
+    ) -> None:
+        """`everyone`: every member's `_describe` output, in group order (gathered here when None)."""
         self.group, self.ns_steps = group, ns_steps
         self.me = group.ranks[group.rank]
-        mine = _describe(named)
+        mine = _describe(named) if everyone is None else everyone[group.rank]
         self.local = {d[0]: d for d in mine}
-        if group.size > 1:
-            everyone: list = [None] * group.size
+        if everyone is None and group.size > 1:
+            everyone = [None] * group.size
             dist.all_gather_object(everyone, mine, group=group.pg)
-        else:
+        elif everyone is None:
             everyone = [mine]
         # name -> leading range (first, length) -> [(rank, inner offsets, inner size)]
         held: dict[str, dict[tuple[int, int], list]] = {}
