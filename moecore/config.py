@@ -439,6 +439,9 @@ class OptimConfig:
     wsd_decay_fraction: float = 0.2  # WSD: fraction of steps spent decaying at the end
     muon_momentum: float = 0.95
     muon_ns_steps: int = 5
+    # MuonClip's QK-Clip (Kimi K2): after each step, rescale the q/k weights of every attention head whose
+    # largest pre-softmax logit in the step exceeded this threshold tau (Kimi K2: 100). 0: off.
+    muon_qk_clip: float = 0.0
     # With train.precision=bf16 the model's parameters are bf16 (the compute weights); these two
     # choose what the optimizer keeps (bytes per parameter in docs/train.md "Precision").
     master_weights: str = "fp32"  # fp32: an fp32 master copy is updated and cast to bf16 | bf16: update bf16 in place
@@ -458,6 +461,7 @@ class OptimConfig:
         _check_range("optim.clip_grad", self.clip_grad, 0.0)
         _check_range("optim.warmup_steps", self.warmup_steps, 0)
         _check_range("optim.wsd_decay_fraction", self.wsd_decay_fraction, 0.0, 1.0)
+        _check_range("optim.muon_qk_clip", self.muon_qk_clip, 0.0)
 
 
 @dataclass
@@ -637,6 +641,10 @@ class Config:
             _fail(
                 "checkpoint.upcycle_from", self.checkpoint.upcycle_from, "needs parallel.tp, ep, etp and pp = 1 for now"
             )
+        if self.optim.muon_qk_clip and m.qk_norm:
+            _fail("optim.muon_qk_clip", self.optim.muon_qk_clip, "needs model.qk_norm=false (normalised q/k undo it)")
+        if self.optim.muon_qk_clip and m.attention_type == "dsa":
+            _fail("optim.muon_qk_clip", self.optim.muon_qk_clip, "needs model.attention_type gqa or mla")
         if self.optim.state_dtype == "bf16" and self.optim.name != "adamw":
             _fail("optim.state_dtype", "bf16", "needs optim.name=adamw")
         if self.train.exit_interval is not None and self.train.exit_interval > self.train.steps:

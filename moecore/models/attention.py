@@ -24,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moecore.config import ModelConfig
 from moecore.models.norms import RMSNorm
+from moecore.models.qk_clip import record_max_logit
 from moecore.models.rope import RotaryEmbedding, apply_rotary
 from moecore.parallel.sharding import mark_tp_partial
 from moecore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, tp_region_input, tp_size
@@ -138,6 +139,7 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         cos, sin = self.rotary(position_ids, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        record_max_logit(self, q, k, self.head_dim**-0.5, self.window)  # optim.muon_qk_clip only
         dropout = self.cfg.attention_dropout if self.training else 0.0
         if self.sinks is not None:
             from moecore.models.sinks import sink_attention

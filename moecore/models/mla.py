@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from moecore.config import ModelConfig
 from moecore.models.attention import sdpa_backends
 from moecore.models.norms import RMSNorm
+from moecore.models.qk_clip import record_max_logit
 from moecore.models.recompute import recompute_output
 from moecore.models.rope import RotaryEmbedding, apply_rotary
 
@@ -141,6 +142,7 @@ class MLAttention(nn.Module):
 
     def _attend(self, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], grad: bool) -> torch.Tensor:
         q, k, v = qkv
+        record_max_logit(self, q, k, self.softmax_scale)  # optim.muon_qk_clip only
         with sdpa_backends(self.backend, q.device):
             if self.recompute_core_attn and grad:
                 return checkpoint(self._core_attention, q, k, v, use_reentrant=False)

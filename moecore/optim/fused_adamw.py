@@ -6,6 +6,8 @@ parameter groups and state keys (`step`, `exp_avg`, `exp_avg_sq`) as `torch.opti
 parameter's update is `moecore.kernels.adamw.adamw_step`: it reads the gradient (`grad_of(p)`: the
 fp32 main gradient or the bf16 `.grad`) and the fp32 master from `MixedPrecision`, and writes the
 master, the moments (fp32 or bf16, `optim.state_dtype`) and the rounded bf16 parameter in one pass.
+Under FSDP2 (`mp=None`) the parameters, gradients and moments are DTensors and each rank updates its
+local shards (fp32 master shards, or bf16 parameters with `optim.master_weights=bf16`).
 
 Gradient clipping is folded into the same pass: `grad_scale` (the clipping coefficient, set by the
 training runtime before `step`) multiplies the gradient inside the kernel, instead of a separate
@@ -20,6 +22,11 @@ import torch
 
 from moecore.kernels.adamw import adamw_step
 from moecore.optim.mixed_precision import MixedPrecision, grad_of
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2 parameters, gradients and states: the update is element-wise); else t's data."""
+    return t.to_local() if hasattr(t, "to_local") else t.data
 
 
 class FusedAdamW(torch.optim.Optimizer):
@@ -67,7 +74,8 @@ class FusedAdamW(torch.optim.Optimizer):
                     )
                 state["step"] += 1
                 adamw_step(
-                    p.data, self._master(p), g.contiguous(), state["exp_avg"], state["exp_avg_sq"],
+                    _local(p), self._master(p), _local(g).contiguous(), _local(state["exp_avg"]),
+                    _local(state["exp_avg_sq"]),
                     lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], step=int(state["step"].item()), grad_scale=scale,
                 )  # fmt: skip

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from collections.abc import Iterator
 
 import torch
@@ -52,6 +53,7 @@ from moecore.parallel.dims import ParallelDims
 from moecore.parallel.sharding import get_shard, replication_factor
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+_MUON = "momentum_buffer"
 
 
 class DistributedOptimizer:
@@ -66,15 +68,26 @@ class DistributedOptimizer:
         mixed=None,
         state_dtype: torch.dtype = torch.float32,
     ) -> None:
+        from moecore.optim.muon import Muon
+
+        muon = None
+        if hasattr(optimizer, "optimizers"):  # optim.name=muon: build_muon's [Muon, AdamW]
+            muon, optimizer = optimizer.optimizers
+            if not isinstance(muon, Muon) or muon.state:
+                raise ConfigError("parallel.distributed_optimizer=true needs a fresh Muon + AdamW optimizer")
         if not isinstance(optimizer, torch.optim.AdamW) or optimizer.state:
             raise ConfigError("parallel.distributed_optimizer=true needs a fresh optim.name='adamw' optimizer")
+        muon_groups = muon.param_groups if muon is not None else []
+        self.orthogonalize = muon.orthogonalize if muon is not None else None
+        self.n_muon = len(muon_groups)  # groups [0, n_muon) are Muon's, the rest AdamW's
+        all_groups = list(muon_groups) + list(optimizer.param_groups)
         self.dims = dims
         self.mixed = mixed  # moecore.optim.mixed_precision.MixedPrecision under bf16
         self.grad_scale = 1.0  # the clipping coefficient for the next step (set by clip_grad_norm)
         names = {p: n for n, p in model.named_parameters()}
-        self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        group_of = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        self.group_names = [[names[p] for p in g["params"]] for g in optimizer.param_groups]
+        self.params = [p for g in all_groups for p in g["params"]]
+        group_of = {p: i for i, g in enumerate(all_groups) for p in g["params"]}
+        self.group_names = [[names[p] for p in g["params"]] for g in all_groups]
         self.names = names
         if grad_sync is None:
             grad_sync = getattr(model, "_moecore_grad_sync", None) or wrap_model_for_data_parallel(model, dims)
@@ -87,10 +100,16 @@ class DistributedOptimizer:
             self._refresh_master(i, [masters.get(p, p) for p in b.params])
         # One inner group per optimizer group, holding the master shards of that group's buckets.
         inner_groups = []
-        for gi, group in enumerate(optimizer.param_groups):
+        for gi, group in enumerate(all_groups):
             hyper = {k: v for k, v in group.items() if k != "params"}
             shards = [self.master[i] for i, b in enumerate(self.buckets) if b.opt_group == gi]
             inner_groups.append({**hyper, "params": shards})
+        # Muon's groups are stepped here (`_muon_step`), AdamW's by the inner torch optimizer.
+        self.muon_groups = {gi: inner_groups[gi] for gi in range(self.n_muon)}
+        self.momentum = {
+            i: torch.zeros_like(self.master[i]) for i, b in enumerate(self.buckets) if b.opt_group < self.n_muon
+        }
+        inner_groups = [g if gi >= self.n_muon else {**g, "params": []} for gi, g in enumerate(inner_groups)]
         groups = [g for g in inner_groups if g["params"]]
         self.state_dtype = state_dtype
         if state_dtype == torch.float32:
@@ -184,7 +203,17 @@ class DistributedOptimizer:
     # ------------------------------------------------------------------ optimizer interface
     @property
     def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
+        return [*self.muon_groups.values(), *self.inner.param_groups]
+
+    def _hyper(self, gi: int) -> dict:
+        """The hyper-parameters of original optimizer group `gi` (as the LR schedule last set them)."""
+        if gi in self.muon_groups:
+            group = self.muon_groups[gi]
+        elif gi in self._inner_index:
+            group = self.inner.param_groups[self._inner_index.index(gi)]
+        else:
+            return {}
+        return {k: v for k, v in group.items() if k != "params"}
 
     @property
     def state(self):
@@ -231,9 +260,51 @@ class DistributedOptimizer:
         for i, b in enumerate(self._ready_buckets()):
             self.master[i].grad = b.shard_grad if scale == 1.0 else b.shard_grad.mul_(scale)
         self.inner.step()
+        if self.n_muon:
+            self._muon_step()
         for i in self.master:
             self.master[i].grad = None
         self._write_back()
+
+    @torch.no_grad()
+    def _muon_step(self) -> None:
+        """Muon on the master shards: momentum per shard, whole updates gathered, orthogonalised, own shard kept.
+
+        Momentum and the Nesterov update are element-wise, so they run on this rank's shard (1/g of the
+        state). The update of each bucket is all-gathered over its group (every rank then has its local
+        parameters' whole updates), `orthogonalize` (moecore.parallel.distributed_muon) orthogonalises
+        every matrix once over the stage, and each rank applies its own elements to its master shard.
+        """
+        from moecore.optim.muon import newton_schulz
+
+        mine = [i for i, b in enumerate(self.buckets) if b.opt_group < self.n_muon]
+        params, updates = [], []
+        for i in mine:
+            b, hyper = self.buckets[i], self.muon_groups[self.buckets[i].opt_group]
+            g, buf = self.master[i].grad, self.momentum[i]
+            buf.mul_(hyper["momentum"]).add_(g)
+            u = g.add(buf, alpha=hyper["momentum"])  # Nesterov
+            for p, t in self._per_param(b, self._gather(b, u)):
+                params.append(p)
+                updates.append(t)
+        if self.orthogonalize is not None:
+            done = self.orthogonalize(params, updates)
+        else:  # every matrix is whole here (a one-rank stage)
+            ns = self.muon_groups[0]["ns_steps"]
+            done = [
+                newton_schulz(u, ns) * (0.2 * math.sqrt(max(p.shape[-2], p.shape[-1]))) for p, u in zip(params, updates)
+            ]
+        result = dict(zip(map(id, params), done))
+        for i in mine:
+            b, hyper = self.buckets[i], self.muon_groups[self.buckets[i].opt_group]
+            flat = torch.zeros(b.shard_size * b.group.size, dtype=torch.float32, device=self.master[i].device)
+            off = 0
+            for p in b.params:
+                flat[off : off + p.numel()] = result[id(p)].reshape(-1)
+                off += p.numel()
+            m = self.master[i]
+            m.mul_(1 - hyper["lr"] * hyper["weight_decay"])
+            m.add_(flat[b.lo : b.lo + b.shard_size], alpha=-hyper["lr"])
 
     # ------------------------------------------------------------------ weights for checkpoints
     @contextlib.contextmanager
@@ -274,6 +345,10 @@ class DistributedOptimizer:
         self.wait_for_params()  # the model's state dict is read next
         state: dict[str, dict] = {}
         for i, b in enumerate(self.buckets):
+            if i in self.momentum:  # Muon: the momentum buffer, as torch's state dict of Muon names it
+                for p, t in self._per_param(b, self._gather(b, self.momentum[i])):
+                    state[self.names[p]] = {_MUON: t.clone()}
+                continue
             st = self.inner.state.get(self.master[i], {})
             step = st.get("step", torch.zeros((), dtype=torch.float32))
             moments = {}
@@ -284,8 +359,7 @@ class DistributedOptimizer:
                 state[self.names[p]] = {"step": step.clone(), **{k: moments[k][p].clone() for k in _MOMENTS}}
         groups = []
         for gi, fqns in enumerate(self.group_names):
-            hyper = self.inner.param_groups[self._inner_index.index(gi)] if gi in self._inner_index else {}
-            groups.append({**{k: v for k, v in hyper.items() if k != "params"}, "params": list(fqns)})
+            groups.append({**self._hyper(gi), "params": list(fqns)})
         if not flat:
             return {"state": state, "param_groups": groups}
         out = {f"state.{fqn}.{k}": v for fqn, st in state.items() for k, v in st.items()}
@@ -303,6 +377,10 @@ class DistributedOptimizer:
         self.inner.state.clear()
         for i, b in enumerate(self.buckets):
             m = self.master[i]
+            if i in self.momentum:
+                for p, off, a, e in b.overlaps():
+                    self.momentum[i][a - b.lo : e - b.lo] = state[self.names[p]][_MUON].reshape(-1)[a - off : e - off]
+                continue
             st = {"step": torch.as_tensor(state[self.names[b.params[0]]]["step"], dtype=torch.float32).clone()}
             for key in _MOMENTS:
                 shard = torch.zeros_like(m, dtype=self.state_dtype)
@@ -311,14 +389,18 @@ class DistributedOptimizer:
                 st[key] = shard
             self.inner.state[m] = st
         for gi, saved in enumerate(state_dict.get("param_groups", [])):
-            if gi in self._inner_index:
+            if gi in self.muon_groups:
+                self.muon_groups[gi].update({k: v for k, v in saved.items() if k != "params"})
+            elif gi in self._inner_index:
                 group = self.inner.param_groups[self._inner_index.index(gi)]
                 group.update({k: v for k, v in saved.items() if k != "params"})
         self._refresh_all()  # the weights were loaded just before (fp32 in master_weights_in_model)
 
     def _unflatten(self, flat: dict) -> dict:
         state = {
-            fqn: {k: flat[f"state.{fqn}.{k}"] for k in ("step", *_MOMENTS)} for fqns in self.group_names for fqn in fqns
+            fqn: {k: flat[f"state.{fqn}.{k}"] for k in ((_MUON,) if gi < self.n_muon else ("step", *_MOMENTS))}
+            for gi, fqns in enumerate(self.group_names)
+            for fqn in fqns
         }
         groups = []
         for fqns in self.group_names:
@@ -335,5 +417,6 @@ class DistributedOptimizer:
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this optimizer holds, by kind: reduced gradient shards; master shards and moments."""
         optim = list(self.master.values()) + [t for s in self.inner.state.values() for t in s.values()]
+        optim += list(self.momentum.values())
         grads = [b.shard_grad for b in self.buckets if b.shard_grad is not None]
         return {"grads": grads, "optim": optim}

@@ -12,9 +12,13 @@
 
 Parameters become DTensors sharded along dim 0 over their mesh; their `ShardSpec` (how the
 EP-local tensor sits in the global one) is attached again to the new parameters. The optimizer is
-torch's AdamW over those DTensors: its state is sharded like them. Under `train.precision=bf16` the
-sharded parameters stay fp32 (they are the master weights) and FSDP2's mixed-precision policy
-all-gathers them in bf16 and reduces gradients in fp32 (moecore's own `MixedPrecision` is not used).
+torch's AdamW over those DTensors (or `FusedAdamW` on their local shards for bf16 states): the state
+is sharded like them. Under `train.precision=bf16` with `optim.master_weights=fp32` the sharded
+parameters stay fp32 (they are the master weights) and FSDP2's mixed-precision policy all-gathers
+them in bf16 and reduces gradients in fp32; with `optim.master_weights=bf16` the sharded parameters
+are bf16 themselves (no fp32 copy anywhere), all-gathered as they are, gradients reduced in fp32
+(`reduce_dtype`) and the update applied in fp32 arithmetic by `FusedAdamW`. moecore's own
+`MixedPrecision` is not used with FSDP.
 
 This object takes the gradient reducer's role in the runtime: `no_sync()` (gradient accumulation),
 `finish()` (FSDP2 finishes its reductions at the end of backward; `tp_partial` gradients — norms
@@ -25,6 +29,8 @@ saves a DTensor of an EP-sharded parameter as its chunk of the global tensor, so
 layout-free as without FSDP.
 
 Supported: tp, dp and ep with edp > 1; etp = cp = pp = 1 (refused otherwise by `check_layout`).
+Muon runs on the sharded parameters: each matrix's update is gathered over the FSDP mesh and
+orthogonalised once (`moecore.parallel.distributed_muon`).
 """
 
 from __future__ import annotations
@@ -47,7 +53,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class FullyShardedModel:
     """FSDP2 on the dense (dp_cp) and expert (edp) meshes; see the module docstring."""
 
-    def __init__(self, model: torch.nn.Module, dims: ParallelDims, param_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        dims: ParallelDims,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -61,7 +73,8 @@ class FullyShardedModel:
         self.model, self.dims = model, dims
         specs = {name: get_shard(p) for name, p in model.named_parameters()}
         device_type = next(model.parameters()).device.type
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+        reduce_dtype = reduce_dtype or (torch.float32 if param_dtype else None)
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         dense_mesh = DeviceMesh.from_group(dims.dp_cp_group.pg, device_type)
         expert_mesh = DeviceMesh.from_group(dims.edp_group.pg, device_type) if dims.edp_group.size > 1 else None
         for module in model.modules():

@@ -31,26 +31,12 @@ def check_layout(cfg: Config) -> None:
     if p.cp > 1:
         raise ConfigError(f"parallel.cp={p.cp} is not supported yet: context parallel is not implemented; use 1")
     if p.fsdp:
-        if p.etp > 1:
-            raise ConfigError(f"parallel.fsdp=true is not supported with parallel.etp={p.etp} yet; use etp = 1")
         if p.distributed_optimizer:
             raise ConfigError(
                 "parallel.fsdp=true shards the optimizer state itself; use parallel.distributed_optimizer=false"
             )
-        if cfg.optim.name != "adamw" or cfg.train.precision == "fp16":
-            raise ConfigError(
-                f"optim.name={cfg.optim.name!r}, train.precision={cfg.train.precision!r} are not supported with "
-                "parallel.fsdp=true; use adamw with fp32 or bf16"
-            )
-        if cfg.optim.master_weights != "fp32" or cfg.optim.state_dtype != "fp32":
-            raise ConfigError(
-                "optim.master_weights / optim.state_dtype = bf16 are not supported with parallel.fsdp=true "
-                "(FSDP keeps fp32 sharded weights and states); use fp32"
-            )
-    if p.distributed_optimizer and cfg.optim.name != "adamw":
-        raise ConfigError(
-            f"optim.name={cfg.optim.name!r} is not supported with parallel.distributed_optimizer=true; use adamw"
-        )
+        if cfg.train.precision == "fp16":
+            raise ConfigError("train.precision='fp16' is not supported with parallel.fsdp=true; use fp32 or bf16")
     if p.distributed_optimizer and cfg.train.precision == "fp16":
         raise ConfigError(
             "train.precision='fp16' is not supported with parallel.distributed_optimizer=true; use bf16 or fp32"
@@ -61,11 +47,6 @@ def check_layout(cfg: Config) -> None:
         raise ConfigError(f"parallel.ep={p.ep} does not divide moe.num_experts={e.num_experts}")
     if e.num_experts and e.ffn_hidden_size % p.etp:
         raise ConfigError(f"parallel.etp={p.etp} does not divide moe.ffn_hidden_size={e.ffn_hidden_size}")
-    if cfg.optim.name == "muon" and (p.tp > 1 or p.etp > 1):
-        # Newton-Schulz must see whole matrices; a TP/ETP shard is only part of one (EP keeps experts whole).
-        raise ConfigError(
-            f"optim.name='muon' is not supported with parallel.tp={p.tp}, parallel.etp={p.etp} yet; use adamw or tp = etp = 1"
-        )
     if p.tp == 1:
         return
     tp = p.tp

@@ -287,10 +287,13 @@ def state_bytes(
             continue
         g = layout.edp if expert else layout.dp_cp
         if sharded and g > 1 and layout.fsdp:
+            # FSDP's sharded parameters are the master weights (fp32; bf16 with optim.master_weights=bf16),
+            # their gradients have the same dtype, and there is no separate master (moecore/parallel/fsdp.py)
             shard = _flat_shard(n, g)
-            opt += shard * (mode.master + moments)
-            params += shard * mode.param
-            grads += shard * mode.grad
+            weight = 4 if mode.master or mode.param == 4 else 2
+            opt += shard * moments
+            params += shard * weight
+            grads += shard * weight
         elif layout.distributed_optimizer and layout.world > 1:
             # moecore's distributed optimizer: per (group, domain) bucket an fp32 master shard (the only
             # fp32 copy, also under bf16) and its moments, and after backward the reduced fp32 gradient

@@ -209,6 +209,8 @@ class Trainer:
         self.step += 1
         loss = (rt.sum_over_dp(lm_sum) / global_tokens).item()
         metrics = {"loss": loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": int(global_tokens.item())}
+        if rt.qk_clip is not None:  # optim.muon_qk_clip: the step's largest attention logit (before clipping)
+            metrics["attn/max_logit"] = rt.qk_clip.last_max_logit
         if self.model.mtp is not None:
             metrics["mtp_loss"] = rt.sum_over_dp(mtp_sum).item() / n_mb_global
             for d, v in enumerate(mtp_depth_sums):  # unscaled loss of each prediction depth

@@ -32,6 +32,7 @@ class Runtime:
     precision: str = "fp32"  # resolved train.precision: fp32 | bf16 | fp16
     master_weights: bool = True  # bf16: keep fp32 master weights (optim.master_weights=fp32)
     mixed: object | None = None  # moecore.optim.mixed_precision.MixedPrecision with precision bf16
+    qk_clip: object | None = None  # moecore.models.qk_clip.QKClip with optim.muon_qk_clip > 0
 
     # ------------------------------------------------------------------ identity
     @property
@@ -57,11 +58,16 @@ class Runtime:
         `micro_batches`: per rank and step; with more than one (or several ranks) gradients are summed,
         in fp32 main gradients. The precision hooks go first: the data-parallel ones read what they sum.
         """
-        if self.dims.cfg.fsdp and self.world_size > 1:  # FSDP2: sharded fp32 weights, its own bf16 policy
+        if self.dims.cfg.fsdp and self.world_size > 1:  # FSDP2: sharded weights, its own bf16 policy
             from moecore.parallel.fsdp import FullyShardedModel
 
+            bf16 = self.precision == "bf16"
+            if bf16 and not self.master_weights:  # optim.master_weights=bf16: the shards are the bf16 weights
+                for p in model.parameters():
+                    p.data = p.data.to(torch.bfloat16)
+            param_dtype = torch.bfloat16 if bf16 and self.master_weights else None
             self.grad_reducer = FullyShardedModel(
-                model, self.dims, torch.bfloat16 if self.precision == "bf16" else None
+                model, self.dims, param_dtype, reduce_dtype=torch.float32 if bf16 else None
             )
             return model
         if self.precision == "bf16":
@@ -121,7 +127,11 @@ class Runtime:
         optimizer of `optim.name` (sharded by the distributed optimizer when asked for), driven on the
         fp32 master weights when there are any.
         """
-        from moecore.optim.adamw import build_optimizer
+        from moecore.optim.adamw import build_optimizer as build_named
+        from moecore.parallel.distributed_muon import distributed_muon
+
+        def build_optimizer(model, ocfg):  # Muon's matrices orthogonalised once each over the ranks
+            return build_named(model, ocfg, distributed_muon(self.dims, ocfg.muon_ns_steps))
 
         if self.mixed is not None and cfg.optim.name == "adamw" and not self._sharded_optimizer(cfg):
             from moecore.optim.adamw import param_groups
@@ -133,6 +143,16 @@ class Runtime:
                 param_groups(model, o.weight_decay), self.mixed, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                 weight_decay=o.weight_decay, state_dtype=state_dtype,
             )  # fmt: skip
+        elif self._fsdp_fused(cfg):  # FSDP shards: bf16 moments, or bf16 weights updated in fp32 arithmetic
+            from moecore.optim.adamw import param_groups
+            from moecore.optim.fused_adamw import FusedAdamW
+
+            o = cfg.optim
+            state_dtype = torch.bfloat16 if o.state_dtype == "bf16" else torch.float32
+            opt = FusedAdamW(
+                param_groups(model, o.weight_decay), None, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                weight_decay=o.weight_decay, state_dtype=state_dtype,
+            )  # fmt: skip
         elif self._sharded_optimizer(cfg):  # keeps its own fp32 master shards
             opt = self.wrap_optimizer(model, build_optimizer(model, cfg.optim), cfg)
         else:
@@ -142,7 +162,15 @@ class Runtime:
 
                 opt = MasterWeightOptimizer(opt, self.mixed)
         self.attach_optimizer(opt)
+        if cfg.optim.muon_qk_clip > 0:  # MuonClip: rescale q/k of heads whose max logit passed tau, after each step
+            from moecore.models.qk_clip import QKClip
+
+            self.qk_clip = QKClip(model, cfg.optim.muon_qk_clip, self.dims)
         return opt
+
+    def _fsdp_fused(self, cfg: Config) -> bool:
+        fsdp = cfg.parallel.fsdp and self.world_size > 1 and cfg.optim.name == "adamw"
+        return fsdp and (cfg.optim.state_dtype == "bf16" or (self.precision == "bf16" and not self.master_weights))
 
     def _sharded_optimizer(self, cfg: Config) -> bool:
         return cfg.parallel.distributed_optimizer and self.world_size > 1
@@ -177,6 +205,8 @@ class Runtime:
             # Skips the step when the gradients overflowed, and adapts the scale.
             self.scaler.step(optimizer)
             self.scaler.update()
+        if self.qk_clip is not None:
+            self.qk_clip.apply(self.master_weights_in_model)
 
     # ------------------------------------------------------------------ reductions
     def sum_over_dp(self, t: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,10 @@ def test_invalid_layouts_are_refused_naming_the_field(par, world, kwargs, messag
             {"parallel.fsdp": True, "parallel.distributed_optimizer": True},
             "parallel.fsdp=true shards the optimizer state itself",
         ),
-        ({"optim.name": "muon"}, "optim.name='muon' is not supported with parallel.tp=2"),
+        (
+            {"train.precision": "fp16", "parallel.fsdp": True},
+            "train.precision='fp16' is not supported with parallel.fsdp",
+        ),
     ],
 )
 def test_config_preflight_refuses_unsupported_layouts(overrides, message):

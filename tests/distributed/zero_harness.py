@@ -17,11 +17,15 @@ import torch
 from dist_parity import CLIP, GLOBAL_BATCH, MICRO_BATCH, build, make_dims, tiny_config
 
 from moecore.checkpoint import load_training_state, save_training_state
+from moecore.config import OptimConfig
+from moecore.models.qk_clip import QKClip
 from moecore.models.transformer import MoETransformer
 from moecore.optim.adamw import param_groups
 from moecore.optim.fused_adamw import FusedAdamW
-from moecore.optim.mixed_precision import MixedPrecision, grad_of
+from moecore.optim.mixed_precision import MasterWeightOptimizer, MixedPrecision, grad_of
+from moecore.optim.muon import build_muon
 from moecore.parallel.data_parallel import clip_grad_norm_, wrap_model_for_data_parallel
+from moecore.parallel.distributed_muon import distributed_muon
 from moecore.parallel.distributed_optimizer import DistributedOptimizer
 from moecore.parallel.fsdp import FullyShardedModel
 from moecore.parallel.sharding import _ATTR, get_shard, global_state_dict, global_tensor
@@ -52,6 +56,9 @@ class Run:
         seed: int = 0,
         bf16_states: bool = False,
         fsdp: bool = False,
+        muon: bool = False,
+        master_bf16: bool = False,
+        qk_clip: float = 0.0,
     ) -> None:
         self.cfg, self.dims, self.bf16 = cfg, dims, bf16
         if init is not None:
@@ -60,23 +67,41 @@ class Run:
             torch.manual_seed(seed)
             self.model = MoETransformer(copy.deepcopy(cfg), dims)
         self.fsdp = fsdp
-        if fsdp:  # FSDP2 keeps fp32 sharded parameters and computes in bf16 itself
+        states = torch.bfloat16 if bf16_states else torch.float32
+        if fsdp:  # FSDP2 keeps fp32 sharded parameters (bf16 ones with master_bf16) and computes in bf16 itself
             self.mixed = None
-            self.sync = FullyShardedModel(self.model, dims, torch.bfloat16 if bf16 else None)
+            if master_bf16:
+                for p in self.model.parameters():
+                    p.data = p.data.to(torch.bfloat16)
+            compute = torch.bfloat16 if bf16 and not master_bf16 else None
+            self.sync = FullyShardedModel(self.model, dims, compute, torch.float32 if bf16 else None)
         else:
-            self.mixed = MixedPrecision(self.model, torch.bfloat16, True, sum_in_fp32=True) if bf16 else None
+            mixed = MixedPrecision(self.model, torch.bfloat16, not master_bf16, sum_in_fp32=True) if bf16 else None
+            self.mixed = mixed
             self.sync = None if dims is None else wrap_model_for_data_parallel(self.model, dims, bucket_mb=BUCKET_MB)
         groups = param_groups(self.model, WD)
-        if dist_opt:
+        if muon:  # Muon's matrices orthogonalised once each over the ranks (moecore.parallel.distributed_muon)
+            o = OptimConfig(name="muon", lr=LR, beta1=BETAS[0], beta2=BETAS[1], weight_decay=WD)
+            base = build_muon(self.model, o, distributed_muon(dims))
+            if dist_opt:
+                self.opt = DistributedOptimizer(
+                    self.model, base, dims, grad_sync=self.sync, mixed=self.mixed, state_dtype=states
+                )
+            elif self.mixed is not None:
+                self.opt = MasterWeightOptimizer(base, self.mixed)
+            else:
+                self.opt = base
+        elif dist_opt:
             base = torch.optim.AdamW(groups, lr=LR, betas=BETAS)
-            states = torch.bfloat16 if bf16_states else torch.float32
             self.opt = DistributedOptimizer(
                 self.model, base, dims, grad_sync=self.sync, mixed=self.mixed, state_dtype=states
             )
-        elif bf16 and not fsdp:
-            self.opt = FusedAdamW(groups, self.mixed, lr=LR, betas=BETAS, weight_decay=WD)
+        elif (bf16 and not fsdp) or (fsdp and (bf16_states or master_bf16)):
+            self.opt = FusedAdamW(groups, self.mixed, lr=LR, betas=BETAS, weight_decay=WD, state_dtype=states)
         else:
             self.opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS)
+
+        self.qk_clip = QKClip(self.model, qk_clip, dims) if qk_clip else None
 
     def _clip(self) -> float:
         for owner in (self.opt, self.sync):
@@ -123,6 +148,8 @@ class Run:
                 lm_sum = dims.all_reduce_dp(lm_sum)
             out["norms"].append(self._clip())
             self.opt.step()
+            if self.qk_clip is not None:  # MuonClip: after the step, through the master weights
+                out.setdefault("max_logit", []).append(self.qk_clip.apply(self.weights_context))
             out.setdefault("pending", []).append(len(getattr(self.opt, "_pending", {})))
             for layer in model.moe_layers():
                 layer.update_expert_bias()
@@ -158,22 +185,47 @@ class Run:
 
 
 def train(
-    rank, world, par, init, data, dist_opt=True, bf16=False, ckpt=None, steps=3, bf16_states=False, fsdp=False
+    rank,
+    world,
+    par,
+    init,
+    data,
+    dist_opt=True,
+    bf16=False,
+    ckpt=None,
+    steps=3,
+    bf16_states=False,
+    fsdp=False,
+    muon=False,
+    master_bf16=False,
+    qk_clip=0.0,
 ) -> dict:
     """`steps` steps of one layout from the reference's weights; save after step 1 when `ckpt`."""
     cfg = layout(par, dist_opt and not fsdp)
     cfg.parallel.fsdp = fsdp
     dims = None if world == 1 else make_dims(cfg, rank, world)
-    run = Run(cfg, dims, init, dist_opt and not fsdp, bf16, bf16_states=bf16_states, fsdp=fsdp)
+    run = Run(
+        cfg,
+        dims,
+        init,
+        dist_opt and not fsdp,
+        bf16,
+        bf16_states=bf16_states,
+        fsdp=fsdp,
+        muon=muon,
+        master_bf16=master_bf16,
+        qk_clip=qk_clip,
+    )
     out = run.steps(data, 0, 1)
     if ckpt is not None:
         run.save(ckpt, 1)
     rest = run.steps(data, 1, steps - 1)
-    out = {k: out[k] + rest[k] for k in ("losses", "norms", "launched", "pending") if k in out} | {
+    out = {k: out[k] + rest.get(k, []) for k in ("losses", "norms", "launched", "pending", "max_logit") if k in out} | {
         "memory": rest["memory"]
     }
     out["params"] = run.global_params()
     out["param_numel"] = sum(p.numel() for p in run.model.parameters())
+    out["muon_owned"], out["muon_matrices"] = muon_work(run.opt)
     if dims is not None and not fsdp:
         out["buckets"] = len(run.sync.buckets)
     if dims is not None:
@@ -181,12 +233,22 @@ def train(
     return out
 
 
-def resume(rank, world, par, ckpt, data, dist_opt, seed=100, fsdp=False) -> dict:
+def muon_work(opt) -> tuple[int, int]:
+    """(matrices this rank orthogonalises, matrices of its stage) of a distributed Muon; (0, 0) otherwise."""
+    inner = getattr(opt, "inner", opt)
+    ortho = getattr(opt, "orthogonalize", None) or getattr(
+        getattr(inner, "optimizers", [None])[0], "orthogonalize", None
+    )
+    plan = getattr(ortho, "plan", None)
+    return (0, 0) if plan is None else (plan.owned_matrices(), plan.matrices)
+
+
+def resume(rank, world, par, ckpt, data, dist_opt, seed=100, fsdp=False, muon=False) -> dict:
     """Resume `ckpt` (written after step 1 under another layout) with fresh weights; steps 2-3."""
     cfg = layout(par, dist_opt)
     cfg.parallel.fsdp = fsdp
     dims = None if world == 1 else make_dims(cfg, rank, world)
-    run = Run(cfg, dims, None, dist_opt, seed=seed + rank, fsdp=fsdp)
+    run = Run(cfg, dims, None, dist_opt, seed=seed + rank, fsdp=fsdp, muon=muon)
     step = run.load(ckpt)
     out = run.steps(data, step, 3 - step)
     out["step"] = step

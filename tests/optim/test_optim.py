@@ -99,3 +99,44 @@ def test_muon_trains_and_steps_every_group():
     assert losses[-1] < losses[0] - 0.5
     state = opt.state_dict()
     assert len(state["optimizers"]) == 2
+
+
+def test_muon_update_is_the_written_formula():
+    """Two steps of Muon on a matrix and a grouped [E, out, in] weight, against the formula written out.
+
+    m <- mu m + g; u = g + mu m (Nesterov); O = NS(u) per matrix (the quintic of the module docstring
+    from u / ||u||_F, transposed when tall); w <- w (1 - lr wd) - lr 0.2 sqrt(max(out, in)) O.
+    """
+    from moecore.optim.muon import Muon
+
+    def ns(u: torch.Tensor) -> torch.Tensor:
+        x = u.double()
+        tall = x.shape[0] > x.shape[1]
+        x = x.T if tall else x
+        x = x / (x.norm() + 1e-7)
+        for _ in range(5):
+            s = x @ x.T
+            x = 3.4445 * x + (-4.7750 * s + 2.0315 * s @ s) @ x
+        return x.T if tall else x
+
+    g = torch.Generator().manual_seed(0)
+    w2, w3 = torch.randn(12, 5, generator=g), torch.randn(3, 4, 9, generator=g)
+    params = [torch.nn.Parameter(w2.clone()), torch.nn.Parameter(w3.clone())]
+    lr, mu, wd = 0.05, 0.9, 0.1
+    opt = Muon(params, lr=lr, momentum=mu, weight_decay=wd)
+    want = [w2.double(), w3.double()]
+    bufs = [torch.zeros_like(w) for w in want]
+    for _ in range(2):
+        grads = [torch.randn(p.shape, generator=g) for p in params]
+        for p, gr in zip(params, grads):
+            p.grad = gr.clone()
+        opt.step()
+        for i, gr in enumerate(grads):
+            bufs[i] = mu * bufs[i] + gr.double()
+            u = gr.double() + mu * bufs[i]
+            mats = [u] if u.ndim == 2 else list(u)
+            o = torch.stack([ns(m) for m in mats]).reshape(u.shape)
+            scale = 0.2 * max(u.shape[-2], u.shape[-1]) ** 0.5
+            want[i] = want[i] * (1 - lr * wd) - lr * scale * o
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.detach().double(), w, rtol=1e-5, atol=1e-6)
