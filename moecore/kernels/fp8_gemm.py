@@ -155,8 +155,9 @@ def _scale_128x128(s: torch.Tensor) -> torch.Tensor:
 
 def mm(a: QOperand, b: QOperand, out_dtype: torch.dtype, recipe: Fp8Recipe) -> torch.Tensor:
     """a @ b^T -> [Ra, Rb] in out_dtype, both operands quantised along the contracted dim."""
-    if recipe.emulate:
-        return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
+    if recipe.emulate:  # fp32 products of the quantised values (autocast must not turn them into bf16)
+        with torch.autocast(a.q.device.type, enabled=False):
+            return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
     if a.gran == "tensorwise":
         return torch._scaled_mm(a.q, b.q.t(), scale_a=a.s.reshape(()), scale_b=b.s.reshape(()), out_dtype=out_dtype)
     if a.gran == "rowwise":
