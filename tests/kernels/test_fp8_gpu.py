@@ -65,7 +65,10 @@ def test_fp8_linear_matches_emulation_and_bf16(scaling, grad_dtype):
     w = torch.randn(768, 512, device="cuda", dtype=torch.bfloat16) * 0.02
     g = torch.randn(3, 300, 768, device="cuda", dtype=torch.bfloat16)
     res = {}
-    for name, recipe in (("real", Fp8Recipe(scaling, grad_dtype)), ("emulated", Fp8Recipe(scaling, grad_dtype, emulate=True))):
+    for name, recipe in (
+        ("real", Fp8Recipe(scaling, grad_dtype)),
+        ("emulated", Fp8Recipe(scaling, grad_dtype, emulate=True)),
+    ):
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = fp8_linear(xx, ww, None, recipe)
         y.backward(g)
