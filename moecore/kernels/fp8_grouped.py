@@ -9,7 +9,8 @@ w2 [E, H, F] as the MoE layer stores them. The GEMMs are those of moecore/kernel
 each with both operands quantised along its contracted dim (moecore/kernels/fp8_gemm.py). For the
 weight gradients that dim is the expert's rows, so the scale groups of dy^T, a^T, dh^T and x^T must not
 straddle two experts: each expert's rows are padded with zero rows to `Fp8Recipe.alignment` (16, the
-FP8 GEMMs' alignment; 128, the block, for blockwise), and rowwise scales are per expert and column.
+FP8 GEMMs' alignment; 128, the block, for blockwise), and rowwise scales are per expert and column
+(`fp8_quant.quantize_grouped_cols`, one Triton kernel that also writes the transposed operand).
 
 Padding (`pad_plan`, `fp8_expert_ffn`): rows keep their order; expert e's rows move to a start that is a
 multiple of the alignment, and the gaps are zero rows with probability 0. Without host counts the padded
@@ -124,17 +125,8 @@ def quant_cols(
     if recipe.scaling == "blockwise":  # 128-row groups never straddle experts (rows padded to 128)
         q, s = fq.quantize_1x128(x.t(), dtype, recipe.pow2)
         return GroupedCols(q, s, "1x128")
-    # rowwise: amax per (expert, column). Experts' rows are padded to 16, so take the amax of 16-row
-    # blocks first and reduce the blocks of each expert (a scatter, no host synchronisation).
-    P, C = x.shape
-    E = counts.numel()
-    blocks = x.detach().abs().view(P // 16, 16, C).amax(dim=1).float()
-    eid = torch.repeat_interleave(torch.arange(E, device=x.device), counts // 16, output_size=P // 16)
-    amax = torch.zeros(E, C, device=x.device).scatter_reduce(0, eid[:, None].expand(-1, C), blocks, "amax")
-    s = fq.scale_from_amax(amax, dtype, recipe.pow2)
-    fmax = fq.FP8_MAX[dtype]
-    q = (x.float().view(P // 16, 16, C) / s[eid][:, None, :]).clamp(-fmax, fmax).to(dtype).view(P, C)
-    return GroupedCols(q.t().contiguous(), s, "rowwise")
+    q, s = fq.quantize_grouped_cols(x, counts, dtype, recipe.pow2)  # rowwise: a scale per expert and column
+    return GroupedCols(q, s, "rowwise")
 
 
 # ---------------------------------------------------------------- grouped GEMMs

@@ -63,7 +63,7 @@ if triton_importable():
 
     @triton.jit
     def _quant_tile_kernel(
-        x_ptr, q_ptr, s_ptr, R, C, stride_x, stride_q, s_stride_r, s_stride_c,
+        x_ptr, q_ptr, s_ptr, R, C, stride_x, stride_xc, stride_q, s_stride_r, s_stride_c,
         BR: tl.constexpr, BC: tl.constexpr, PER_ROW: tl.constexpr, FMAX: tl.constexpr, POW2: tl.constexpr,
     ):  # fmt: skip
         # One program per [BR, BC] tile; PER_ROW: a scale per row of the tile (1 x BC groups), else one per tile.
@@ -73,7 +73,7 @@ if triton_importable():
         cols = pc * BC + tl.arange(0, BC)
         m = (rows < R)[:, None] & (cols < C)[None, :]
         r64 = rows.to(tl.int64)
-        x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
         if PER_ROW:
             s = _scale_of(tl.max(tl.abs(x), axis=1), FMAX, POW2)
             tl.store(s_ptr + rows * s_stride_r + pc * s_stride_c, s, mask=rows < R)
@@ -118,6 +118,34 @@ if triton_importable():
         x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
         q = _to_fp8_grid(tl.clamp(tl.div_rn(x, s), -FMAX, FMAX), FMAX)
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _quant_cols_kernel(
+        x_ptr, q_ptr, s_ptr, bounds_ptr, P, C, stride_x,
+        BR: tl.constexpr, BC: tl.constexpr, FMAX: tl.constexpr, POW2: tl.constexpr,
+    ):  # fmt: skip
+        # Per expert e and column block: amax over the expert's rows bounds[e]..bounds[e+1], then quantise
+        # them, writing q transposed ([C, P]: the wgrad GEMM contracts over rows). Scales s [E, C].
+        e = tl.program_id(0)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        cm = cols < C
+        start = tl.load(bounds_ptr + e)
+        end = tl.load(bounds_ptr + e + 1)
+        amax = tl.zeros((BC,), dtype=tl.float32)
+        for r0 in range(start, end, BR):
+            rows = r0 + tl.arange(0, BR)
+            m = (rows < end)[:, None] & cm[None, :]
+            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
+        s = _scale_of(amax, FMAX, POW2)
+        tl.store(s_ptr + e * C + cols, s, mask=cm)
+        for r0 in range(start, end, BR):
+            rows = r0 + tl.arange(0, BR)
+            m = (rows < end)[:, None] & cm[None, :]
+            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+            q = _to_fp8_grid(tl.clamp(tl.div_rn(x.to(tl.float32), s[None, :]), -FMAX, FMAX), FMAX)
+            dst = q_ptr + cols.to(tl.int64)[None, :] * P + rows[:, None]
+            tl.store(dst, q.to(q_ptr.dtype.element_ty), mask=m)
 
 
 # ---------------------------------------------------------------- references
@@ -183,8 +211,7 @@ def quantize_128x128_reference(x: torch.Tensor, dtype: torch.dtype, pow2: bool =
 
 
 def _launch_tile(x: torch.Tensor, dtype: torch.dtype, pow2: bool, per_row: bool):
-    R, C = x.shape
-    x = x if x.stride(1) == 1 else x.contiguous()
+    R, C = x.shape  # any strides (x.t() of a contiguous tensor is read in place)
     q = torch.empty(R, C, dtype=dtype, device=x.device)
     br = 32 if per_row else BLOCK
     if not x.is_cuda:  # the interpreter: small tiles for 1x128
@@ -193,7 +220,7 @@ def _launch_tile(x: torch.Tensor, dtype: torch.dtype, pow2: bool, per_row: bool)
     s = torch.empty(s_rows, triton.cdiv(C, BLOCK), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(R, br), triton.cdiv(C, BLOCK))
     _quant_tile_kernel[grid](
-        x, q, s, R, C, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+        x, q, s, R, C, x.stride(0), x.stride(1), q.stride(0), s.stride(0), s.stride(1),
         BR=br, BC=BLOCK, PER_ROW=per_row, FMAX=FP8_MAX[dtype], POW2=pow2,
     )  # fmt: skip
     return q, s
@@ -242,6 +269,41 @@ def quantize_128x128(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, 
     if not use_triton(impl, x):
         return quantize_128x128_reference(x, dtype, pow2)
     return _launch_tile(x, dtype, pow2, per_row=False)
+
+
+def quantize_grouped_cols_reference(x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype, pow2: bool = False):
+    """(q^T [C, P], s [E, C]): x [P, C] quantised per expert (its rows: `counts`, consecutive) and column."""
+    _check_2d(x)
+    P, C = x.shape
+    E = counts.numel()
+    eid = torch.repeat_interleave(torch.arange(E, device=x.device), counts.to(torch.int64), output_size=P)
+    amax = torch.zeros(E, C, device=x.device).scatter_reduce(
+        0, eid[:, None].expand(-1, C), x.detach().abs().float(), "amax"
+    )
+    s = scale_from_amax(amax, dtype, pow2)
+    return _cast(x, s[eid], dtype).t().contiguous(), s
+
+
+def quantize_grouped_cols(
+    x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2: bool = False, impl="auto"
+):
+    """(q^T [C, P], s [E, C]): the operand of a grouped weight-gradient GEMM, quantised along each expert's rows
+    (the contracted dim) with one scale per expert and column, stored transposed. No host synchronisation."""
+    _check_2d(x)
+    if not use_triton(impl, x, counts):
+        return quantize_grouped_cols_reference(x, counts, dtype, pow2)
+    P, C = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
+    E = counts.numel()
+    bounds = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
+    torch.cumsum(counts, 0, out=bounds[1:])
+    q = torch.empty(C, P, dtype=dtype, device=x.device)
+    s = torch.empty(E, C, dtype=torch.float32, device=x.device)
+    br, bc = (64, 64) if x.is_cuda else (8, 16)
+    _quant_cols_kernel[(E, triton.cdiv(C, bc))](
+        x, q, s, bounds, P, C, x.stride(0), BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2
+    )
+    return q, s
 
 
 def dequantize(q: torch.Tensor, s: torch.Tensor, granularity: str) -> torch.Tensor:

@@ -89,3 +89,41 @@ def test_kernel_matches_reference(backend, granularity, pow2, shape):
     assert s.shape == sr.shape or s.numel() == sr.numel() == 1
     assert torch.equal(s.reshape(sr.shape), sr)
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+
+
+def test_grouped_cols_reference_matches_float64():
+    torch.manual_seed(3)
+    counts = torch.tensor([16, 0, 48, 32])
+    x = torch.randn(96, 40) * torch.logspace(-2, 1, 40)
+    q_t, s = fq.quantize_grouped_cols_reference(x, counts, E4M3)
+    assert q_t.shape == (40, 96) and s.shape == (4, 40)
+    bounds = [0, 16, 16, 64, 96]
+    for e in range(4):
+        seg = x[bounds[e] : bounds[e + 1]].double()
+        amax = seg.abs().amax(0) if seg.numel() else torch.zeros(40, dtype=torch.float64)
+        assert torch.allclose(s[e].double(), amax.clamp(min=fq.AMAX_FLOOR) / 448.0, rtol=1e-6, atol=0)
+        deq = q_t[:, bounds[e] : bounds[e + 1]].t().double() * s[e].double()
+        assert ((deq - seg).abs() <= seg.abs() / 16 * (1 + 1e-6) + s[e].double() * 2**-9).all()
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_grouped_cols_kernel_matches_reference(backend, pow2):
+    dev, _ = setup(backend)
+    torch.manual_seed(4)
+    counts = torch.tensor([32, 0, 16, 80], device=dev)
+    x = (torch.randn(128, 72) * torch.logspace(-2, 1, 72)).to(dev)
+    if backend == "cuda":
+        x = x.bfloat16()
+    q, s = fq.quantize_grouped_cols(x, counts, E5M2, pow2, impl="triton")
+    qr, sr = fq.quantize_grouped_cols_reference(x, counts, E5M2, pow2)
+    assert torch.equal(s, sr)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+
+
+def test_tile_kernel_reads_a_transposed_view(backend):
+    dev, _ = setup(backend)
+    torch.manual_seed(5)
+    x = torch.randn(256, 200, device=dev)
+    q, s = fq.quantize_1x128(x.t(), E4M3, impl="triton")
+    qr, sr = fq.quantize_1x128_reference(x.t().contiguous(), E4M3)
+    assert torch.equal(s, sr) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
