@@ -634,6 +634,12 @@ class FP8Config:
             _fail("fp8.modules", self.modules, "a non-empty list of " + " | ".join(FP8_MODULES))
         for m in self.modules:
             _check_choice("fp8.modules", m, FP8_MODULES)
+        if self.primary_weights and self.recipe == "rowwise":
+            _fail(
+                "fp8.primary_weights",
+                True,
+                "needs fp8.recipe=tensorwise | blockwise (their weight scales also serve the transposed weight)",
+            )
 
 
 def check_fp8_dims(cfg: Config) -> None:
@@ -714,6 +720,12 @@ class Config:
         _validate_moe_perf(self)
         if self.train.precision == "fp8":
             check_fp8_dims(self)
+            if self.fp8.primary_weights and self.optim.master_weights != "fp32":
+                _fail(
+                    "fp8.primary_weights",
+                    True,
+                    "needs optim.master_weights=fp32 (the FP8 weights are quantised from it)",
+                )
         return self
 
     def to_dict(self) -> dict:

@@ -181,9 +181,11 @@ class _Fp8Linear(torch.autograd.Function):
     def forward(ctx, x, w, recipe: Fp8Recipe):
         m = x.shape[0]
         xp = _pad_rows(x, recipe.alignment)  # zero rows: tokens a multiple of the wgrad groups
-        wc = w.to(x.dtype)
         xq = quant_rows(xp, recipe, E4M3)
-        wq = quant_rows(wc, recipe, E4M3, weight=True)
+        wq = getattr(w, "fp8_primary", None)  # FP8 primary weights (moecore/models/fp8.py): already quantised
+        wc = w if wq is not None else w.to(x.dtype)
+        if wq is None:
+            wq = quant_rows(wc, recipe, E4M3, weight=True)
         y = mm(xq, wq, x.dtype, recipe)[:m]
         ctx.save_for_backward(xp, wc)
         ctx.xq, ctx.wq, ctx.recipe, ctx.m, ctx.w_dtype = xq, wq, recipe, m, w.dtype

@@ -186,13 +186,16 @@ class _Fp8GroupedFFN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w13, w2, counts, probs, recipe: Fp8Recipe, host):
         dt = x.dtype
-        w13c, w2c = w13.to(dt), w2.to(dt)
+        # FP8 primary weights (moecore/models/fp8.py) arrive quantised; others are quantised here
+        w13q, w2q = getattr(w13, "fp8_primary", None), getattr(w2, "fp8_primary", None)
+        w13c = w13 if w13q is not None else w13.to(dt)
+        w2c = w2 if w2q is not None else w2.to(dt)
         xq = quant_rows(x, recipe, E4M3)
-        w13q = quant_weights(w13c, recipe)
+        w13q = w13q if w13q is not None else quant_weights(w13c, recipe)
         h = gmm_nt(xq, w13q, counts, host, recipe, dt)
         with torch.no_grad():
             a = swiglu(h, probs)
-        w2q = quant_weights(w2c, recipe)
+        w2q = w2q if w2q is not None else quant_weights(w2c, recipe)
         y = gmm_nt(quant_rows(a, recipe, E4M3), w2q, counts, host, recipe, dt)
         ctx.save_for_backward(x, h, probs, counts, w13c, w2c)
         ctx.xq, ctx.w13q, ctx.w2q, ctx.recipe, ctx.host = xq, w13q, w2q, recipe, host

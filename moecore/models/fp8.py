@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moecore.kernels.fp8_gemm import Fp8Recipe, fp8_linear
+from moecore.kernels.fp8_gemm import E4M3, Fp8Recipe, fp8_linear, quant_rows
+from moecore.kernels.fp8_grouped import quant_weights
 from moecore.parallel import comm
 from moecore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, tp_region_output, tp_size
 
@@ -75,6 +76,46 @@ def _kind(module: nn.Module) -> str | None:
     if name == "GroupedExperts":
         return "experts"
     return None
+
+
+def _fp8_weights(model: nn.Module) -> list[tuple[torch.Tensor, Fp8Recipe, bool]]:
+    """(parameter, recipe, is an expert tensor) for every weight of an FP8 GEMM in the model."""
+    out = []
+    for mod in model.modules():
+        recipe = getattr(mod, "fp8_recipe", None)
+        if recipe is None:
+            continue
+        if isinstance(mod, nn.Linear):
+            out.append((mod.weight, recipe, False))
+        else:  # GroupedExperts
+            out += [(mod.w13, recipe, True), (mod.w2, recipe, True)]
+    return out
+
+
+def enable_primary_weights(model: nn.Module, mixed) -> int:
+    """Keep every FP8 GEMM weight in FP8 between steps (module docstring); `mixed` is the run's MixedPrecision,
+    whose fp32 masters the FP8 copies are quantised from. Returns the number of parameters turned."""
+    n = 0
+    for p, recipe, grouped in _fp8_weights(model):
+        if recipe.scaling == "rowwise":
+            raise ValueError(
+                "FP8 primary weights need fp8.recipe=tensorwise | blockwise (rowwise: see moecore/models/fp8.py)"
+            )
+        if p not in mixed.masters:
+            raise ValueError("FP8 primary weights need fp32 master weights (optim.master_weights=fp32)")
+
+        def rebuild(master: torch.Tensor, p=p, recipe=recipe, grouped=grouped) -> None:
+            # from the bf16 rounding of the master, as the weights are quantised without primary weights
+            # (so both modes compute the same); the bf16 copy lives only for this call
+            with torch.no_grad():
+                w = master.to(p.dtype)
+                p.fp8_primary = quant_weights(w, recipe) if grouped else quant_rows(w, recipe, E4M3, True)
+
+        rebuild(mixed.masters[p])
+        p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)  # shape and dtype only
+        mixed.recast[p] = rebuild
+        n += 1
+    return n
 
 
 def apply_fp8(model: nn.Module, recipe: Fp8Recipe, modules: list[str] | tuple[str, ...]) -> dict:

@@ -81,6 +81,10 @@ class Runtime:
 
             sum_in_fp32 = micro_batches > 1 or self.world_size > 1
             self.mixed = MixedPrecision(model, torch.bfloat16, self.master_weights, sum_in_fp32=sum_in_fp32)
+            if self.precision == "fp8" and self.fp8.primary_weights:  # FP8 weights between steps
+                from moecore.models.fp8 import enable_primary_weights
+
+                enable_primary_weights(model, self.mixed)
         if self.world_size > 1:
             from moecore.parallel.data_parallel import GradReducer
 

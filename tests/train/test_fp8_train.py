@@ -112,3 +112,49 @@ def test_config_names_the_misaligned_field():
         cfg.validate()
     cfg = load_config("tiny-moe", TINY + ["train.precision=fp8", "moe.ffn_hidden_size=40", "fp8.modules=[attention]"])
     cfg.validate()  # the experts stay bf16: their width does not matter
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_primary_weights_hold_fp8_and_follow_the_masters(tmp_path, recipe):
+    """With fp8.primary_weights the FP8 GEMM weights exist only as FP8 values + scales between steps, quantised
+    from the fp32 masters after every update; the run computes exactly what the run without them computes
+    (the same quantised weights either way) and the checkpoint holds the fp32 masters."""
+    dims = ["model.hidden_size=128", "model.ffn_hidden_size=128", "moe.ffn_hidden_size=128"]
+    dims += ["moe.shared_expert_intermediate_size=128", "model.num_attention_heads=2", "model.num_kv_heads=2"]
+    dims += (
+        ["model.head_dim=64"] if recipe == "tensorwise" else ["model.head_dim=64", "fp8.modules=[experts,dense_mlp]"]
+    )
+    base = TINY + FP8 + dims + [f"fp8.recipe={recipe}", "train.steps=2"]
+    _, ref = _run(tmp_path, "plain", *base)
+    cfg = load_config("tiny-moe", base + ["fp8.primary_weights=true", f"train.run_dir={tmp_path / 'primary'}"])
+    trainer = Trainer(cfg)
+    mixed = trainer.rt.mixed
+    assert mixed.recast
+    for p in mixed.recast:
+        assert p.data.untyped_storage().nbytes() == 2  # the bf16 weight is gone
+        assert p.fp8_primary.q.dtype == torch.float8_e4m3fn
+    result = trainer.run()
+    for step, loss in result.losses:
+        assert loss == ref[step]["loss"], step
+    for p, rebuild in mixed.recast.items():  # the FP8 copy is the quantised master after the last update
+        held = p.fp8_primary.q.clone()
+        rebuild(mixed.masters[p])
+        assert torch.equal(held.view(torch.uint8), p.fp8_primary.q.view(torch.uint8))
+    from moecore.train.memory import tensor_bytes
+
+    held = tensor_bytes(trainer.model)["params"]  # the FP8 weights count 1 byte per element (+ scales)
+    fp8_elems = sum(p.numel() for p in mixed.recast)
+    bf16_all = sum(2 * p.numel() for p in trainer.model.parameters())
+    assert bf16_all - fp8_elems <= held < bf16_all - fp8_elems + 4 * fp8_elems // 100
+
+
+def test_primary_weights_refusals():
+    with pytest.raises(ConfigError, match="fp8.primary_weights"):
+        load_config("tiny-moe", TINY + ["train.precision=fp8", "fp8.primary_weights=true"]).validate()  # rowwise
+    cfg = load_config(
+        "tiny-moe",
+        TINY
+        + ["train.precision=fp8", "fp8.primary_weights=true", "fp8.recipe=tensorwise", "optim.master_weights=bf16"],
+    )
+    with pytest.raises(ConfigError, match="master_weights"):
+        cfg.validate()
