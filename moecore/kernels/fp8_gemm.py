@@ -188,7 +188,10 @@ class _Fp8Linear(torch.autograd.Function):
             wq = quant_rows(wc, recipe, E4M3, weight=True)
         y = mm(xq, wq, x.dtype, recipe)[:m]
         ctx.save_for_backward(xp, wc)
-        ctx.xq, ctx.wq, ctx.recipe, ctx.m, ctx.w_dtype = xq, wq, recipe, m, w.dtype
+        # keep the FP8 copies only where backward reuses them (tensorwise x^T; tensorwise / 128x128 W^T)
+        ctx.xq = xq if xq.gran == "tensorwise" else None
+        ctx.wq = wq if wq.gran in ("tensorwise", "128x128") else None
+        ctx.recipe, ctx.m, ctx.w_dtype = recipe, m, w.dtype
         return y
 
     @staticmethod
@@ -200,11 +203,11 @@ class _Fp8Linear(torch.autograd.Function):
         dyq = quant_rows(dyp, recipe, gd)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            wt = transposed(ctx.wq, wc, recipe, E4M3)
+            wt = transposed(ctx.wq, wc, recipe, E4M3) if ctx.wq is not None else quant_rows(wc.t(), recipe, E4M3, True)
             dx = mm(dyq, wt, dy.dtype, recipe)[:m]
         if ctx.needs_input_grad[1]:
             a = transposed(dyq, dyp, recipe, gd)  # dy^T along the tokens
-            b = transposed(ctx.xq, xp, recipe, E4M3)  # x^T along the tokens
+            b = transposed(ctx.xq, xp, recipe, E4M3) if ctx.xq is not None else quant_rows(xp.t(), recipe, E4M3)
             dw = mm(a, b, dy.dtype, recipe).to(ctx.w_dtype)
         ctx.xq = ctx.wq = None
         return dx, dw, None

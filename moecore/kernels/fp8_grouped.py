@@ -198,7 +198,10 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         w2q = w2q if w2q is not None else quant_weights(w2c, recipe)
         y = gmm_nt(quant_rows(a, recipe, E4M3), w2q, counts, host, recipe, dt)
         ctx.save_for_backward(x, h, probs, counts, w13c, w2c)
-        ctx.xq, ctx.w13q, ctx.w2q, ctx.recipe, ctx.host = xq, w13q, w2q, recipe, host
+        keep_w = w13q.gran != "rowwise"  # backward reuses tensorwise / 128x128 weights transposed, and tensorwise x
+        ctx.xq = xq if xq.gran == "tensorwise" else None
+        ctx.w13q, ctx.w2q = (w13q, w2q) if keep_w else (None, None)
+        ctx.recipe, ctx.host = recipe, host
         ctx.w_dtypes = (w13.dtype, w2.dtype)
         ctx.p_dtype = None if probs is None else probs.dtype
         return y
@@ -209,7 +212,13 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         recipe, host, gd, dt = ctx.recipe, ctx.host, ctx.recipe.grad_dtype, dy.dtype
         dy = dy.contiguous()
         dyq = quant_rows(dy, recipe, gd)
-        da = gmm_nt(dyq, transposed_weights(ctx.w2q, w2c, recipe), counts, host, recipe, dt)
+        w2t = (
+            transposed_weights(ctx.w2q, w2c, recipe)
+            if ctx.w2q is not None
+            else quant_weights(w2c.transpose(1, 2), recipe)
+        )
+        da = gmm_nt(dyq, w2t, counts, host, recipe, dt)
+        del w2t
         dh, dp, a = swiglu_backward(h, probs, da)
         del da, h
         dw2 = dw13 = dx = None
@@ -224,7 +233,9 @@ class _Fp8GroupedFFN(torch.autograd.Function):
             dh_cols = quant_cols(dh, counts, recipe, gd, rows_q=dhq)
             dw13 = gmm_tn(dh_cols, x_cols, counts, host, recipe, dt).to(ctx.w_dtypes[0])
         if ctx.needs_input_grad[0]:
-            dx = gmm_nt(dhq, transposed_weights(ctx.w13q, w13c, recipe), counts, host, recipe, dt)
+            w13t = ctx.w13q if ctx.w13q is None else transposed_weights(ctx.w13q, w13c, recipe)
+            w13t = w13t if w13t is not None else quant_weights(w13c.transpose(1, 2), recipe)
+            dx = gmm_nt(dhq, w13t, counts, host, recipe, dt)
         dprobs = dp.to(ctx.p_dtype) if dp is not None and ctx.needs_input_grad[4] else None
         ctx.xq = ctx.w13q = ctx.w2q = None
         return dx, dw13, dw2, None, dprobs, None, None
