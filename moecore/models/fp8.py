@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moecore.kernels import fp8_quant as fq
 from moecore.kernels.fp8_gemm import E4M3, Fp8Recipe, fp8_linear, quant_rows
 from moecore.kernels.fp8_grouped import quant_weights
 from moecore.parallel import comm
@@ -115,7 +116,27 @@ def enable_primary_weights(model: nn.Module, mixed) -> int:
         p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)  # shape and dtype only
         mixed.recast[p] = rebuild
         n += 1
+    if n:
+        model._register_state_dict_hook(_state_dict_with_fp8_values)
     return n
+
+
+def _dequantized(p: torch.Tensor) -> torch.Tensor:
+    """The values an FP8 primary weight computes with, in the parameter's dtype."""
+    w = p.fp8_primary
+    if w.gran == "tensorwise" and w.q.dim() == 3:  # one scale per expert
+        return (w.q.float() * w.s.view(-1, 1, 1)).to(p.dtype)
+    return fq.dequantize(w.q, w.s, w.gran).to(p.dtype)
+
+
+def _state_dict_with_fp8_values(module: nn.Module, state: dict, prefix: str, local_metadata) -> None:
+    """A state dict taken outside MixedPrecision.fp32_view (which lends the masters, as checkpoints do) shows
+    each FP8 primary weight's dequantised values instead of its placeholder."""
+    params = dict(module.named_parameters())
+    for name, p in params.items():
+        key = prefix + name
+        if hasattr(p, "fp8_primary") and key in state and p.dim() and all(st == 0 for st in p.stride()):
+            state[key] = _dequantized(p)
 
 
 def apply_fp8(model: nn.Module, recipe: Fp8Recipe, modules: list[str] | tuple[str, ...]) -> dict:

@@ -140,6 +140,10 @@ def test_primary_weights_hold_fp8_and_follow_the_masters(tmp_path, recipe):
         held = p.fp8_primary.q.clone()
         rebuild(mixed.masters[p])
         assert torch.equal(held.view(torch.uint8), p.fp8_primary.q.view(torch.uint8))
+    state = trainer.model.state_dict()  # outside a checkpoint: the values the FP8 weights compute with
+    name, p = next((n, p) for n, p in trainer.model.named_parameters() if p in mixed.recast)
+    assert state[name].dtype == torch.bfloat16 and state[name].stride() != p.stride()
+    assert (state[name].float() - mixed.masters[p]).abs().max() <= mixed.masters[p].abs().max() / 8
     from moecore.train.memory import tensor_bytes
 
     held = tensor_bytes(trainer.model)["params"]  # the FP8 weights count 1 byte per element (+ scales)
