@@ -24,6 +24,7 @@ TINY = [  # every GEMM dimension a multiple of 16
     "moe.num_experts=4",
     "moe.ffn_hidden_size=32",
     "moe.shared_expert_intermediate_size=32",
+    "moe.shared_expert_gate=true",  # (exportable as Qwen2-MoE)
     "moe.first_k_dense_replace=1",
     "train.seq_length=16",
     "train.global_batch_size=4",
@@ -69,6 +70,12 @@ def test_fp8_run_tracks_the_bf16_run_and_checkpoints_stay_fp32(tmp_path):
         assert abs(a - b) / b < 1e-2, (step, a, b)
     assert any(got[s]["loss"] != ref[s]["loss"] for s in range(1, 4))  # FP8 did change the arithmetic
     ckpt = tmp_path / "fp8" / "checkpoints" / "step-3"
+    from moecore.hf.convert import convert_to_hf
+    from moecore.hf.io import SafetensorsReader
+
+    convert_to_hf(ckpt, tmp_path / "hf")  # an FP8 run exports bf16
+    with SafetensorsReader(tmp_path / "hf") as reader:
+        assert {reader.dtype(n) for n in reader.names()} == {torch.bfloat16}
     fp32 = Trainer(load_config("tiny-moe", TINY + [f"checkpoint.load={ckpt}", f"train.run_dir={tmp_path / 'x'}"]))
     assert all(p.dtype == torch.float32 for p in fp32.model.parameters())
     assert any(not torch.equal(p, p.to(torch.bfloat16).float()) for p in fp32.model.parameters())  # true fp32 values
