@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from moecore.kernels import fp8_quant as fq
+from moecore.kernels._triton import use_triton
+from moecore.kernels.fp8_block_gemm import block_gemm_nt, block_gemm_tn
 from moecore.kernels.fp8_gemm import E4M3, Fp8Recipe, QOperand, mm, quant_rows
 from moecore.kernels.swiglu import swiglu, swiglu_backward
 
@@ -143,6 +145,11 @@ def _uses_grouped_kernel(recipe: Fp8Recipe, device: torch.device, *dtypes: torch
     )
 
 
+def _uses_block_kernel(recipe: Fp8Recipe, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The Triton blockwise grouped GEMM (fp8_block_gemm.py): blockwise on CUDA, operands of one FP8 format."""
+    return not recipe.emulate and recipe.scaling == "blockwise" and a.dtype == b.dtype and use_triton("auto", a, b)
+
+
 def gmm_nt(a: QOperand, b: GroupedWeight, counts: torch.Tensor, host: list | None, recipe: Fp8Recipe, out_dtype):
     """out[rows of e] = a[rows of e] @ b[e]^T; a [P, K], b [E, N, K] -> [P, N]."""
     P, E, N = a.q.shape[0], b.q.shape[0], b.q.shape[1]
@@ -151,6 +158,8 @@ def gmm_nt(a: QOperand, b: GroupedWeight, counts: torch.Tensor, host: list | Non
         sa = a.s.reshape(-1).expand(P).contiguous() if a.gran == "tensorwise" else a.s.reshape(P)
         sb = b.s.reshape(E, 1).expand(E, N).contiguous() if b.gran == "tensorwise" else b.s.reshape(E, N)
         return torch._scaled_grouped_mm(a.q, b.q.transpose(-2, -1), sa, sb, offs=offs, out_dtype=out_dtype)
+    if _uses_block_kernel(recipe, a.q, b.q):
+        return block_gemm_nt(a.q, a.s, b.q, b.s, counts, out_dtype)
     host = host if host is not None else counts.tolist()
     out = torch.zeros(P, N, dtype=out_dtype, device=a.q.device)
     start = 0
@@ -169,6 +178,8 @@ def gmm_tn(a: GroupedCols, b: GroupedCols, counts: torch.Tensor, host: list | No
         sa = a.s.reshape(1).expand(E * C1).contiguous() if a.gran == "tensorwise" else a.s.reshape(E * C1)
         sb = b.s.reshape(1).expand(E * C2).contiguous() if b.gran == "tensorwise" else b.s.reshape(E * C2)
         return torch._scaled_grouped_mm(a.q, b.q.t(), sa, sb, offs=offs, out_dtype=out_dtype)
+    if _uses_block_kernel(recipe, a.q, b.q):
+        return block_gemm_tn(a.q, a.s, b.q, b.s, counts, out_dtype)
     host = host if host is not None else counts.tolist()
     out = torch.zeros(E, C1, C2, dtype=out_dtype, device=a.q.device)
     start = 0
