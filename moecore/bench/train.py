@@ -193,8 +193,8 @@ def run(
                     batches = _first_batches(cfg)  # the micro-batches the trainer's first step takes
                     flops = flops_per_token(cfg) * tokens
                     torch.manual_seed(cfg.train.seed)
-                    net = hf_model(cfg, mode)
-                    step = hf_step(net, batches, mode)
+                    net = hf_model(cfg, "mixed" if mode == "fp8" else mode)  # fp8: against its bf16 autocast
+                    step = hf_step(net, batches, "mixed" if mode == "fp8" else mode)
                 else:
                     trainer = Trainer(cfg)
                     flops = flops_per_token(cfg) * tokens
