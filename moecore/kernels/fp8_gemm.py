@@ -188,29 +188,33 @@ class _Fp8Linear(torch.autograd.Function):
         if wq is None:
             wq = quant_rows(wc, recipe, E4M3, weight=True)
         y = mm(xq, wq, x.dtype, recipe)[:m]
-        ctx.save_for_backward(xp, wc)
-        # keep the FP8 copies only where backward reuses them (tensorwise x^T; tensorwise / 128x128 W^T)
-        ctx.xq = xq if xq.gran == "tensorwise" else None
-        ctx.wq = wq if wq.gran in ("tensorwise", "128x128") else None
+        # keep the FP8 copies only where backward reuses them (tensorwise x^T; tensorwise / 128x128 W^T), as
+        # saved tensors so that activation checkpointing and offloading hooks see them
+        ctx.keep_x, ctx.keep_w = xq.gran == "tensorwise", wq.gran in ("tensorwise", "128x128")
+        keep = ([xq] if ctx.keep_x else []) + ([wq] if ctx.keep_w else [])
+        ctx.save_for_backward(xp, wc, *(t for op in keep for t in (op.q, op.s)))
+        ctx.grans = [op.gran for op in keep]
         ctx.recipe, ctx.m, ctx.w_dtype = recipe, m, w.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        xp, wc = ctx.saved_tensors
+        xp, wc, *kept = ctx.saved_tensors
+        ops = [QOperand(kept[2 * i], kept[2 * i + 1], g) for i, g in enumerate(ctx.grans)]
+        xq = ops.pop(0) if ctx.keep_x else None
+        wq = ops.pop(0) if ctx.keep_w else None
         recipe, m = ctx.recipe, ctx.m
         gd = recipe.grad_dtype
         dyp = _pad_rows(dy.contiguous(), recipe.alignment)
         dyq = quant_rows(dyp, recipe, gd)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            wt = transposed(ctx.wq, wc, recipe, E4M3) if ctx.wq is not None else quant_rows(wc.t(), recipe, E4M3, True)
+            wt = transposed(wq, wc, recipe, E4M3) if wq is not None else quant_rows(wc.t(), recipe, E4M3, True)
             dx = mm(dyq, wt, dy.dtype, recipe)[:m]
         if ctx.needs_input_grad[1]:
             a = transposed(dyq, dyp, recipe, gd)  # dy^T along the tokens
-            b = transposed(ctx.xq, xp, recipe, E4M3) if ctx.xq is not None else quant_rows(xp.t(), recipe, E4M3)
+            b = transposed(xq, xp, recipe, E4M3) if xq is not None else quant_rows(xp.t(), recipe, E4M3)
             dw = mm(a, b, dy.dtype, recipe).to(ctx.w_dtype)
-        ctx.xq = ctx.wq = None
         return dx, dw, None
 
 

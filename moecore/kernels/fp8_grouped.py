@@ -208,10 +208,12 @@ class _Fp8GroupedFFN(torch.autograd.Function):
             a = swiglu(h, probs)
         w2q = w2q if w2q is not None else quant_weights(w2c, recipe)
         y = gmm_nt(quant_rows(a, recipe, E4M3), w2q, counts, host, recipe, dt)
-        ctx.save_for_backward(x, h, probs, counts, w13c, w2c)
-        keep_w = w13q.gran != "rowwise"  # backward reuses tensorwise / 128x128 weights transposed, and tensorwise x
-        ctx.xq = xq if xq.gran == "tensorwise" else None
-        ctx.w13q, ctx.w2q = (w13q, w2q) if keep_w else (None, None)
+        # backward reuses tensorwise / 128x128 weights transposed, and tensorwise x: saved tensors, so that
+        # activation checkpointing and offloading hooks see them
+        ctx.keep_x, ctx.keep_w = xq.gran == "tensorwise", w13q.gran != "rowwise"
+        keep = ([xq.q, xq.s] if ctx.keep_x else []) + ([w13q.q, w13q.s, w2q.q, w2q.s] if ctx.keep_w else [])
+        ctx.save_for_backward(x, h, probs, counts, w13c, w2c, *keep)
+        ctx.grans = (xq.gran, w13q.gran)
         ctx.recipe, ctx.host = recipe, host
         ctx.w_dtypes = (w13.dtype, w2.dtype)
         ctx.p_dtype = None if probs is None else probs.dtype
@@ -219,15 +221,14 @@ class _Fp8GroupedFFN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, h, probs, counts, w13c, w2c = ctx.saved_tensors
+        x, h, probs, counts, w13c, w2c, *kept = ctx.saved_tensors
+        xq = QOperand(kept.pop(0), kept.pop(0), ctx.grans[0]) if ctx.keep_x else None
+        w13q = GroupedWeight(kept.pop(0), kept.pop(0), ctx.grans[1]) if ctx.keep_w else None
+        w2q = GroupedWeight(kept.pop(0), kept.pop(0), ctx.grans[1]) if ctx.keep_w else None
         recipe, host, gd, dt = ctx.recipe, ctx.host, ctx.recipe.grad_dtype, dy.dtype
         dy = dy.contiguous()
         dyq = quant_rows(dy, recipe, gd)
-        w2t = (
-            transposed_weights(ctx.w2q, w2c, recipe)
-            if ctx.w2q is not None
-            else quant_weights(w2c.transpose(1, 2), recipe)
-        )
+        w2t = transposed_weights(w2q, w2c, recipe) if w2q is not None else quant_weights(w2c.transpose(1, 2), recipe)
         da = gmm_nt(dyq, w2t, counts, host, recipe, dt)
         del w2t
         dh, dp, a = swiglu_backward(h, probs, da)
@@ -240,15 +241,17 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         dh = dh.to(dt)
         dhq = quant_rows(dh, recipe, gd)
         if ctx.needs_input_grad[1]:
-            x_cols = quant_cols(x, counts, recipe, E4M3, rows_q=ctx.xq)
+            x_cols = quant_cols(x, counts, recipe, E4M3, rows_q=xq)
             dh_cols = quant_cols(dh, counts, recipe, gd, rows_q=dhq)
             dw13 = gmm_tn(dh_cols, x_cols, counts, host, recipe, dt).to(ctx.w_dtypes[0])
         if ctx.needs_input_grad[0]:
-            w13t = ctx.w13q if ctx.w13q is None else transposed_weights(ctx.w13q, w13c, recipe)
-            w13t = w13t if w13t is not None else quant_weights(w13c.transpose(1, 2), recipe)
+            w13t = (
+                transposed_weights(w13q, w13c, recipe)
+                if w13q is not None
+                else quant_weights(w13c.transpose(1, 2), recipe)
+            )
             dx = gmm_nt(dhq, w13t, counts, host, recipe, dt)
         dprobs = dp.to(ctx.p_dtype) if dp is not None and ctx.needs_input_grad[4] else None
-        ctx.xq = ctx.w13q = ctx.w2q = None
         return dx, dw13, dw2, None, dprobs, None, None
 
 

@@ -185,3 +185,28 @@ def test_triton_blockwise_grouped_gemms_match_emulation(backend):
     want = gmm_tn(ca, cb, counts, None, emu, torch.float32)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-3)
     assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "blockwise"])
+def test_fp8_layers_under_activation_checkpointing(scaling):
+    """Recomputed in backward (torch.utils.checkpoint), the FP8 linear and expert FFN give the same gradients:
+    the FP8 copies they keep for backward are saved tensors, which the checkpoint drops and recomputes."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(7)
+    recipe = Fp8Recipe(scaling, emulate=True)
+    counts = torch.tensor([100, 28])
+    x = torch.randn(128, 128)
+    w, w13, w2 = torch.randn(128, 128) * 0.1, torch.randn(2, 256, 128) * 0.1, torch.randn(2, 128, 128) * 0.1
+
+    def f(x, w, w13, w2):
+        return fp8_expert_ffn(fp8_linear(x, w, None, recipe), w13, w2, counts, None, recipe)
+
+    res = []
+    for ckpt in (False, True):
+        ts = [t.clone().requires_grad_() for t in (x, w, w13, w2)]
+        y = checkpoint(f, *ts, use_reentrant=False) if ckpt else f(*ts)
+        y.backward(torch.ones_like(y))
+        res.append([y] + [t.grad for t in ts])
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
