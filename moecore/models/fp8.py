@@ -3,7 +3,7 @@
 `apply_fp8(model, recipe, modules)` walks the model once and, for the module kinds named in
 `fp8.modules`, makes their GEMMs FP8 (moecore/kernels/fp8_gemm.py, fp8_grouped.py):
 
-- experts:        the routed experts (`GroupedExperts` with SwiGLU) run `fp8_expert_ffn`;
+- experts:        the routed experts (`GroupedExperts` with SwiGLU, not gpt-oss's biased ones) run `fp8_expert_ffn`;
 - shared_experts: the linears of `SharedExpertMLP` (not its sigmoid gate, a [hidden -> 1] GEMV);
 - dense_mlp:      the linears of the dense `MLP` blocks (dense layers, MTP layers);
 - attention:      the projections of `Attention` / `MLAttention` (q, k, v, o and MLA's low-rank ones).
