@@ -94,7 +94,13 @@ def transposed_weights(wq: GroupedWeight, w: torch.Tensor, recipe: Fp8Recipe) ->
         return GroupedWeight(wq.q.transpose(1, 2).contiguous(), wq.s, "tensorwise")
     if wq.gran == "128x128":
         return GroupedWeight(wq.q.transpose(1, 2).contiguous(), wq.s.transpose(1, 2).contiguous(), "128x128")
-    return quant_weights(w.transpose(1, 2), recipe)
+    return transposed_rowwise_weights(w, recipe)
+
+
+def transposed_rowwise_weights(w: torch.Tensor, recipe: Fp8Recipe) -> GroupedWeight:
+    """w [E, N, K] -> w^T [E, K, N] quantised rowwise (along N), in one pass (fp8_quant.quantize_weights_transposed)."""
+    q, s = fq.quantize_weights_transposed(w, E4M3, recipe.pow2)
+    return GroupedWeight(q, s, "rowwise")
 
 
 @dataclass
@@ -228,7 +234,7 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         recipe, host, gd, dt = ctx.recipe, ctx.host, ctx.recipe.grad_dtype, dy.dtype
         dy = dy.contiguous()
         dyq = quant_rows(dy, recipe, gd)
-        w2t = transposed_weights(w2q, w2c, recipe) if w2q is not None else quant_weights(w2c.transpose(1, 2), recipe)
+        w2t = transposed_weights(w2q, w2c, recipe) if w2q is not None else transposed_rowwise_weights(w2c, recipe)
         da = gmm_nt(dyq, w2t, counts, host, recipe, dt)
         del w2t
         dh, dp, a = swiglu_backward(h, probs, da)
@@ -246,9 +252,7 @@ class _Fp8GroupedFFN(torch.autograd.Function):
             dw13 = gmm_tn(dh_cols, x_cols, counts, host, recipe, dt).to(ctx.w_dtypes[0])
         if ctx.needs_input_grad[0]:
             w13t = (
-                transposed_weights(w13q, w13c, recipe)
-                if w13q is not None
-                else quant_weights(w13c.transpose(1, 2), recipe)
+                transposed_weights(w13q, w13c, recipe) if w13q is not None else transposed_rowwise_weights(w13c, recipe)
             )
             dx = gmm_nt(dhq, w13t, counts, host, recipe, dt)
         dprobs = dp.to(ctx.p_dtype) if dp is not None and ctx.needs_input_grad[4] else None

@@ -65,6 +65,7 @@ if triton_importable():
     def _quant_tile_kernel(
         x_ptr, q_ptr, s_ptr, R, C, stride_x, stride_xc, stride_q, s_stride_r, s_stride_c,
         BR: tl.constexpr, BC: tl.constexpr, PER_ROW: tl.constexpr, FMAX: tl.constexpr, POW2: tl.constexpr,
+        TRANS_IN: tl.constexpr,
     ):  # fmt: skip
         # One program per [BR, BC] tile; PER_ROW: a scale per row of the tile (1 x BC groups), else one per tile.
         pr = tl.program_id(0)
@@ -73,7 +74,11 @@ if triton_importable():
         cols = pc * BC + tl.arange(0, BC)
         m = (rows < R)[:, None] & (cols < C)[None, :]
         r64 = rows.to(tl.int64)
-        x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
+        if TRANS_IN:  # x is a transposed view (rows contiguous): load [BC, BR] along them, transpose in registers
+            xt = tl.load(x_ptr + r64[None, :] + cols.to(tl.int64)[:, None] * stride_xc, mask=tl.trans(m), other=0.0)
+            x = tl.trans(xt).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
         if PER_ROW:
             s = _scale_of(tl.max(tl.abs(x), axis=1), FMAX, POW2)
             tl.store(s_ptr + rows * s_stride_r + pc * s_stride_c, s, mask=rows < R)
@@ -122,10 +127,12 @@ if triton_importable():
     @triton.jit
     def _quant_cols_kernel(
         x_ptr, q_ptr, s_ptr, bounds_ptr, P, C, stride_x,
-        BR: tl.constexpr, BC: tl.constexpr, FMAX: tl.constexpr, POW2: tl.constexpr,
+        BR: tl.constexpr, BC: tl.constexpr, FMAX: tl.constexpr, POW2: tl.constexpr, PER_GROUP_OUT: tl.constexpr,
     ):  # fmt: skip
         # Per expert e and column block: amax over the expert's rows bounds[e]..bounds[e+1], then quantise
-        # them, writing q transposed ([C, P]: the wgrad GEMM contracts over rows). Scales s [E, C].
+        # them, writing q transposed: [C, P] (the wgrad GEMM contracts over rows), or with PER_GROUP_OUT
+        # [E, C, rows of one group] (groups of equal size: a grouped weight [E, N, K] -> [E, K, N]).
+        # Scales s [E, C]. The tile is transposed in registers so that the stores run along the rows.
         e = tl.program_id(0)
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         cm = cols < C
@@ -144,8 +151,12 @@ if triton_importable():
             m = (rows < end)[:, None] & cm[None, :]
             x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
             q = _to_fp8_grid(tl.clamp(tl.div_rn(x.to(tl.float32), s[None, :]), -FMAX, FMAX), FMAX)
-            dst = q_ptr + cols.to(tl.int64)[None, :] * P + rows[:, None]
-            tl.store(dst, q.to(q_ptr.dtype.element_ty), mask=m)
+            if PER_GROUP_OUT:
+                n = end - start
+                dst = q_ptr + e.to(tl.int64) * C * n + cols.to(tl.int64)[:, None] * n + (rows - start)[None, :]
+            else:
+                dst = q_ptr + cols.to(tl.int64)[:, None] * P + rows[None, :]
+            tl.store(dst, tl.trans(q.to(q_ptr.dtype.element_ty)), mask=tl.trans(m))
 
 
 # ---------------------------------------------------------------- references
@@ -221,7 +232,7 @@ def _launch_tile(x: torch.Tensor, dtype: torch.dtype, pow2: bool, per_row: bool)
     grid = (triton.cdiv(R, br), triton.cdiv(C, BLOCK))
     _quant_tile_kernel[grid](
         x, q, s, R, C, x.stride(0), x.stride(1), q.stride(0), s.stride(0), s.stride(1),
-        BR=br, BC=BLOCK, PER_ROW=per_row, FMAX=FP8_MAX[dtype], POW2=pow2,
+        BR=br, BC=BLOCK, PER_ROW=per_row, FMAX=FP8_MAX[dtype], POW2=pow2, TRANS_IN=x.stride(0) == 1 and C > 1,
         **({"num_warps": 8} if x.is_cuda and not per_row else {}),  # a whole 128 x 128 tile per program
     )  # fmt: skip
     return q, s
@@ -302,9 +313,30 @@ def quantize_grouped_cols(
     s = torch.empty(E, C, dtype=torch.float32, device=x.device)
     br, bc = (64, 64) if x.is_cuda else (8, 16)
     _quant_cols_kernel[(E, triton.cdiv(C, bc))](
-        x, q, s, bounds, P, C, x.stride(0), BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2
+        x, q, s, bounds, P, C, x.stride(0), BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2, PER_GROUP_OUT=False
     )
     return q, s
+
+
+def quantize_weights_transposed(
+    w: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2: bool = False, impl="auto"
+):
+    """(q [E, K, N], s [E, K, 1]): grouped weights w [E, N, K] transposed per expert and quantised rowwise
+    (one scale per row of w[e]^T, i.e. per column of w[e]) in one pass, without a bf16 transposed copy."""
+    E, N, K = w.shape
+    if not use_triton(impl, w):
+        wt = w.transpose(1, 2)
+        s = scale_from_amax(wt.detach().abs().amax(dim=2, keepdim=True), dtype, pow2)
+        return _cast(wt, s, dtype).contiguous(), s
+    w2 = w.reshape(E * N, K)
+    bounds = torch.arange(0, (E + 1) * N, N, dtype=torch.int32, device=w.device)
+    q = torch.empty(E, K, N, dtype=dtype, device=w.device)
+    s = torch.empty(E, K, dtype=torch.float32, device=w.device)
+    br, bc = (64, 64) if w.is_cuda else (8, 16)
+    _quant_cols_kernel[(E, triton.cdiv(K, bc))](
+        w2, q, s, bounds, E * N, K, w2.stride(0), BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2, PER_GROUP_OUT=True
+    )
+    return q, s.unsqueeze(-1)
 
 
 def dequantize(q: torch.Tensor, s: torch.Tensor, granularity: str) -> torch.Tensor:
