@@ -81,9 +81,8 @@ def preflight(cfg: Config) -> None:
         from moecore.train.runtime import check_fp8_runtime
 
         use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
-        check_fp8_runtime(
-            cfg, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
-        )
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+        check_fp8_runtime(cfg, device, world_size)
 
 
 def autocast_context(rt: Runtime):

@@ -295,7 +295,7 @@ def setup_runtime(cfg: Config) -> Runtime:
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
     if precision == "fp8":
-        check_fp8_runtime(cfg, device)
+        check_fp8_runtime(cfg, device, dims.world_size)
     autocast = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[precision]
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -308,7 +308,7 @@ def setup_runtime(cfg: Config) -> Runtime:
     )  # fmt: skip
 
 
-def check_fp8_runtime(cfg: Config, device: torch.device) -> None:
+def check_fp8_runtime(cfg: Config, device: torch.device, world_size: int = 1) -> None:
     """Refuse train.precision=fp8 where it cannot run (one line, ConfigError): no FP8-capable GPU (unless
     fp8.emulate), or a combination not implemented yet."""
     from moecore.config import ConfigError
@@ -319,6 +319,8 @@ def check_fp8_runtime(cfg: Config, device: torch.device) -> None:
         reason = fp8_unsupported_reason(device, f.recipe)
         if reason is not None:
             raise ConfigError(f"train.precision='fp8' cannot run here: {reason} (fp8.emulate=true emulates it)")
+    if f.primary_weights and world_size > 1:
+        raise ConfigError(f"fp8.primary_weights=true is single-process for now (world size {world_size}); use false")
     if f.primary_weights and (cfg.parallel.fsdp or cfg.parallel.distributed_optimizer):
         raise ConfigError(
             "fp8.primary_weights=true is not supported with parallel.fsdp / parallel.distributed_optimizer yet; "

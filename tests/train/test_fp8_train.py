@@ -169,3 +169,9 @@ def test_primary_weights_refusals():
     )
     with pytest.raises(ConfigError, match="master_weights"):
         cfg.validate()
+    from moecore.train.runtime import check_fp8_runtime
+
+    cfg = load_config("tiny-moe", TINY + FP8 + ["fp8.primary_weights=true", "fp8.recipe=tensorwise"])
+    check_fp8_runtime(cfg, torch.device("cpu"), 1)
+    with pytest.raises(ConfigError, match="single-process"):
+        check_fp8_runtime(cfg, torch.device("cpu"), 2)
