@@ -75,8 +75,9 @@ if triton_importable():
         m = (rows < R)[:, None] & (cols < C)[None, :]
         r64 = rows.to(tl.int64)
         if TRANS_IN:  # x is a transposed view (rows contiguous): load [BC, BR] along them, transpose in registers
-            xt = tl.load(x_ptr + r64[None, :] + cols.to(tl.int64)[:, None] * stride_xc, mask=tl.trans(m), other=0.0)
-            x = tl.trans(xt).to(tl.float32)
+            mt = (rows < R)[None, :] & (cols < C)[:, None]
+            xt = tl.load(x_ptr + r64[None, :] + cols.to(tl.int64)[:, None] * stride_xc, mask=mt, other=0.0)
+            x = tl.trans(xt.to(tl.float32))
         else:
             x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
         if PER_ROW:
@@ -156,7 +157,8 @@ if triton_importable():
                 dst = q_ptr + e.to(tl.int64) * C * n + cols.to(tl.int64)[:, None] * n + (rows - start)[None, :]
             else:
                 dst = q_ptr + cols.to(tl.int64)[:, None] * P + rows[None, :]
-            tl.store(dst, tl.trans(q.to(q_ptr.dtype.element_ty)), mask=tl.trans(m))
+            mt = (rows < end)[None, :] & cm[:, None]
+            tl.store(dst, tl.trans(q).to(q_ptr.dtype.element_ty), mask=mt)
 
 
 # ---------------------------------------------------------------- references
