@@ -199,6 +199,16 @@ def gmm_tn(a: GroupedCols, b: GroupedCols, counts: torch.Tensor, host: list | No
 # ---------------------------------------------------------------- the FP8 expert FFN
 
 
+def _activation_quantized(h: torch.Tensor, probs: torch.Tensor | None, recipe: Fp8Recipe) -> QOperand:
+    """SwiGLU(h) (* probs) quantised for the w2 GEMM: one fused Triton kernel for rowwise and 1x128 (the
+    activation is never stored), the two functions in turn otherwise (same values)."""
+    if recipe.scaling != "tensorwise" and use_triton("auto", h) and h.shape[0]:
+        gran = "rowwise" if recipe.scaling == "rowwise" else "1x128"
+        q, s = fq.swiglu_quantize(h, probs, gran, E4M3, recipe.pow2)
+        return QOperand(q, s, gran)
+    return quant_rows(swiglu(h, probs), recipe, E4M3)
+
+
 class _Fp8GroupedFFN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w13, w2, counts, probs, recipe: Fp8Recipe, host):
@@ -211,9 +221,9 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         w13q = w13q if w13q is not None else quant_weights(w13c, recipe)
         h = gmm_nt(xq, w13q, counts, host, recipe, dt)
         with torch.no_grad():
-            a = swiglu(h, probs)
+            aq = _activation_quantized(h, probs, recipe)
         w2q = w2q if w2q is not None else quant_weights(w2c, recipe)
-        y = gmm_nt(quant_rows(a, recipe, E4M3), w2q, counts, host, recipe, dt)
+        y = gmm_nt(aq, w2q, counts, host, recipe, dt)
         # backward reuses tensorwise / 128x128 weights transposed, and tensorwise x: saved tensors, so that
         # activation checkpointing and offloading hooks see them
         ctx.keep_x, ctx.keep_w = xq.gran == "tensorwise", w13q.gran != "rowwise"

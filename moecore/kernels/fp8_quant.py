@@ -160,6 +160,59 @@ if triton_importable():
             mt = (rows < end)[None, :] & cm[:, None]
             tl.store(dst, tl.trans(q).to(q_ptr.dtype.element_ty), mask=mt)
 
+    @triton.jit
+    def _swiglu_quant_kernel(
+        h_ptr, p_ptr, q_ptr, s_ptr, M, F, s_stride,
+        HAS_P: tl.constexpr, ROWWISE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+        FMAX: tl.constexpr, POW2: tl.constexpr,
+    ):  # fmt: skip
+        # a = silu(g) * u (* p) for h = [g | u], rounded to h's dtype as moecore/kernels/swiglu.py stores it,
+        # then quantised (ROWWISE: a scale per row, two passes over the row; else 1 x BC blocks), without
+        # writing a. Rowwise: one program per BR rows; 1x128: one per [BR, BC] tile.
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        rm = rows < M
+        r64 = rows.to(tl.int64)
+        p = tl.load(p_ptr + rows, mask=rm, other=0.0).to(tl.float32) if HAS_P else None
+        if ROWWISE:
+            amax = tl.zeros((BR,), dtype=tl.float32)
+            for c0 in range(0, F, BC):
+                cols = c0 + tl.arange(0, BC)
+                m = rm[:, None] & (cols < F)[None, :]
+                g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                a = g * tl.sigmoid(g) * u
+                if HAS_P:
+                    a = a * p[:, None]
+                a = a.to(h_ptr.dtype.element_ty).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(a), axis=1))
+            s = _scale_of(amax, FMAX, POW2)
+            tl.store(s_ptr + rows, s, mask=rm)
+            for c0 in range(0, F, BC):
+                cols = c0 + tl.arange(0, BC)
+                m = rm[:, None] & (cols < F)[None, :]
+                g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                a = g * tl.sigmoid(g) * u
+                if HAS_P:
+                    a = a * p[:, None]
+                a = a.to(h_ptr.dtype.element_ty).to(tl.float32)
+                q = _to_fp8_grid(tl.clamp(tl.div_rn(a, s[:, None]), -FMAX, FMAX), FMAX)
+                tl.store(q_ptr + r64[:, None] * F + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+        else:
+            pc = tl.program_id(1)
+            cols = pc * BC + tl.arange(0, BC)
+            m = rm[:, None] & (cols < F)[None, :]
+            g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            a = g * tl.sigmoid(g) * u
+            if HAS_P:
+                a = a * p[:, None]
+            a = a.to(h_ptr.dtype.element_ty).to(tl.float32)
+            s = _scale_of(tl.max(tl.abs(a), axis=1), FMAX, POW2)
+            tl.store(s_ptr + rows * s_stride + pc, s, mask=rm)
+            q = _to_fp8_grid(tl.clamp(tl.div_rn(a, s[:, None]), -FMAX, FMAX), FMAX)
+            tl.store(q_ptr + r64[:, None] * F + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+
 
 # ---------------------------------------------------------------- references
 
@@ -352,3 +405,34 @@ def dequantize(q: torch.Tensor, s: torch.Tensor, granularity: str) -> torch.Tens
     if granularity == "128x128":
         return x * s.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)[..., :R, :C]
     raise ValueError(f"granularity={granularity!r} is invalid: allowed: tensorwise | rowwise | 1x128 | 128x128")
+
+
+def swiglu_quantize(
+    h: torch.Tensor,
+    probs: torch.Tensor | None,
+    granularity: str,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    pow2: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused SwiGLU (* probs) + quantisation Triton kernel: (q [M, F], s) with `granularity` rowwise
+    (s [M, 1]) or 1x128 (s [M, ceil(F/128)]) of a = silu(g) * u (* p) rounded to h's dtype, bit for bit what
+    `swiglu(h, probs)` followed by `quantize_rowwise` / `quantize_1x128` gives, without storing a.
+    Callers check `use_triton` first (the unfused functions are the reference)."""
+    M, F2 = h.shape
+    Fh = F2 // 2
+    h = h.contiguous()
+    q = torch.empty(M, Fh, dtype=dtype, device=h.device)
+    rowwise = granularity == "rowwise"
+    s = torch.empty(M, 1 if rowwise else triton.cdiv(Fh, BLOCK), dtype=torch.float32, device=h.device)
+    if rowwise:
+        br, bc = (16, 256) if h.is_cuda else (4, 32)
+        grid = (triton.cdiv(M, br),)
+    else:
+        br, bc = (32, BLOCK) if h.is_cuda else (4, BLOCK)
+        grid = (triton.cdiv(M, br), triton.cdiv(Fh, bc))
+    p = probs.contiguous() if probs is not None else h
+    _swiglu_quant_kernel[grid](
+        h, p, q, s, M, Fh, s.stride(0),
+        HAS_P=probs is not None, ROWWISE=rowwise, BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2,
+    )  # fmt: skip
+    return q, s
