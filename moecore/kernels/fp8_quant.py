@@ -15,8 +15,15 @@ between layouts exact. Groups ("granularities"):
 - 1x128:       one scale per row and 128 consecutive columns           s: [M, ceil(K/128)]
 - 128x128:     one scale per 128 x 128 tile (weights, DeepSeek-V3)      s: [ceil(M/128), ceil(K/128)]
 
+Two more layouts serve the expert GEMMs (moecore/kernels/fp8_grouped.py): `quantize_grouped_cols` (a
+[P, C] operand quantised along each expert's rows, one scale per expert and column, written transposed for
+the weight-gradient GEMM) and `quantize_weights_transposed` (expert weights [E, N, K] -> [E, K, N]
+quantised along N). `swiglu_quantize` fuses the experts' SwiGLU (* routing probabilities) with rowwise or
+1x128 quantisation.
+
 Each function takes `impl` (moecore/kernels/_triton.py): the Triton kernel on CUDA, the reference
-elsewhere; both divide with IEEE round-to-nearest (`tl.div_rn`) so that they agree bit for bit.
+elsewhere; both divide with IEEE round-to-nearest (`tl.div_rn`) and round to the FP8 grid in fp32 before
+an exact cast, so that they agree bit for bit.
 """
 
 from __future__ import annotations
