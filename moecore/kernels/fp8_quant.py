@@ -288,7 +288,7 @@ def _launch_tile(x: torch.Tensor, dtype: torch.dtype, pow2: bool, per_row: bool)
     q = torch.empty(R, C, dtype=dtype, device=x.device)
     br = 32 if per_row else BLOCK
     if not x.is_cuda:  # the interpreter: small tiles for 1x128
-        br = 4 if per_row else BLOCK
+        br = 16 if per_row else BLOCK
     s_rows = R if per_row else triton.cdiv(R, BLOCK)
     s = torch.empty(s_rows, triton.cdiv(C, BLOCK), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(R, br), triton.cdiv(C, BLOCK))
@@ -322,7 +322,7 @@ def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, 
     x = x if x.stride(1) == 1 else x.contiguous()
     q = torch.empty(R, C, dtype=dtype, device=x.device)
     s = torch.empty(R, 1, dtype=torch.float32, device=x.device)
-    br, bc = (16, 256) if x.is_cuda else (4, 32)
+    br, bc = (16, 256) if x.is_cuda else (16, 128)
     _quant_rows_kernel[(triton.cdiv(R, br),)](
         x, q, s, R, C, x.stride(0), q.stride(0), BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2
     )
@@ -373,7 +373,7 @@ def quantize_grouped_cols(
     torch.cumsum(counts, 0, out=bounds[1:])
     q = torch.empty(C, P, dtype=dtype, device=x.device)
     s = torch.empty(E, C, dtype=torch.float32, device=x.device)
-    br, bc = (64, 64) if x.is_cuda else (8, 16)
+    br, bc = (64, 64) if x.is_cuda else (16, 32)
     _quant_cols_kernel[(E, triton.cdiv(C, bc))](
         x, q, s, bounds, P, C, x.stride(0), BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2, PER_GROUP_OUT=False
     )
@@ -394,7 +394,7 @@ def quantize_weights_transposed(
     bounds = torch.arange(0, (E + 1) * N, N, dtype=torch.int32, device=w.device)
     q = torch.empty(E, K, N, dtype=dtype, device=w.device)
     s = torch.empty(E, K, dtype=torch.float32, device=w.device)
-    br, bc = (64, 64) if w.is_cuda else (8, 16)
+    br, bc = (64, 64) if w.is_cuda else (16, 32)
     _quant_cols_kernel[(E, triton.cdiv(K, bc))](
         w2, q, s, bounds, E * N, K, w2.stride(0), BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2, PER_GROUP_OUT=True
     )
@@ -432,10 +432,10 @@ def swiglu_quantize(
     rowwise = granularity == "rowwise"
     s = torch.empty(M, 1 if rowwise else triton.cdiv(Fh, BLOCK), dtype=torch.float32, device=h.device)
     if rowwise:
-        br, bc = (16, 256) if h.is_cuda else (4, 32)
+        br, bc = (16, 256) if h.is_cuda else (16, 128)
         grid = (triton.cdiv(M, br),)
     else:
-        br, bc = (32, BLOCK) if h.is_cuda else (4, BLOCK)
+        br, bc = (32, BLOCK) if h.is_cuda else (16, BLOCK)
         grid = (triton.cdiv(M, br), triton.cdiv(Fh, bc))
     p = probs.contiguous() if probs is not None else h
     _swiglu_quant_kernel[grid](
