@@ -666,6 +666,20 @@ def check_fp8_dims(cfg: Config) -> None:
             _fail(name, value, f"must be a multiple of {a} with train.precision=fp8 ({why})")
 
 
+def _check_fp8_combinations(cfg: Config) -> None:
+    """train.precision=fp8 with options whose promises FP8 does not keep yet."""
+    f, e = cfg.fp8, cfg.moe
+    host_counts = f.recipe == "blockwise" or f.format == "hybrid"  # these expert GEMMs read counts on the host
+    if e.num_experts and e.sync_free and "experts" in f.modules and host_counts:
+        _fail(
+            "moe.sync_free",
+            True,
+            "with FP8 experts needs fp8.recipe=tensorwise | rowwise and fp8.format=e4m3 (the others pad by host counts)",
+        )
+    if cfg.train.cuda_graphs != "none":
+        _fail("train.cuda_graphs", cfg.train.cuda_graphs, "is not supported with train.precision=fp8 yet; use none")
+
+
 @dataclass
 class Config:
     """A whole run."""
@@ -720,6 +734,7 @@ class Config:
         _validate_moe_perf(self)
         if self.train.precision == "fp8":
             check_fp8_dims(self)
+            _check_fp8_combinations(self)
             if self.fp8.primary_weights and self.optim.master_weights != "fp32":
                 _fail(
                     "fp8.primary_weights",

@@ -103,6 +103,7 @@ BAD = [
     (TINY + FP8 + ["fp8.format=e5m2"], "fp8.format"),
     (TINY + FP8 + ["fp8.modules=[router]"], "fp8.modules"),
     (TINY + FP8 + ["model.ffn_hidden_size=72"], "model.ffn_hidden_size"),
+    (TINY + FP8 + ["fp8.format=hybrid", "moe.sync_free=true"], "moe.sync_free"),
 ]
 
 
