@@ -619,6 +619,7 @@ class FP8Config:
     primary_weights: bool = False  # keep the weights in FP8 between steps (masters in the optimizer)
     pow2_scales: bool = False  # round every scale up to a power of two (exact rescaling; off as in DeepSeek-V3)
     emulate: bool = False  # quantise-dequantise then ordinary matmuls: FP8 numerics without FP8 GEMMs (CPU, debugging)
+    fprop_fast_accum: bool = True  # forward GEMMs use Hopper's fast FP8 accumulation (Transformer Engine's default)
 
     RECIPES = ("tensorwise", "rowwise", "blockwise")
 

@@ -51,6 +51,7 @@ class Fp8Recipe:
     grad_dtype: torch.dtype = E4M3  # E5M2 for the hybrid format
     pow2: bool = False
     emulate: bool = False  # quantise-dequantise + fp32 matmul instead of FP8 tensor-core GEMMs
+    fprop_fast_accum: bool = True  # forward GEMMs in the tensor cores' fast accumulation (backward: never)
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -65,7 +66,7 @@ class Fp8Recipe:
     def from_config(cls, fp8cfg) -> Fp8Recipe:
         """From an `FP8Config` (moecore/config.py)."""
         grad = E5M2 if fp8cfg.format == "hybrid" else E4M3
-        return cls(fp8cfg.recipe, grad, bool(fp8cfg.pow2_scales), bool(fp8cfg.emulate))
+        return cls(fp8cfg.recipe, grad, bool(fp8cfg.pow2_scales), bool(fp8cfg.emulate), bool(fp8cfg.fprop_fast_accum))
 
 
 @dataclass
@@ -154,15 +155,18 @@ def _scale_128x128(s: torch.Tensor) -> torch.Tensor:
     return F.pad(s, (0, l4 - k_blocks)).contiguous().t()
 
 
-def mm(a: QOperand, b: QOperand, out_dtype: torch.dtype, recipe: Fp8Recipe) -> torch.Tensor:
-    """a @ b^T -> [Ra, Rb] in out_dtype, both operands quantised along the contracted dim."""
+def mm(a: QOperand, b: QOperand, out_dtype: torch.dtype, recipe: Fp8Recipe, fast: bool = False) -> torch.Tensor:
+    """a @ b^T -> [Ra, Rb] in out_dtype, both operands quantised along the contracted dim. `fast`: Hopper's
+    fast FP8 accumulation (tensorwise, rowwise), which adds partial sums in reduced precision."""
     if recipe.emulate:  # fp32 products of the quantised values (autocast must not turn them into bf16)
         with torch.autocast(a.q.device.type, enabled=False):
             return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
     if a.gran == "tensorwise":
-        return torch._scaled_mm(a.q, b.q.t(), scale_a=a.s.reshape(()), scale_b=b.s.reshape(()), out_dtype=out_dtype)
+        sa, sb = a.s.reshape(()), b.s.reshape(())
+        return torch._scaled_mm(a.q, b.q.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast)
     if a.gran == "rowwise":
-        return torch._scaled_mm(a.q, b.q.t(), scale_a=a.s, scale_b=b.s.reshape(1, -1), out_dtype=out_dtype)
+        sb = b.s.reshape(1, -1)
+        return torch._scaled_mm(a.q, b.q.t(), scale_a=a.s, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast)
     st = F.ScalingType
     sa = _scale_mn_major(a.s)
     if b.gran == "128x128":
@@ -187,7 +191,7 @@ class _Fp8Linear(torch.autograd.Function):
         wc = w if wq is not None else w.to(x.dtype)
         if wq is None:
             wq = quant_rows(wc, recipe, E4M3, weight=True)
-        y = mm(xq, wq, x.dtype, recipe)[:m]
+        y = mm(xq, wq, x.dtype, recipe, fast=recipe.fprop_fast_accum)[:m]
         # keep the FP8 copies only where backward reuses them (tensorwise x^T; tensorwise / 128x128 W^T), as
         # saved tensors so that activation checkpointing and offloading hooks see them
         ctx.keep_x, ctx.keep_w = xq.gran == "tensorwise", wq.gran in ("tensorwise", "128x128")

@@ -156,14 +156,17 @@ def _uses_block_kernel(recipe: Fp8Recipe, a: torch.Tensor, b: torch.Tensor) -> b
     return not recipe.emulate and recipe.scaling == "blockwise" and a.dtype == b.dtype and use_triton("auto", a, b)
 
 
-def gmm_nt(a: QOperand, b: GroupedWeight, counts: torch.Tensor, host: list | None, recipe: Fp8Recipe, out_dtype):
-    """out[rows of e] = a[rows of e] @ b[e]^T; a [P, K], b [E, N, K] -> [P, N]."""
+def gmm_nt(
+    a: QOperand, b: GroupedWeight, counts: torch.Tensor, host: list | None, recipe: Fp8Recipe, out_dtype, fast=False
+):
+    """out[rows of e] = a[rows of e] @ b[e]^T; a [P, K], b [E, N, K] -> [P, N]. `fast`: as fp8_gemm.mm."""
     P, E, N = a.q.shape[0], b.q.shape[0], b.q.shape[1]
     if _uses_grouped_kernel(recipe, a.q.device, a.q.dtype, b.q.dtype):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         sa = a.s.reshape(-1).expand(P).contiguous() if a.gran == "tensorwise" else a.s.reshape(P)
         sb = b.s.reshape(E, 1).expand(E, N).contiguous() if b.gran == "tensorwise" else b.s.reshape(E, N)
-        return torch._scaled_grouped_mm(a.q, b.q.transpose(-2, -1), sa, sb, offs=offs, out_dtype=out_dtype)
+        bt = b.q.transpose(-2, -1)
+        return torch._scaled_grouped_mm(a.q, bt, sa, sb, offs=offs, out_dtype=out_dtype, use_fast_accum=fast)
     if _uses_block_kernel(recipe, a.q, b.q):
         return block_gemm_nt(a.q, a.s, b.q, b.s, counts, out_dtype)
     host = host if host is not None else counts.tolist()
@@ -171,7 +174,7 @@ def gmm_nt(a: QOperand, b: GroupedWeight, counts: torch.Tensor, host: list | Non
     start = 0
     for e, n in enumerate(host):
         if n:
-            out[start : start + n] = mm(a.rows(start, n), b.expert(e), out_dtype, recipe)
+            out[start : start + n] = mm(a.rows(start, n), b.expert(e), out_dtype, recipe, fast)
         start += n
     return out
 
@@ -219,11 +222,11 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         w2c = w2 if w2q is not None else w2.to(dt)
         xq = quant_rows(x, recipe, E4M3)
         w13q = w13q if w13q is not None else quant_weights(w13c, recipe)
-        h = gmm_nt(xq, w13q, counts, host, recipe, dt)
+        h = gmm_nt(xq, w13q, counts, host, recipe, dt, recipe.fprop_fast_accum)
         with torch.no_grad():
             aq = _activation_quantized(h, probs, recipe)
         w2q = w2q if w2q is not None else quant_weights(w2c, recipe)
-        y = gmm_nt(aq, w2q, counts, host, recipe, dt)
+        y = gmm_nt(aq, w2q, counts, host, recipe, dt, recipe.fprop_fast_accum)
         # backward reuses tensorwise / 128x128 weights transposed, and tensorwise x: saved tensors, so that
         # activation checkpointing and offloading hooks see them
         ctx.keep_x, ctx.keep_w = xq.gran == "tensorwise", w13q.gran != "rowwise"
