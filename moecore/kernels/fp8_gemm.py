@@ -126,13 +126,20 @@ def quant_rows(x: torch.Tensor, recipe: Fp8Recipe, dtype: torch.dtype, weight: b
     return QOperand(q, s, "1x128")
 
 
-def transposed(op: QOperand, x: torch.Tensor, recipe: Fp8Recipe, dtype: torch.dtype) -> QOperand:
-    """x^T quantised along x's rows, reusing `op` (x quantised along its columns) where the groups allow."""
-    if op.gran == "tensorwise" and op.q.dtype == dtype:
+def transposed(
+    op: QOperand | None, x: torch.Tensor, recipe: Fp8Recipe, dtype: torch.dtype, weight: bool = False
+) -> QOperand:
+    """x^T quantised along x's rows (`weight`: in the recipe's weight groups), reusing `op` (x quantised along
+    its columns, or None) where the groups allow."""
+    if op is not None and op.gran == "tensorwise" and op.q.dtype == dtype:
         return QOperand(op.q.t().contiguous(), op.s, "tensorwise")
-    if op.gran == "128x128" and op.q.dtype == dtype:
+    if op is not None and op.gran == "128x128" and op.q.dtype == dtype:
         return QOperand(op.q.t().contiguous(), op.s.t().contiguous(), "128x128")
-    return quant_rows(x.t(), recipe, dtype, weight=op.gran == "128x128")
+    if recipe.scaling == "rowwise":  # one kernel reads x row-major and writes x^T: no transposed bf16 copy
+        one_group = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+        q, s = fq.quantize_grouped_cols(x, one_group, dtype, recipe.pow2)
+        return QOperand(q, s.view(-1, 1), "rowwise")
+    return quant_rows(x.t(), recipe, dtype, weight=weight)
 
 
 def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -213,11 +220,11 @@ class _Fp8Linear(torch.autograd.Function):
         dyq = quant_rows(dyp, recipe, gd)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            wt = transposed(wq, wc, recipe, E4M3) if wq is not None else quant_rows(wc.t(), recipe, E4M3, True)
+            wt = transposed(wq, wc, recipe, E4M3, weight=True)
             dx = mm(dyq, wt, dy.dtype, recipe)[:m]
         if ctx.needs_input_grad[1]:
             a = transposed(dyq, dyp, recipe, gd)  # dy^T along the tokens
-            b = transposed(xq, xp, recipe, E4M3) if xq is not None else quant_rows(xp.t(), recipe, E4M3)
+            b = transposed(xq, xp, recipe, E4M3)
             dw = mm(a, b, dy.dtype, recipe).to(ctx.w_dtype)
         return dx, dw, None
 
