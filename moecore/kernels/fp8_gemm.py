@@ -135,11 +135,9 @@ def transposed(
         return QOperand(op.q.t().contiguous(), op.s, "tensorwise")
     if op is not None and op.gran == "128x128" and op.q.dtype == dtype:
         return QOperand(op.q.t().contiguous(), op.s.t().contiguous(), "128x128")
-    if recipe.scaling == "rowwise":  # one kernel reads x row-major and writes x^T: no transposed bf16 copy
-        one_group = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
-        q, s = fq.quantize_grouped_cols(x, one_group, dtype, recipe.pow2)
-        return QOperand(q, s.view(-1, 1), "rowwise")
-    return quant_rows(x.t(), recipe, dtype, weight=weight)
+    # rowwise: a transposed bf16 copy, then the row kernel (one program per few rows: the whole GPU works;
+    # the grouped-column kernel would give a single group only C / 64 programs)
+    return quant_rows(x.t() if recipe.scaling != "rowwise" else x.t().contiguous(), recipe, dtype, weight=weight)
 
 
 def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
