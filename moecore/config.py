@@ -1,7 +1,7 @@
 """Typed, nested run configuration: one small dataclass per section, YAML recipes, dotted overrides.
 
 A run is described by `Config`, whose sections are `model`, `moe`, `parallel`, `optim`, `data`,
-`train`, `checkpoint` and `log`. A recipe is a YAML file holding any subset of these sections;
+`train`, `checkpoint`, `log` and `fp8`. A recipe is a YAML file holding any subset of these sections;
 overrides on the command line look like `section.field=value` (lists as `data.paths=[a,b]`).
 
 Every section has a `validate()` that raises `ConfigError` (a `ValueError`) with one line naming the
@@ -510,6 +510,7 @@ class TrainConfig:
     profile_steps: list | None = None  # [a, b]: torch.profiler trace for steps a..b
     # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 (bf16 parameters and activations, fp32 master weights
     # per optim.master_weights) | fp16 (autocast over fp32 parameters, dynamic loss scaling)
+    # | fp8 (bf16 as above, with the GEMMs of the modules in fp8.modules in FP8: the `fp8` section)
     precision: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     deterministic: bool = False
@@ -543,7 +544,7 @@ class TrainConfig:
                 or self.profile_steps[0] > self.profile_steps[1]
             ):
                 _fail("train.profile_steps", self.profile_steps, "two step numbers [a,b] with a <= b")
-        _check_choice("train.precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
+        _check_choice("train.precision", self.precision, ("auto", "fp32", "bf16", "fp16", "fp8"))
         _check_choice("train.device", self.device, ("auto", "cpu", "cuda"))
         if self.cpu_threads is not None:
             _check_range("train.cpu_threads", self.cpu_threads, 1)
@@ -600,6 +601,86 @@ class LogConfig:
             _check_range("log.peak_tflops", self.peak_tflops, 0.0)
 
 
+FP8_MODULES = ("experts", "shared_experts", "dense_mlp", "attention")
+
+
+@dataclass
+class FP8Config:
+    """FP8 GEMMs under `train.precision=fp8` (moecore/kernels/fp8_gemm.py; docs/train.md "FP8").
+
+    The router, embeddings, output head and norms stay bf16/fp32; every other tensor is bf16 as in
+    `train.precision=bf16` (bf16 parameters, fp32 masters in the optimizer). Scales are computed from
+    the tensor being quantised at every use (current scaling): scale = amax / fp8_max per group.
+    """
+
+    recipe: str = "rowwise"  # tensorwise | rowwise | blockwise (activations 1x128, weights 128x128, as DeepSeek-V3)
+    format: str = "e4m3"  # e4m3 everywhere | hybrid: e4m3 forward, e5m2 gradients
+    modules: list = field(default_factory=lambda: ["experts", "shared_experts", "dense_mlp", "attention"])
+    primary_weights: bool = False  # keep the weights in FP8 between steps (masters in the optimizer)
+    pow2_scales: bool = False  # round every scale up to a power of two (exact rescaling; off as in DeepSeek-V3)
+    emulate: bool = False  # quantise-dequantise then ordinary matmuls: FP8 numerics without FP8 GEMMs (CPU, debugging)
+    fprop_fast_accum: bool = True  # forward GEMMs use Hopper's fast FP8 accumulation (Transformer Engine's default)
+
+    RECIPES = ("tensorwise", "rowwise", "blockwise")
+
+    @property
+    def alignment(self) -> int:
+        """Multiple the GEMM dimensions must be: 128 (the block) for blockwise, 16 (FP8 tensor cores) otherwise."""
+        return 128 if self.recipe == "blockwise" else 16
+
+    def validate(self) -> None:
+        _check_choice("fp8.recipe", self.recipe, self.RECIPES)
+        _check_choice("fp8.format", self.format, ("e4m3", "hybrid"))
+        if not isinstance(self.modules, list) or not self.modules:
+            _fail("fp8.modules", self.modules, "a non-empty list of " + " | ".join(FP8_MODULES))
+        for m in self.modules:
+            _check_choice("fp8.modules", m, FP8_MODULES)
+        if self.primary_weights and self.recipe == "rowwise":
+            _fail(
+                "fp8.primary_weights",
+                True,
+                "needs fp8.recipe=tensorwise | blockwise (their weight scales also serve the transposed weight)",
+            )
+
+
+def check_fp8_dims(cfg: Config) -> None:
+    """Refuse shapes the FP8 GEMMs cannot run: every dimension of an FP8 GEMM must be a multiple of
+    `fp8.alignment` (16, or the 128 block of the blockwise recipe). Names the first field that is not."""
+    m, e, f = cfg.model, cfg.moe, cfg.fp8
+    a = f.alignment
+    fields: list[tuple[str, int]] = []
+    uses_experts = e.num_experts > 0
+    if "experts" in f.modules and uses_experts:
+        fields += [("model.hidden_size", m.hidden_size), ("moe.ffn_hidden_size", e.ffn_hidden_size)]
+    if "shared_experts" in f.modules and uses_experts and e.shared_expert_intermediate_size:
+        fields += [
+            ("model.hidden_size", m.hidden_size),
+            ("moe.shared_expert_intermediate_size", e.shared_expert_intermediate_size),
+        ]
+    if "dense_mlp" in f.modules:
+        fields += [("model.hidden_size", m.hidden_size), ("model.ffn_hidden_size", m.ffn_hidden_size)]
+    if "attention" in f.modules:  # projections of other widths (MLA's kv_a 576) stay bf16: moecore/models/fp8.py
+        fields += [("model.hidden_size", m.hidden_size)]
+    for name, value in fields:
+        if value % a:
+            why = "the 128 block of fp8.recipe=blockwise" if a == 128 else "FP8 GEMMs need multiples of 16"
+            _fail(name, value, f"must be a multiple of {a} with train.precision=fp8 ({why})")
+
+
+def _check_fp8_combinations(cfg: Config) -> None:
+    """train.precision=fp8 with options whose promises FP8 does not keep yet."""
+    f, e = cfg.fp8, cfg.moe
+    host_counts = f.recipe == "blockwise" or f.format == "hybrid"  # these expert GEMMs read counts on the host
+    if e.num_experts and e.sync_free and "experts" in f.modules and host_counts:
+        _fail(
+            "moe.sync_free",
+            True,
+            "with FP8 experts needs fp8.recipe=tensorwise | rowwise and fp8.format=e4m3 (the others pad by host counts)",
+        )
+    if cfg.train.cuda_graphs != "none":
+        _fail("train.cuda_graphs", cfg.train.cuda_graphs, "is not supported with train.precision=fp8 yet; use none")
+
+
 @dataclass
 class Config:
     """A whole run."""
@@ -612,9 +693,10 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
     recipe: str = "custom"
 
-    SECTIONS = ("model", "moe", "parallel", "optim", "data", "train", "checkpoint", "log")
+    SECTIONS = ("model", "moe", "parallel", "optim", "data", "train", "checkpoint", "log", "fp8")
 
     def validate(self) -> Config:
         """Check every section and the rules that span sections; returns self."""
@@ -626,6 +708,7 @@ class Config:
         self.train.validate()
         self.checkpoint.validate()
         self.log.validate()
+        self.fp8.validate()
         m, e, p = self.model, self.moe, self.parallel
         if e.num_experts and e.num_experts % p.ep:
             _fail("parallel.ep", p.ep, f"must divide moe.num_experts={e.num_experts}")
@@ -650,6 +733,15 @@ class Config:
         if self.train.exit_interval is not None and self.train.exit_interval > self.train.steps:
             _fail("train.exit_interval", self.train.exit_interval, f"must be <= train.steps={self.train.steps}")
         _validate_moe_perf(self)
+        if self.train.precision == "fp8":
+            check_fp8_dims(self)
+            _check_fp8_combinations(self)
+            if self.fp8.primary_weights and self.optim.master_weights != "fp32":
+                _fail(
+                    "fp8.primary_weights",
+                    True,
+                    "needs optim.master_weights=fp32 (the FP8 weights are quantised from it)",
+                )
         return self
 
     def to_dict(self) -> dict:

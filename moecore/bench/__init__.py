@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--precision", default="bf16,mixed", help="train: comma-separated modes: bf16 (bf16 weights and moments), "
-        "mixed (bf16 weights, fp32 master weights and moments)"
+        "mixed (bf16 weights, fp32 master weights and moments), fp8 (mixed with FP8 GEMMs); moe-layer: fp8 adds "
+        "the variants moecore-fp8-tensorwise, -rowwise, -blockwise beside moecore"
     )  # fmt: skip
     p.add_argument("--batch", type=int, default=None, help="train: sequences per step (one micro-batch)")
     p.add_argument("--layers", type=int, default=None, help="train: decoder layers")
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shapes = args.shapes.split(",") if args.shapes else list(SHAPES)
     variants = tuple(args.variants.split(","))
+    if args.what == "moe-layer" and "fp8" in args.precision.split(","):  # FP8 experts beside the bf16 layer
+        fp8 = ("moecore-fp8-tensorwise", "moecore-fp8-rowwise", "moecore-fp8-blockwise")
+        variants += tuple(v for v in fp8 if v not in variants)
     for flag, given, allowed in (("--shapes", shapes, SHAPES), ("--variants", variants, VARIANTS)):
         bad = [v for v in given if v not in allowed]
         if bad:

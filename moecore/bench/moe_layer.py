@@ -51,6 +51,9 @@ VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore"
     "moecore-streams": "default_plan with its per-expert GEMM loops on two CUDA streams",
     "moecore-minimal": "moe.activation_memory=minimal: experts, permute and combine as one Function (x, h, routing kept)",
     "moecore-sync-free": "moe.sync_free=true: no host synchronisation from routing to combine",
+    "moecore-fp8-tensorwise": "experts' GEMMs in FP8, one scale per tensor (fp8.recipe=tensorwise)",
+    "moecore-fp8-rowwise": "experts' GEMMs in FP8, a scale per row (fp8.recipe=rowwise)",
+    "moecore-fp8-blockwise": "experts' GEMMs in FP8, 1x128 activation / 128x128 weight blocks (fp8.recipe=blockwise)",
 }
 
 
@@ -78,6 +81,11 @@ def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore", tok
         layer.experts.gemm_plan = GemmPlan.uniform("grouped")
     if variant == "moecore-streams":
         layer.experts.gemm_plan = default_plan(e, tokens * k, h, f, torch.device("cuda")).with_streams()
+    if variant.startswith("moecore-fp8-"):  # train.precision=fp8 with fp8.modules=[experts]
+        from moecore.kernels.fp8_gemm import Fp8Recipe
+        from moecore.models.fp8 import apply_fp8
+
+        apply_fp8(layer, Fp8Recipe(variant.rsplit("-", 1)[1]), ["experts"])
     return layer
 
 

@@ -52,6 +52,8 @@ PROXIES = {
 MODES = {  # precision mode -> moecore overrides
     "bf16": ["train.precision=bf16", "optim.master_weights=bf16", "optim.state_dtype=bf16"],
     "mixed": ["train.precision=bf16", "optim.master_weights=fp32", "optim.state_dtype=fp32"],
+    # mixed with FP8 GEMMs (fp8.recipe from the overrides, default rowwise); records' impl moecore-fp8-<recipe>
+    "fp8": ["train.precision=fp8", "optim.master_weights=fp32", "optim.state_dtype=fp32"],
 }
 
 VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore")
@@ -180,6 +182,8 @@ def run(
         for impl in impls:
             hf = impl.startswith("transformers")
             cfg = bench_config(model, mode, "moecore" if hf else impl, overrides)
+            if mode == "fp8" and not hf:
+                impl = impl.replace("moecore", f"moecore-fp8-{cfg.fp8.recipe}", 1)
             t = cfg.train
             shape = f"{model}_{cfg.model.num_layers}l_b{t.global_batch_size}_s{t.seq_length}"
             trainer = net = None
@@ -189,8 +193,8 @@ def run(
                     batches = _first_batches(cfg)  # the micro-batches the trainer's first step takes
                     flops = flops_per_token(cfg) * tokens
                     torch.manual_seed(cfg.train.seed)
-                    net = hf_model(cfg, mode)
-                    step = hf_step(net, batches, mode)
+                    net = hf_model(cfg, "mixed" if mode == "fp8" else mode)  # fp8: against its bf16 autocast
+                    step = hf_step(net, batches, "mixed" if mode == "fp8" else mode)
                 else:
                     trainer = Trainer(cfg)
                     flops = flops_per_token(cfg) * tokens

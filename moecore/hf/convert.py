@@ -151,6 +151,8 @@ def convert_to_hf(
     """moecore checkpoint folder -> Hugging Face folder that transformers loads (with tokenizer files)."""
     ckpt = Path(ckpt)
     model, cfg = load_model_checkpoint(ckpt)
+    if dtype is None and cfg.train.precision == "fp8":  # never FP8 on export: an FP8 run's compute dtype is bf16
+        dtype = torch.bfloat16
     tokenizer_dir = ckpt if (ckpt / "tokenizer.json").is_file() else cfg.data.tokenizer
     save_pretrained(model, hf_dir, model_type, dtype, max_shard_bytes, tokenizer_dir, on_tensor)
     return Path(hf_dir)

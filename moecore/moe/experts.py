@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from moecore.kernels.fp8_grouped import fp8_expert_ffn
 from moecore.kernels.grouped_ffn import expert_ffn, fused_expert_ffn_available
 
 ACTIVATIONS = ("swiglu", "gelu")
@@ -195,7 +196,8 @@ class GroupedExperts(nn.Module):
         self.gemm_plan = None  # GemmPlan for the fused expert FFN; None: default_plan per shape (benchmarks)
         self.name = "experts"  # the module's name in the model, for the slow-path warning (set by the model)
         self.warned = False
-        self.last_path = None  # "fused" | "grouped_mm" | "loop": what the last forward ran (tests, diagnostics)
+        self.last_path = None  # "fused" | "grouped_mm" | "loop" | "fp8": what the last forward ran (tests, diagnostics)
+        self.fp8_recipe = None  # an Fp8Recipe under train.precision=fp8 (moecore/models/fp8.py): FP8 GEMMs
         rows = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         self.w13 = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
@@ -228,6 +230,9 @@ class GroupedExperts(nn.Module):
     def forward(
         self, x_NH: torch.Tensor, tokens_per_expert: torch.Tensor, probs_N: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if self.fp8_recipe is not None:  # FP8 expert FFN (moecore/kernels/fp8_grouped.py), rows padded inside
+            self.last_path = "fp8"
+            return fp8_expert_ffn(x_NH, self.w13, self.w2, tokens_per_expert, probs_N, self.fp8_recipe)
         if x_NH.is_cuda and not self.warned:
             self._warn_slow_path(x_NH)
         if self.activation == "swiglu" and fused_expert_ffn_available(x_NH) and self.uses_grouped_mm(x_NH):

@@ -248,6 +248,8 @@ class MoELayer(nn.Module):
         if self.cfg.activation_memory != "minimal" or keep_TK is not None or pad is not None:
             return False
         e = self.experts
+        if e.fp8_recipe is not None:  # FP8 experts (train.precision=fp8) run their own Function
+            return False
         ok = type(self.dispatcher) is LocalDispatcher and e.activation == "swiglu" and x_TH.shape[0] > 0
         return ok and e.uses_grouped_mm(x_TH)
 

@@ -73,12 +73,17 @@ class FusedAdamW(torch.optim.Optimizer):
                         p, dtype=self.state_dtype, memory_format=torch.contiguous_format
                     )
                 state["step"] += 1
+                target, master = _local(p), self._master(p)
+                if self.mp is not None and p in self.mp.recast:  # FP8 primary weight: update the master only
+                    target, master = self.mp.masters[p], None
                 adamw_step(
-                    _local(p), self._master(p), _local(g).contiguous(), _local(state["exp_avg"]),
-                    _local(state["exp_avg_sq"]),
+                    target, master, _local(g).contiguous(), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                     lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], step=int(state["step"].item()), grad_scale=scale,
                 )  # fmt: skip
+        if self.mp is not None and self.mp.recast:  # re-quantise the FP8 primary weights from their masters
+            for p, rebuild in self.mp.recast.items():
+                rebuild(self.mp.masters[p])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.mp is not None:

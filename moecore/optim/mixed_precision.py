@@ -64,6 +64,9 @@ class MixedPrecision:
         self.params = [p for p in model.parameters()]
         self.masters: dict[torch.Tensor, torch.Tensor] = {}
         self.sum_in_fp32 = sum_in_fp32
+        # Parameters whose compute copy is not a cast of the master (FP8 primary weights, moecore/models/fp8.py):
+        # p -> fn(master) that rebuilds it. Their `.data` is a placeholder; the optimizer updates the master only.
+        self.recast: dict[torch.Tensor, object] = {}
         self._hooks = []
         with torch.no_grad():
             for p in self.params:
@@ -100,8 +103,10 @@ class MixedPrecision:
     def copy_to_compute(self) -> None:
         """Round every master weight into its bf16 parameter (after an update or a load)."""
         if self.masters:
-            params = list(self.masters)
+            params = [p for p in self.masters if p not in self.recast]
             torch._foreach_copy_([p.data for p in params], [self.masters[p] for p in params])
+        for p, rebuild in self.recast.items():
+            rebuild(self.masters[p])
 
     @contextlib.contextmanager
     def fp32_view(self, with_grads: bool = False) -> Iterator[None]:

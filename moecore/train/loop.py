@@ -77,6 +77,12 @@ def preflight(cfg: Config) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate_layout(cfg, world_size)
     check_resume(cfg)
+    if cfg.train.precision == "fp8":  # no FP8-capable GPU: refuse before the run prints anything
+        from moecore.train.runtime import check_fp8_runtime
+
+        use_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+        check_fp8_runtime(cfg, device, world_size)
 
 
 def autocast_context(rt: Runtime):

@@ -2,7 +2,8 @@
 
 `tensor_bytes(model, optimizer, mixed)` walks what this rank holds now:
 
-- params: the model's parameters (bf16 under `train.precision=bf16`);
+- params: the model's parameters (bf16 under `train.precision=bf16`; FP8 primary weights: their FP8
+  values and scales, `param.fp8_primary`, instead of the placeholder the parameter holds);
 - grads: `.grad` and fp32 `main_grad` of every parameter, plus the reduced gradient shards a
   distributed optimizer holds (`memory_tensors()["grads"]`);
 - optim: every tensor in the optimizers' `state` (moments, step counters), the fp32 master weights
@@ -45,6 +46,7 @@ def _optimizers(optimizer) -> list:
 def tensor_bytes(model: torch.nn.Module, optimizer=None, mixed=None) -> dict[str, int]:
     """Bytes this rank holds now in parameters, gradients and optimizer state; see the module docstring."""
     params = list(model.parameters())
+    held = [t for p in params for t in ((p.fp8_primary.q, p.fp8_primary.s) if hasattr(p, "fp8_primary") else (p,))]
     own = getattr(optimizer, "memory_tensors", None)
     extra = own() if callable(own) else {"grads": [], "optim": []}
     grads = [t for p in params for t in (p.grad, getattr(p, "main_grad", None))] + list(extra["grads"])
@@ -52,7 +54,7 @@ def tensor_bytes(model: torch.nn.Module, optimizer=None, mixed=None) -> dict[str
     if mixed is not None:
         optim += list(mixed.masters.values())
     optim += list(extra["optim"])
-    return {"params": _unique_bytes(params), "grads": _unique_bytes(grads), "optim": _unique_bytes(optim)}
+    return {"params": _unique_bytes(held), "grads": _unique_bytes(grads), "optim": _unique_bytes(optim)}
 
 
 def memory_metrics(model: torch.nn.Module, optimizer=None, mixed=None) -> dict[str, float]:

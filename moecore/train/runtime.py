@@ -31,8 +31,9 @@ class Runtime:
     scaler: torch.amp.GradScaler | None = None  # dynamic loss scaling for fp16
     precision: str = "fp32"  # resolved train.precision: fp32 | bf16 | fp16
     master_weights: bool = True  # bf16: keep fp32 master weights (optim.master_weights=fp32)
-    mixed: object | None = None  # moecore.optim.mixed_precision.MixedPrecision with precision bf16
+    mixed: object | None = None  # moecore.optim.mixed_precision.MixedPrecision with precision bf16 / fp8
     qk_clip: object | None = None  # moecore.models.qk_clip.QKClip with optim.muon_qk_clip > 0
+    fp8: object | None = None  # moecore.config.FP8Config with precision fp8 (bf16 + FP8 GEMMs)
 
     # ------------------------------------------------------------------ identity
     @property
@@ -58,10 +59,15 @@ class Runtime:
         `micro_batches`: per rank and step; with more than one (or several ranks) gradients are summed,
         in fp32 main gradients. The precision hooks go first: the data-parallel ones read what they sum.
         """
+        if self.precision == "fp8":  # FP8 GEMMs in the modules of fp8.modules, bf16 everywhere else
+            from moecore.kernels.fp8_gemm import Fp8Recipe
+            from moecore.models.fp8 import apply_fp8
+
+            apply_fp8(model, Fp8Recipe.from_config(self.fp8), self.fp8.modules)
         if self.dims.cfg.fsdp and self.world_size > 1:  # FSDP2: sharded weights, its own bf16 policy
             from moecore.parallel.fsdp import FullyShardedModel
 
-            bf16 = self.precision == "bf16"
+            bf16 = self.precision in ("bf16", "fp8")
             if bf16 and not self.master_weights:  # optim.master_weights=bf16: the shards are the bf16 weights
                 for p in model.parameters():
                     p.data = p.data.to(torch.bfloat16)
@@ -70,11 +76,15 @@ class Runtime:
                 model, self.dims, param_dtype, reduce_dtype=torch.float32 if bf16 else None
             )
             return model
-        if self.precision == "bf16":
+        if self.precision in ("bf16", "fp8"):
             from moecore.optim.mixed_precision import MixedPrecision
 
             sum_in_fp32 = micro_batches > 1 or self.world_size > 1
             self.mixed = MixedPrecision(model, torch.bfloat16, self.master_weights, sum_in_fp32=sum_in_fp32)
+            if self.precision == "fp8" and self.fp8.primary_weights:  # FP8 weights between steps
+                from moecore.models.fp8 import enable_primary_weights
+
+                enable_primary_weights(model, self.mixed)
         if self.world_size > 1:
             from moecore.parallel.data_parallel import GradReducer
 
@@ -284,12 +294,35 @@ def setup_runtime(cfg: Config) -> Runtime:
     precision = cfg.train.precision
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
-    autocast = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    if precision == "fp8":
+        check_fp8_runtime(cfg, device, dims.world_size)
+    autocast = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[precision]
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     master = cfg.optim.master_weights == "fp32"
     return Runtime(
-        dims=dims, device=device, autocast_dtype=autocast, scaler=scaler, precision=precision, master_weights=master
-    )
+        dims=dims, device=device, autocast_dtype=autocast, scaler=scaler, precision=precision, master_weights=master,
+        fp8=cfg.fp8 if precision == "fp8" else None,
+    )  # fmt: skip
+
+
+def check_fp8_runtime(cfg: Config, device: torch.device, world_size: int = 1) -> None:
+    """Refuse train.precision=fp8 where it cannot run (one line, ConfigError): no FP8-capable GPU (unless
+    fp8.emulate), or a combination not implemented yet."""
+    from moecore.config import ConfigError
+    from moecore.kernels.fp8_gemm import fp8_unsupported_reason
+
+    f = cfg.fp8
+    if not f.emulate:
+        reason = fp8_unsupported_reason(device, f.recipe)
+        if reason is not None:
+            raise ConfigError(f"train.precision='fp8' cannot run here: {reason} (fp8.emulate=true emulates it)")
+    if f.primary_weights and world_size > 1:
+        raise ConfigError(f"fp8.primary_weights=true is single-process for now (world size {world_size}); use false")
+    if f.primary_weights and (cfg.parallel.fsdp or cfg.parallel.distributed_optimizer):
+        raise ConfigError(
+            "fp8.primary_weights=true is not supported with parallel.fsdp / parallel.distributed_optimizer yet; "
+            "use false (FP8 GEMMs on bf16 weights)"
+        )

@@ -1,0 +1,295 @@
+"""The expert FFN (w13 -> SwiGLU * prob -> w2) with its six grouped GEMMs in FP8, and the row padding it needs.
+
+Legend: P padded routed rows (sorted by expert), E experts, H hidden, F expert FFN width; w13 [E, 2F, H],
+w2 [E, H, F] as the MoE layer stores them. The GEMMs are those of moecore/kernels/grouped_ffn.py:
+
+    h  = x_e @ w13[e]^T     da = dy_e @ w2[e]      dW2[e]  = dy_e^T @ a_e
+    y  = a_e @ w2[e]^T      dx = dh_e @ w13[e]     dW13[e] = dh_e^T @ x_e
+
+each with both operands quantised along its contracted dim (moecore/kernels/fp8_gemm.py). For the
+weight gradients that dim is the expert's rows, so the scale groups of dy^T, a^T, dh^T and x^T must not
+straddle two experts: each expert's rows are padded with zero rows to `Fp8Recipe.alignment` (16, the
+FP8 GEMMs' alignment; 128, the block, for blockwise), and rowwise scales are per expert and column
+(`fp8_quant.quantize_grouped_cols`, one Triton kernel that also writes the transposed operand).
+
+Padding (`pad_plan`, `fp8_expert_ffn`): rows keep their order; expert e's rows move to a start that is a
+multiple of the alignment, and the gaps are zero rows with probability 0. Without host counts the padded
+buffer has a fixed bound of rows (N + E * (alignment - 1), rounded up) and the slack is given to the last
+expert as zero rows, so nothing waits for the GPU. The router, the aux losses and the expert-load
+statistics are computed before and see only the real tokens; padding rows contribute exact zeros to
+every output and gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moecore.kernels import fp8_quant as fq
+from moecore.kernels._triton import use_triton
+from moecore.kernels.fp8_block_gemm import block_gemm_nt, block_gemm_tn
+from moecore.kernels.fp8_gemm import E4M3, Fp8Recipe, QOperand, mm, quant_rows
+from moecore.kernels.swiglu import swiglu, swiglu_backward
+
+# ---------------------------------------------------------------- padding
+
+
+def pad_plan(counts: torch.Tensor, n_rows: int, align: int, exact: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(dst [N]: padded row of each routed row, padded counts [E] (multiples of align, sum P), P).
+
+    `exact`: P is the sum of the rounded-up counts (reads the counts on the host); otherwise the fixed
+    bound N + E * (align - 1) rounded up to `align`, with the slack added to the last expert.
+    """
+    counts = counts.to(torch.int64)
+    E = counts.numel()
+    eid = torch.repeat_interleave(torch.arange(E, device=counts.device), counts, output_size=n_rows)
+    padded = (counts + align - 1) // align * align
+    if exact:
+        P = int(padded.sum())
+    else:
+        P = -(-(n_rows + E * (align - 1)) // align) * align
+        padded = padded.clone()
+        padded[-1] += P - padded.sum()
+    starts = torch.cumsum(counts, 0) - counts
+    pstarts = torch.cumsum(padded, 0) - padded
+    dst = torch.arange(n_rows, device=counts.device) - starts[eid] + pstarts[eid]
+    return dst, padded, P
+
+
+def pad_rows(x: torch.Tensor, dst: torch.Tensor, P: int) -> torch.Tensor:
+    """[N, ...] -> [P, ...] with row i at dst[i], zeros elsewhere (differentiable)."""
+    return x.new_zeros(P, *x.shape[1:]).index_copy(0, dst, x)
+
+
+# ---------------------------------------------------------------- grouped operands
+
+
+@dataclass
+class GroupedWeight:
+    """Expert weights [E, N, K] quantised along K per expert: s [E] (tensorwise), [E, N, 1] (rowwise) or
+    [E, N/128, K/128] (128x128)."""
+
+    q: torch.Tensor
+    s: torch.Tensor
+    gran: str
+
+    def expert(self, e: int) -> QOperand:
+        return QOperand(self.q[e], self.s[e], self.gran)
+
+
+def quant_weights(w: torch.Tensor, recipe: Fp8Recipe) -> GroupedWeight:
+    E, N, K = w.shape
+    if recipe.scaling == "tensorwise":  # one scale per expert
+        s = fq.scale_from_amax(w.detach().abs().amax(dim=(1, 2)), E4M3, recipe.pow2)
+        q = (w.float() / s[:, None, None]).clamp(-fq.FP8_MAX[E4M3], fq.FP8_MAX[E4M3]).to(E4M3)
+        return GroupedWeight(q, s, "tensorwise")
+    op = quant_rows(w.reshape(E * N, K), recipe, E4M3, weight=True)
+    return GroupedWeight(op.q.view(E, N, K), op.s.view(E, -1, op.s.shape[-1]), op.gran)
+
+
+def transposed_weights(wq: GroupedWeight, w: torch.Tensor, recipe: Fp8Recipe) -> GroupedWeight:
+    """w^T [E, K, N] along N: tensorwise and 128x128 reuse the quantised values; rowwise quantises again."""
+    if wq.gran == "tensorwise":
+        return GroupedWeight(wq.q.transpose(1, 2).contiguous(), wq.s, "tensorwise")
+    if wq.gran == "128x128":
+        return GroupedWeight(wq.q.transpose(1, 2).contiguous(), wq.s.transpose(1, 2).contiguous(), "128x128")
+    return transposed_rowwise_weights(w, recipe)
+
+
+def transposed_rowwise_weights(w: torch.Tensor, recipe: Fp8Recipe) -> GroupedWeight:
+    """w [E, N, K] -> w^T [E, K, N] quantised rowwise (along N), in one pass (fp8_quant.quantize_weights_transposed)."""
+    q, s = fq.quantize_weights_transposed(w, E4M3, recipe.pow2)
+    return GroupedWeight(q, s, "rowwise")
+
+
+@dataclass
+class GroupedCols:
+    """A [P, C] tensor quantised along its rows within each expert's rows, stored transposed: q [C, P];
+    s [] (tensorwise), [E, C] (rowwise: per expert and column) or [C, P/128] (1x128 along the rows)."""
+
+    q: torch.Tensor
+    s: torch.Tensor
+    gran: str
+
+    def expert(self, e: int, start: int, n: int) -> QOperand:
+        q = self.q[:, start : start + n].contiguous()
+        if self.gran == "tensorwise":
+            return QOperand(q, self.s, "tensorwise")
+        if self.gran == "rowwise":
+            return QOperand(q, self.s[e].unsqueeze(-1).contiguous(), "rowwise")
+        return QOperand(q, self.s[:, start // fq.BLOCK : (start + n) // fq.BLOCK].contiguous(), "1x128")
+
+
+def quant_cols(
+    x: torch.Tensor, counts: torch.Tensor, recipe: Fp8Recipe, dtype: torch.dtype, rows_q: QOperand | None = None
+) -> GroupedCols:
+    """x [P, C] (experts' rows padded to the alignment) quantised along the rows of each expert."""
+    if recipe.scaling == "tensorwise":
+        if rows_q is not None and rows_q.q.dtype == dtype:  # the same groups: one scale
+            return GroupedCols(rows_q.q.t().contiguous(), rows_q.s, "tensorwise")
+        q, s = fq.quantize_tensorwise(x, dtype, recipe.pow2)
+        return GroupedCols(q.t().contiguous(), s, "tensorwise")
+    if recipe.scaling == "blockwise":  # 128-row groups never straddle experts (rows padded to 128)
+        q, s = fq.quantize_1x128(x.t(), dtype, recipe.pow2)
+        return GroupedCols(q, s, "1x128")
+    q, s = fq.quantize_grouped_cols(x, counts, dtype, recipe.pow2)  # rowwise: a scale per expert and column
+    return GroupedCols(q, s, "rowwise")
+
+
+# ---------------------------------------------------------------- grouped GEMMs
+
+
+def _uses_grouped_kernel(recipe: Fp8Recipe, device: torch.device, *dtypes: torch.dtype) -> bool:
+    """torch._scaled_grouped_mm on Hopper: e4m3 operands, row scales (tensorwise as constant rows), CUDA only."""
+    return (
+        not recipe.emulate
+        and device.type == "cuda"
+        and recipe.scaling in ("tensorwise", "rowwise")
+        and hasattr(torch, "_scaled_grouped_mm")
+        and all(d == E4M3 for d in dtypes)
+    )
+
+
+def _uses_block_kernel(recipe: Fp8Recipe, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The Triton blockwise grouped GEMM (fp8_block_gemm.py): blockwise on CUDA, operands of one FP8 format."""
+    return not recipe.emulate and recipe.scaling == "blockwise" and a.dtype == b.dtype and use_triton("auto", a, b)
+
+
+def gmm_nt(
+    a: QOperand, b: GroupedWeight, counts: torch.Tensor, host: list | None, recipe: Fp8Recipe, out_dtype, fast=False
+):
+    """out[rows of e] = a[rows of e] @ b[e]^T; a [P, K], b [E, N, K] -> [P, N]. `fast`: as fp8_gemm.mm."""
+    P, E, N = a.q.shape[0], b.q.shape[0], b.q.shape[1]
+    if _uses_grouped_kernel(recipe, a.q.device, a.q.dtype, b.q.dtype):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        sa = a.s.reshape(-1).expand(P).contiguous() if a.gran == "tensorwise" else a.s.reshape(P)
+        sb = b.s.reshape(E, 1).expand(E, N).contiguous() if b.gran == "tensorwise" else b.s.reshape(E, N)
+        bt = b.q.transpose(-2, -1)
+        return torch._scaled_grouped_mm(a.q, bt, sa, sb, offs=offs, out_dtype=out_dtype, use_fast_accum=fast)
+    if _uses_block_kernel(recipe, a.q, b.q):
+        return block_gemm_nt(a.q, a.s, b.q, b.s, counts, out_dtype)
+    host = host if host is not None else counts.tolist()
+    out = torch.zeros(P, N, dtype=out_dtype, device=a.q.device)
+    start = 0
+    for e, n in enumerate(host):
+        if n:
+            out[start : start + n] = mm(a.rows(start, n), b.expert(e), out_dtype, recipe, fast)
+        start += n
+    return out
+
+
+def gmm_tn(a: GroupedCols, b: GroupedCols, counts: torch.Tensor, host: list | None, recipe: Fp8Recipe, out_dtype):
+    """out[e] = A[rows of e]^T @ B[rows of e] -> [E, C1, C2], from A and B quantised along the rows (quant_cols)."""
+    E, C1, C2 = counts.numel(), a.q.shape[0], b.q.shape[0]
+    if _uses_grouped_kernel(recipe, a.q.device, a.q.dtype, b.q.dtype):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        sa = a.s.reshape(1).expand(E * C1).contiguous() if a.gran == "tensorwise" else a.s.reshape(E * C1)
+        sb = b.s.reshape(1).expand(E * C2).contiguous() if b.gran == "tensorwise" else b.s.reshape(E * C2)
+        return torch._scaled_grouped_mm(a.q, b.q.t(), sa, sb, offs=offs, out_dtype=out_dtype)
+    if _uses_block_kernel(recipe, a.q, b.q):
+        return block_gemm_tn(a.q, a.s, b.q, b.s, counts, out_dtype)
+    host = host if host is not None else counts.tolist()
+    out = torch.zeros(E, C1, C2, dtype=out_dtype, device=a.q.device)
+    start = 0
+    for e, n in enumerate(host):
+        if n:
+            out[e] = mm(a.expert(e, start, n), b.expert(e, start, n), out_dtype, recipe)
+        start += n
+    return out
+
+
+# ---------------------------------------------------------------- the FP8 expert FFN
+
+
+def _activation_quantized(h: torch.Tensor, probs: torch.Tensor | None, recipe: Fp8Recipe) -> QOperand:
+    """SwiGLU(h) (* probs) quantised for the w2 GEMM: one fused Triton kernel for rowwise and 1x128 (the
+    activation is never stored), the two functions in turn otherwise (same values)."""
+    if recipe.scaling != "tensorwise" and use_triton("auto", h) and h.shape[0]:
+        gran = "rowwise" if recipe.scaling == "rowwise" else "1x128"
+        q, s = fq.swiglu_quantize(h, probs, gran, E4M3, recipe.pow2)
+        return QOperand(q, s, gran)
+    return quant_rows(swiglu(h, probs), recipe, E4M3)
+
+
+class _Fp8GroupedFFN(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w13, w2, counts, probs, recipe: Fp8Recipe, host):
+        dt = x.dtype
+        # FP8 primary weights (moecore/models/fp8.py) arrive quantised; others are quantised here
+        w13q, w2q = getattr(w13, "fp8_primary", None), getattr(w2, "fp8_primary", None)
+        w13c = w13 if w13q is not None else w13.to(dt)
+        w2c = w2 if w2q is not None else w2.to(dt)
+        xq = quant_rows(x, recipe, E4M3)
+        w13q = w13q if w13q is not None else quant_weights(w13c, recipe)
+        h = gmm_nt(xq, w13q, counts, host, recipe, dt, recipe.fprop_fast_accum)
+        with torch.no_grad():
+            aq = _activation_quantized(h, probs, recipe)
+        w2q = w2q if w2q is not None else quant_weights(w2c, recipe)
+        y = gmm_nt(aq, w2q, counts, host, recipe, dt, recipe.fprop_fast_accum)
+        # backward reuses tensorwise / 128x128 weights transposed, and tensorwise x: saved tensors, so that
+        # activation checkpointing and offloading hooks see them
+        ctx.keep_x, ctx.keep_w = xq.gran == "tensorwise", w13q.gran != "rowwise"
+        keep = ([xq.q, xq.s] if ctx.keep_x else []) + ([w13q.q, w13q.s, w2q.q, w2q.s] if ctx.keep_w else [])
+        ctx.save_for_backward(x, h, probs, counts, w13c, w2c, *keep)
+        ctx.grans = (xq.gran, w13q.gran)
+        ctx.recipe, ctx.host = recipe, host
+        ctx.w_dtypes = (w13.dtype, w2.dtype)
+        ctx.p_dtype = None if probs is None else probs.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, h, probs, counts, w13c, w2c, *kept = ctx.saved_tensors
+        xq = QOperand(kept.pop(0), kept.pop(0), ctx.grans[0]) if ctx.keep_x else None
+        w13q = GroupedWeight(kept.pop(0), kept.pop(0), ctx.grans[1]) if ctx.keep_w else None
+        w2q = GroupedWeight(kept.pop(0), kept.pop(0), ctx.grans[1]) if ctx.keep_w else None
+        recipe, host, gd, dt = ctx.recipe, ctx.host, ctx.recipe.grad_dtype, dy.dtype
+        dy = dy.contiguous()
+        dyq = quant_rows(dy, recipe, gd)
+        w2t = transposed_weights(w2q, w2c, recipe) if w2q is not None else transposed_rowwise_weights(w2c, recipe)
+        da = gmm_nt(dyq, w2t, counts, host, recipe, dt)
+        del w2t
+        dh, dp, a = swiglu_backward(h, probs, da)
+        del da, h
+        dw2 = dw13 = dx = None
+        if ctx.needs_input_grad[2]:
+            dy_cols = quant_cols(dy, counts, recipe, gd, rows_q=dyq)
+            dw2 = gmm_tn(dy_cols, quant_cols(a, counts, recipe, E4M3), counts, host, recipe, dt).to(ctx.w_dtypes[1])
+        del a
+        dh = dh.to(dt)
+        dhq = quant_rows(dh, recipe, gd)
+        if ctx.needs_input_grad[1]:
+            x_cols = quant_cols(x, counts, recipe, E4M3, rows_q=xq)
+            dh_cols = quant_cols(dh, counts, recipe, gd, rows_q=dhq)
+            dw13 = gmm_tn(dh_cols, x_cols, counts, host, recipe, dt).to(ctx.w_dtypes[0])
+        if ctx.needs_input_grad[0]:
+            w13t = (
+                transposed_weights(w13q, w13c, recipe) if w13q is not None else transposed_rowwise_weights(w13c, recipe)
+            )
+            dx = gmm_nt(dhq, w13t, counts, host, recipe, dt)
+        dprobs = dp.to(ctx.p_dtype) if dp is not None and ctx.needs_input_grad[4] else None
+        return dx, dw13, dw2, None, dprobs, None, None
+
+
+def fp8_expert_ffn(
+    x_NH: torch.Tensor,
+    w13_EFH: torch.Tensor,
+    w2_EHF: torch.Tensor,
+    counts_E: torch.Tensor,
+    probs_N: torch.Tensor | None,
+    recipe: Fp8Recipe,
+) -> torch.Tensor:
+    """The SwiGLU expert FFN on rows sorted by expert ([N, H] -> [N, H]) with FP8 GEMMs; rows padded per
+    expert to the recipe's alignment inside (module docstring) and un-padded on the way out."""
+    N = x_NH.shape[0]
+    if N == 0:
+        return x_NH.new_zeros(0, w2_EHF.shape[1])
+    grouped = _uses_grouped_kernel(recipe, x_NH.device, E4M3, recipe.grad_dtype)
+    counts = counts_E.to(x_NH.device)
+    dst, padded, P = pad_plan(counts, N, recipe.alignment, exact=not grouped)
+    host = None if grouped else padded.tolist()
+    xp = pad_rows(x_NH.contiguous(), dst, P)
+    pp = None if probs_N is None else pad_rows(probs_N, dst, P)
+    y = _Fp8GroupedFFN.apply(xp, w13_EFH, w2_EHF, padded, pp, recipe, host)
+    return y.index_select(0, dst)

@@ -1,0 +1,445 @@
+"""FP8 quantisation with current scaling: Triton kernels beside their PyTorch references.
+
+A quantised tensor is (q, s): q in float8 (e4m3fn or e5m2), s in fp32, with x ~= q * s per group. The
+scale of a group is computed from the group itself at every call (current scaling, no amax history):
+
+    s = max(amax(|x|), AMAX_FLOOR) / fp8_max        q = saturate(x / s) rounded to nearest-even in fp8
+
+so the group's largest magnitude lands on fp8_max (448 for e4m3, 57344 for e5m2). With `pow2` the
+scale is rounded *up* to a power of two (exponent bits only; x / s is then exact before the final
+rounding). DeepSeek-V3 trained with plain scales; the option exists because it makes re-scaling
+between layouts exact. Groups ("granularities"):
+
+- tensorwise:  one scale for the whole tensor                          s: []
+- rowwise:     one scale per row (amax along the last dim)             s: [M, 1]
+- 1x128:       one scale per row and 128 consecutive columns           s: [M, ceil(K/128)]
+- 128x128:     one scale per 128 x 128 tile (weights, DeepSeek-V3)      s: [ceil(M/128), ceil(K/128)]
+
+Two more layouts serve the expert GEMMs (moecore/kernels/fp8_grouped.py): `quantize_grouped_cols` (a
+[P, C] operand quantised along each expert's rows, one scale per expert and column, written transposed for
+the weight-gradient GEMM) and `quantize_weights_transposed` (expert weights [E, N, K] -> [E, K, N]
+quantised along N). `swiglu_quantize` fuses the experts' SwiGLU (* routing probabilities) with rowwise or
+1x128 quantisation.
+
+Each function takes `impl` (moecore/kernels/_triton.py): the Triton kernel on CUDA, the reference
+elsewhere; both divide with IEEE round-to-nearest (`tl.div_rn`) and round to the FP8 grid in fp32 before
+an exact cast, so that they agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moecore.kernels._triton import triton_importable, use_triton
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+AMAX_FLOOR = 1e-12  # the scale of an all-zero group: any positive value gives q = 0
+BLOCK = 128
+
+if triton_importable():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _scale_of(amax, FMAX: tl.constexpr, POW2: tl.constexpr):
+        s = tl.div_rn(tl.maximum(amax, 1e-12), FMAX)
+        if POW2:  # round up to a power of two: clear the mantissa, bump the exponent when it was not zero
+            bits = s.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFFFF) & -8388608  # 0xFF800000
+            s = bits.to(tl.float32, bitcast=True)
+        return s
+
+    @triton.jit
+    def _to_fp8_grid(v, FMAX: tl.constexpr):
+        # Round fp32 v (|v| <= FMAX) to the nearest fp8 value, ties to even, in fp32 arithmetic, so that the
+        # final cast is exact (Triton's interpreter mis-rounds values that round up into the next binade).
+        # ulp = 2^(exponent - mantissa bits), floored at the subnormal spacing; (v + 1.5 * 2^23 ulp) - that
+        # rounds v to a multiple of ulp with the fp32 adder's round-to-nearest-even.
+        if FMAX == 448.0:  # e4m3: 3 mantissa bits, subnormal spacing 2^-9
+            ulp = tl.maximum(
+                (v.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True) * 0.125, 0.001953125
+            )
+        else:  # e5m2: 2 mantissa bits, subnormal spacing 2^-16
+            ulp = tl.maximum(
+                (v.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True) * 0.25, 1.52587890625e-05
+            )
+        c = ulp * 12582912.0
+        r = (tl.abs(v) + c) - c
+        sign = v.to(tl.int32, bitcast=True) & -2147483648  # keep the sign bit (so -0.0 stays -0.0, as torch casts)
+        return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _quant_tile_kernel(
+        x_ptr, q_ptr, s_ptr, R, C, stride_x, stride_xc, stride_q, s_stride_r, s_stride_c,
+        BR: tl.constexpr, BC: tl.constexpr, PER_ROW: tl.constexpr, FMAX: tl.constexpr, POW2: tl.constexpr,
+        TRANS_IN: tl.constexpr,
+    ):  # fmt: skip
+        # One program per [BR, BC] tile; PER_ROW: a scale per row of the tile (1 x BC groups), else one per tile.
+        pr = tl.program_id(0)
+        pc = tl.program_id(1)
+        rows = pr * BR + tl.arange(0, BR)
+        cols = pc * BC + tl.arange(0, BC)
+        m = (rows < R)[:, None] & (cols < C)[None, :]
+        r64 = rows.to(tl.int64)
+        if TRANS_IN:  # x is a transposed view (rows contiguous): load [BC, BR] along them, transpose in registers
+            mt = (rows < R)[None, :] & (cols < C)[:, None]
+            xt = tl.load(x_ptr + r64[None, :] + cols.to(tl.int64)[:, None] * stride_xc, mask=mt, other=0.0)
+            x = tl.trans(xt.to(tl.float32))
+        else:
+            x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :] * stride_xc, mask=m, other=0.0).to(tl.float32)
+        if PER_ROW:
+            s = _scale_of(tl.max(tl.abs(x), axis=1), FMAX, POW2)
+            tl.store(s_ptr + rows * s_stride_r + pc * s_stride_c, s, mask=rows < R)
+            q = tl.div_rn(x, s[:, None])
+        else:
+            s = _scale_of(tl.max(tl.max(tl.abs(x), axis=1), axis=0), FMAX, POW2)
+            tl.store(s_ptr + pr * s_stride_r + pc * s_stride_c, s)
+            q = tl.div_rn(x, s)
+        q = _to_fp8_grid(tl.clamp(q, -FMAX, FMAX), FMAX)
+        tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _quant_rows_kernel(
+        x_ptr, q_ptr, s_ptr, R, C, stride_x, stride_q,
+        BR: tl.constexpr, BC: tl.constexpr, FMAX: tl.constexpr, POW2: tl.constexpr,
+    ):  # fmt: skip
+        # Rowwise: amax over the whole row (a loop over column chunks), then a second pass that quantises.
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        rm = rows < R
+        r64 = rows.to(tl.int64)
+        amax = tl.zeros((BR,), dtype=tl.float32)
+        for c0 in range(0, C, BC):
+            cols = c0 + tl.arange(0, BC)
+            m = rm[:, None] & (cols < C)[None, :]
+            x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        s = _scale_of(amax, FMAX, POW2)
+        tl.store(s_ptr + rows, s, mask=rm)
+        for c0 in range(0, C, BC):
+            cols = c0 + tl.arange(0, BC)
+            m = rm[:, None] & (cols < C)[None, :]
+            x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            q = _to_fp8_grid(tl.clamp(tl.div_rn(x, s[:, None]), -FMAX, FMAX), FMAX)
+            tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _quant_given_scale_kernel(x_ptr, q_ptr, s_ptr, n, BLOCK_N: tl.constexpr, FMAX: tl.constexpr):
+        # Tensorwise: the scale (computed by torch from amax) is read from memory: no host sync.
+        offs = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = offs < n
+        s = tl.load(s_ptr)
+        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        q = _to_fp8_grid(tl.clamp(tl.div_rn(x, s), -FMAX, FMAX), FMAX)
+        tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _quant_cols_kernel(
+        x_ptr, q_ptr, s_ptr, bounds_ptr, P, C, stride_x,
+        BR: tl.constexpr, BC: tl.constexpr, FMAX: tl.constexpr, POW2: tl.constexpr, PER_GROUP_OUT: tl.constexpr,
+    ):  # fmt: skip
+        # Per expert e and column block: amax over the expert's rows bounds[e]..bounds[e+1], then quantise
+        # them, writing q transposed: [C, P] (the wgrad GEMM contracts over rows), or with PER_GROUP_OUT
+        # [E, C, rows of one group] (groups of equal size: a grouped weight [E, N, K] -> [E, K, N]).
+        # Scales s [E, C]. The tile is transposed in registers so that the stores run along the rows.
+        e = tl.program_id(0)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        cm = cols < C
+        start = tl.load(bounds_ptr + e)
+        end = tl.load(bounds_ptr + e + 1)
+        amax = tl.zeros((BC,), dtype=tl.float32)
+        for r0 in range(start, end, BR):
+            rows = r0 + tl.arange(0, BR)
+            m = (rows < end)[:, None] & cm[None, :]
+            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
+        s = _scale_of(amax, FMAX, POW2)
+        tl.store(s_ptr + e * C + cols, s, mask=cm)
+        for r0 in range(start, end, BR):
+            rows = r0 + tl.arange(0, BR)
+            m = (rows < end)[:, None] & cm[None, :]
+            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+            q = _to_fp8_grid(tl.clamp(tl.div_rn(x.to(tl.float32), s[None, :]), -FMAX, FMAX), FMAX)
+            if PER_GROUP_OUT:
+                n = end - start
+                dst = q_ptr + e.to(tl.int64) * C * n + cols.to(tl.int64)[:, None] * n + (rows - start)[None, :]
+            else:
+                dst = q_ptr + cols.to(tl.int64)[:, None] * P + rows[None, :]
+            mt = (rows < end)[None, :] & cm[:, None]
+            tl.store(dst, tl.trans(q).to(q_ptr.dtype.element_ty), mask=mt)
+
+    @triton.jit
+    def _swiglu_quant_kernel(
+        h_ptr, p_ptr, q_ptr, s_ptr, M, F, s_stride,
+        HAS_P: tl.constexpr, ROWWISE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+        FMAX: tl.constexpr, POW2: tl.constexpr,
+    ):  # fmt: skip
+        # a = silu(g) * u (* p) for h = [g | u], rounded to h's dtype as moecore/kernels/swiglu.py stores it,
+        # then quantised (ROWWISE: a scale per row, two passes over the row; else 1 x BC blocks), without
+        # writing a. Rowwise: one program per BR rows; 1x128: one per [BR, BC] tile.
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        rm = rows < M
+        r64 = rows.to(tl.int64)
+        p = tl.load(p_ptr + rows, mask=rm, other=0.0).to(tl.float32) if HAS_P else None
+        if ROWWISE:
+            amax = tl.zeros((BR,), dtype=tl.float32)
+            for c0 in range(0, F, BC):
+                cols = c0 + tl.arange(0, BC)
+                m = rm[:, None] & (cols < F)[None, :]
+                g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                a = g * tl.sigmoid(g) * u
+                if HAS_P:
+                    a = a * p[:, None]
+                a = a.to(h_ptr.dtype.element_ty).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(a), axis=1))
+            s = _scale_of(amax, FMAX, POW2)
+            tl.store(s_ptr + rows, s, mask=rm)
+            for c0 in range(0, F, BC):
+                cols = c0 + tl.arange(0, BC)
+                m = rm[:, None] & (cols < F)[None, :]
+                g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                a = g * tl.sigmoid(g) * u
+                if HAS_P:
+                    a = a * p[:, None]
+                a = a.to(h_ptr.dtype.element_ty).to(tl.float32)
+                q = _to_fp8_grid(tl.clamp(tl.div_rn(a, s[:, None]), -FMAX, FMAX), FMAX)
+                tl.store(q_ptr + r64[:, None] * F + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+        else:
+            pc = tl.program_id(1)
+            cols = pc * BC + tl.arange(0, BC)
+            m = rm[:, None] & (cols < F)[None, :]
+            g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            a = g * tl.sigmoid(g) * u
+            if HAS_P:
+                a = a * p[:, None]
+            a = a.to(h_ptr.dtype.element_ty).to(tl.float32)
+            s = _scale_of(tl.max(tl.abs(a), axis=1), FMAX, POW2)
+            tl.store(s_ptr + rows * s_stride + pc, s, mask=rm)
+            q = _to_fp8_grid(tl.clamp(tl.div_rn(a, s[:, None]), -FMAX, FMAX), FMAX)
+            tl.store(q_ptr + r64[:, None] * F + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+
+
+# ---------------------------------------------------------------- references
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, pow2: bool = False) -> torch.Tensor:
+    """s = max(amax, AMAX_FLOOR) / fp8_max in fp32; with `pow2` rounded up to a power of two (bit-exact)."""
+    s = amax.float().clamp(min=AMAX_FLOOR) / FP8_MAX[dtype]
+    if pow2:
+        bits = s.view(torch.int32)
+        s = ((bits + 0x7FFFFF) & -8388608).view(torch.float32)
+    return s
+
+
+def _cast(x: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    fmax = FP8_MAX[dtype]
+    return (x.float() / s).clamp(-fmax, fmax).to(dtype)
+
+
+def _check_2d(x: torch.Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"expected a 2-D tensor, got shape {tuple(x.shape)}")
+
+
+def quantize_tensorwise_reference(x: torch.Tensor, dtype: torch.dtype, pow2: bool = False):
+    s = scale_from_amax(x.detach().abs().amax(), dtype, pow2)
+    return _cast(x, s, dtype), s
+
+
+def quantize_rowwise_reference(x: torch.Tensor, dtype: torch.dtype, pow2: bool = False):
+    _check_2d(x)
+    s = scale_from_amax(x.detach().abs().amax(dim=1, keepdim=True), dtype, pow2)
+    return _cast(x, s, dtype), s
+
+
+def _pad_to(x: torch.Tensor, rb: int, cb: int) -> torch.Tensor:
+    R, C = x.shape
+    pr, pc = -R % rb, -C % cb
+    return torch.nn.functional.pad(x.float(), (0, pc, 0, pr)) if pr or pc else x.float()
+
+
+def quantize_1x128_reference(x: torch.Tensor, dtype: torch.dtype, pow2: bool = False):
+    _check_2d(x)
+    R, C = x.shape
+    xp = _pad_to(x, 1, BLOCK).view(R, -1, BLOCK)
+    s = scale_from_amax(xp.abs().amax(dim=2), dtype, pow2)  # [R, ceil(C/128)]
+    q = _cast(xp, s.unsqueeze(-1), dtype).view(R, -1)[:, :C]
+    return q.contiguous(), s
+
+
+def quantize_128x128_reference(x: torch.Tensor, dtype: torch.dtype, pow2: bool = False):
+    _check_2d(x)
+    R, C = x.shape
+    xp = _pad_to(x, BLOCK, BLOCK)
+    nr, nc = xp.shape[0] // BLOCK, xp.shape[1] // BLOCK
+    tiles = xp.view(nr, BLOCK, nc, BLOCK)
+    s = scale_from_amax(tiles.abs().amax(dim=(1, 3)), dtype, pow2)  # [ceil(R/128), ceil(C/128)]
+    q = _cast(tiles, s[:, None, :, None], dtype).view(nr * BLOCK, nc * BLOCK)[:R, :C]
+    return q.contiguous(), s
+
+
+# ---------------------------------------------------------------- public functions
+
+
+def _launch_tile(x: torch.Tensor, dtype: torch.dtype, pow2: bool, per_row: bool):
+    R, C = x.shape  # any strides (x.t() of a contiguous tensor is read in place)
+    q = torch.empty(R, C, dtype=dtype, device=x.device)
+    br = 32 if per_row else BLOCK
+    if not x.is_cuda:  # the interpreter: small tiles for 1x128
+        br = 16 if per_row else BLOCK
+    s_rows = R if per_row else triton.cdiv(R, BLOCK)
+    s = torch.empty(s_rows, triton.cdiv(C, BLOCK), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(R, br), triton.cdiv(C, BLOCK))
+    _quant_tile_kernel[grid](
+        x, q, s, R, C, x.stride(0), x.stride(1), q.stride(0), s.stride(0), s.stride(1),
+        BR=br, BC=BLOCK, PER_ROW=per_row, FMAX=FP8_MAX[dtype], POW2=pow2, TRANS_IN=x.stride(0) == 1 and C > 1,
+        **({"num_warps": 8} if x.is_cuda and not per_row else {}),  # a whole 128 x 128 tile per program
+    )  # fmt: skip
+    return q, s
+
+
+def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2: bool = False, impl="auto"):
+    """(q, s) with one fp32 scale s (shape []) for the whole tensor."""
+    if not use_triton(impl, x):
+        return quantize_tensorwise_reference(x, dtype, pow2)
+    s = scale_from_amax(x.detach().abs().amax(), dtype, pow2)  # one torch reduction, kept on the device
+    xc = x.contiguous()
+    q = torch.empty(x.shape, dtype=dtype, device=x.device)
+    n = xc.numel()
+    bn = 1024
+    _quant_given_scale_kernel[(triton.cdiv(n, bn),)](xc, q, s, n, BLOCK_N=bn, FMAX=FP8_MAX[dtype])
+    return q, s
+
+
+def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2: bool = False, impl="auto"):
+    """(q [M, K], s [M, 1]): one scale per row of a 2-D tensor."""
+    _check_2d(x)
+    if not use_triton(impl, x):
+        return quantize_rowwise_reference(x, dtype, pow2)
+    R, C = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
+    q = torch.empty(R, C, dtype=dtype, device=x.device)
+    s = torch.empty(R, 1, dtype=torch.float32, device=x.device)
+    br, bc = (16, 256) if x.is_cuda else (16, 128)
+    _quant_rows_kernel[(triton.cdiv(R, br),)](
+        x, q, s, R, C, x.stride(0), q.stride(0), BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2
+    )
+    return q, s
+
+
+def quantize_1x128(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2: bool = False, impl="auto"):
+    """(q [M, K], s [M, ceil(K/128)]): one scale per row and 128 columns (DeepSeek-V3's activations)."""
+    _check_2d(x)
+    if not use_triton(impl, x):
+        return quantize_1x128_reference(x, dtype, pow2)
+    return _launch_tile(x, dtype, pow2, per_row=True)
+
+
+def quantize_128x128(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2: bool = False, impl="auto"):
+    """(q [M, K], s [ceil(M/128), ceil(K/128)]): one scale per 128 x 128 tile (DeepSeek-V3's weights)."""
+    _check_2d(x)
+    if not use_triton(impl, x):
+        return quantize_128x128_reference(x, dtype, pow2)
+    return _launch_tile(x, dtype, pow2, per_row=False)
+
+
+def quantize_grouped_cols_reference(x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype, pow2: bool = False):
+    """(q^T [C, P], s [E, C]): x [P, C] quantised per expert (its rows: `counts`, consecutive) and column."""
+    _check_2d(x)
+    P, C = x.shape
+    E = counts.numel()
+    eid = torch.repeat_interleave(torch.arange(E, device=x.device), counts.to(torch.int64), output_size=P)
+    amax = torch.zeros(E, C, device=x.device).scatter_reduce(
+        0, eid[:, None].expand(-1, C), x.detach().abs().float(), "amax"
+    )
+    s = scale_from_amax(amax, dtype, pow2)
+    return _cast(x, s[eid], dtype).t().contiguous(), s
+
+
+def quantize_grouped_cols(
+    x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2: bool = False, impl="auto"
+):
+    """(q^T [C, P], s [E, C]): the operand of a grouped weight-gradient GEMM, quantised along each expert's rows
+    (the contracted dim) with one scale per expert and column, stored transposed. No host synchronisation."""
+    _check_2d(x)
+    if not use_triton(impl, x, counts):
+        return quantize_grouped_cols_reference(x, counts, dtype, pow2)
+    P, C = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
+    E = counts.numel()
+    bounds = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
+    torch.cumsum(counts, 0, out=bounds[1:])
+    q = torch.empty(C, P, dtype=dtype, device=x.device)
+    s = torch.empty(E, C, dtype=torch.float32, device=x.device)
+    br, bc = (64, 64) if x.is_cuda else (16, 32)
+    _quant_cols_kernel[(E, triton.cdiv(C, bc))](
+        x, q, s, bounds, P, C, x.stride(0), BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2, PER_GROUP_OUT=False
+    )
+    return q, s
+
+
+def quantize_weights_transposed(
+    w: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2: bool = False, impl="auto"
+):
+    """(q [E, K, N], s [E, K, 1]): grouped weights w [E, N, K] transposed per expert and quantised rowwise
+    (one scale per row of w[e]^T, i.e. per column of w[e]) in one pass, without a bf16 transposed copy."""
+    E, N, K = w.shape
+    if not use_triton(impl, w):
+        wt = w.transpose(1, 2)
+        s = scale_from_amax(wt.detach().abs().amax(dim=2, keepdim=True), dtype, pow2)
+        return _cast(wt, s, dtype).contiguous(), s
+    w2 = w.reshape(E * N, K)
+    bounds = torch.arange(0, (E + 1) * N, N, dtype=torch.int32, device=w.device)
+    q = torch.empty(E, K, N, dtype=dtype, device=w.device)
+    s = torch.empty(E, K, dtype=torch.float32, device=w.device)
+    br, bc = (64, 64) if w.is_cuda else (16, 32)
+    _quant_cols_kernel[(E, triton.cdiv(K, bc))](
+        w2, q, s, bounds, E * N, K, w2.stride(0), BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2, PER_GROUP_OUT=True
+    )
+    return q, s.unsqueeze(-1)
+
+
+def dequantize(q: torch.Tensor, s: torch.Tensor, granularity: str) -> torch.Tensor:
+    """fp32 values q * s for any granularity of this module (tensorwise | rowwise | 1x128 | 128x128)."""
+    x = q.float()
+    R, C = x.shape[-2], x.shape[-1]
+    if granularity in ("tensorwise", "rowwise"):
+        return x * s
+    if granularity == "1x128":
+        return x * s.repeat_interleave(BLOCK, dim=-1)[..., :C]
+    if granularity == "128x128":
+        return x * s.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)[..., :R, :C]
+    raise ValueError(f"granularity={granularity!r} is invalid: allowed: tensorwise | rowwise | 1x128 | 128x128")
+
+
+def swiglu_quantize(
+    h: torch.Tensor,
+    probs: torch.Tensor | None,
+    granularity: str,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    pow2: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused SwiGLU (* probs) + quantisation Triton kernel: (q [M, F], s) with `granularity` rowwise
+    (s [M, 1]) or 1x128 (s [M, ceil(F/128)]) of a = silu(g) * u (* p) rounded to h's dtype, bit for bit what
+    `swiglu(h, probs)` followed by `quantize_rowwise` / `quantize_1x128` gives, without storing a.
+    Callers check `use_triton` first (the unfused functions are the reference)."""
+    M, F2 = h.shape
+    Fh = F2 // 2
+    h = h.contiguous()
+    q = torch.empty(M, Fh, dtype=dtype, device=h.device)
+    rowwise = granularity == "rowwise"
+    s = torch.empty(M, 1 if rowwise else triton.cdiv(Fh, BLOCK), dtype=torch.float32, device=h.device)
+    if rowwise:
+        br, bc = (16, 256) if h.is_cuda else (16, 128)
+        grid = (triton.cdiv(M, br),)
+    else:
+        br, bc = (32, BLOCK) if h.is_cuda else (16, BLOCK)
+        grid = (triton.cdiv(M, br), triton.cdiv(Fh, bc))
+    p = probs.contiguous() if probs is not None else h
+    _swiglu_quant_kernel[grid](
+        h, p, q, s, M, Fh, s.stride(0),
+        HAS_P=probs is not None, ROWWISE=rowwise, BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2,
+    )  # fmt: skip
+    return q, s
