@@ -157,6 +157,8 @@ class DSAttention(MLAttention):
     forward, `indexer_loss` holds this layer's KL loss (mean over tokens) until `pop_indexer_loss()`."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, dims: Any = None) -> None:
+        if getattr(dims, "tp", 1) > 1:  # the indexer's KL target would need every rank's heads (sum over TP)
+            raise ValueError(f"parallel.tp={dims.tp} is not supported with model.attention_type=dsa yet; use 1")
         super().__init__(cfg, layer_idx, dims)
         self.indexer = LightningIndexer(cfg)
         self.index_topk = cfg.index_topk
