@@ -281,9 +281,7 @@ class GatedDeltaNet(nn.Module):
             )
         tp = tp_size(dims)
         if cfg.linear_num_key_heads % tp:  # value heads are a multiple of key heads: they divide too
-            raise ConfigError(
-                f"parallel.tp={tp} does not divide model.linear_num_key_heads={cfg.linear_num_key_heads}"
-            )
+            raise ConfigError(f"parallel.tp={tp} does not divide model.linear_num_key_heads={cfg.linear_num_key_heads}")
         self.layer_idx = layer_idx
         self.dims = dims
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads  # global head counts

@@ -106,7 +106,9 @@ class MLAttention(nn.Module):
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, n * self.qk_head_dim, False, dims, name=heads)
         self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=LATENT_NORM_EPS)
-        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, n * (self.nope_dim + self.v_dim), False, dims, name=heads)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, n * (self.nope_dim + self.v_dim), False, dims, name=heads
+        )
         self.o_proj = RowParallelLinear(n * self.v_dim, h, False, dims, name=heads)
         if tp > 1:  # replicated latents read by this rank's heads only: partial gradients over TP
             for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):

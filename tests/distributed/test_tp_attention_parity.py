@@ -1,57 +1,35 @@
 """Tensor parallel for multi-latent attention, gated DeltaNet and MTP trains like the one-process run.
 
 3 steps' losses, grad norms and every first-step gradient (relative 1e-5, fp32, gloo on CPU) of the
-shared harness (dist_parity.py) on tiny models:
+shared harness (dist_parity.py) on the tiny models of attn_variants.py:
 - `mla`: DeepSeek-V3 style MLA with the q LoRA (q_a_proj + norm, q_b_proj) and one MTP layer;
 - `mla-noq`: MLA without the q LoRA (a column-parallel q_proj straight from the hidden states);
-- `deltanet`: Qwen3-Next style, two gated DeltaNet layers (2 key heads, 4 value heads, chunk 3, so the
-  sequence of 8 is not a multiple of the chunk) and one gated GQA layer with q/k norms, plus one MTP layer
-  (init_std 0.02: see `_deltanet`).
-Layouts: tp2 with and without sequence parallel, and tp2 x ep2 (4 processes) for MLA + MTP.
-The harness's objective is the LM loss plus `aux_loss`; the MTP loss, which the training loop scales
-like the routing losses (moecore/train/loop.py), is folded into `aux_loss` here, in every process.
+- `deltanet`: Qwen3-Next style gated DeltaNet + gated attention layers and one MTP layer.
+Each layout's own seeded initialisation is also checked to give every rank its shard of the one-process
+weights bit for bit. Layouts: tp2 with and without sequence parallel, and tp2 x ep2 (4 processes) for MLA + MTP.
+The harness's objective is the LM loss plus `aux_loss`; the MTP loss is folded into `aux_loss` here.
 """
 
 from __future__ import annotations
 
+import copy
+
 import pytest
-from dist_parity import compare, make_data, reference, run_layout, tiny_config
+import torch
+from attn_variants import deltanet_config, mla_config, with_mtp_in_aux
+from dist_parity import compare, make_data, make_dims, reference, run_layout
 
 from moecore.models.transformer import MoETransformer
 from moecore.parallel.launch import run_local
 from moecore.parallel.layout import check_layout
+from moecore.parallel.sharding import get_shard
 
 pytestmark = pytest.mark.distributed
 
 TOL = 1e-5
 
 
-def _mla(cfg, q_lora: bool = True, mtp: bool = True):
-    m = cfg.model
-    m.attention_type, m.num_kv_heads, m.kv_lora_rank = "mla", 4, 8
-    m.q_lora_rank = 16 if q_lora else None
-    m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.rope_interleave = 8, 4, 8, True
-    m.mtp_num_layers, m.mtp_loss_scaling_factor = (1, 0.3) if mtp else (0, 0.0)
-    return cfg
-
-
-def _deltanet(cfg):
-    m = cfg.model
-    m.layer_types = ["linear_attention", "full_attention", "linear_attention"]
-    m.head_dim, m.partial_rotary_factor, m.qk_norm, m.attn_output_gate = 8, 0.5, True, True
-    m.norm_zero_centered = True
-    m.linear_num_key_heads, m.linear_num_value_heads = 2, 4
-    m.linear_key_head_dim, m.linear_value_head_dim = 8, 8
-    m.linear_conv_kernel_dim, m.linear_chunk_size = 4, 3
-    m.mtp_num_layers, m.mtp_loss_scaling_factor = 1, 0.3
-    # With the harness's init_std 0.1 this tiny DeltaNet model is ill-conditioned under its AdamW steps: a
-    # relative 1e-7 perturbation of the initial weights moves the third step's grad norm by ~3e-4 in the
-    # one-process run itself (ep2, without TP, differs as much). At 0.02 the same perturbation moves it ~6e-6.
-    m.init_std = 0.02
-    return cfg
-
-
-VARIANTS = {"mla": _mla, "mla-noq": lambda c: _mla(c, q_lora=False, mtp=False), "deltanet": _deltanet}
+VARIANTS = {"mla": mla_config, "mla-noq": lambda: mla_config(q_lora=False, mtp=False), "deltanet": deltanet_config}
 
 # world -> name -> (parallel overrides, variant)
 LAYOUTS = {
@@ -66,32 +44,34 @@ LAYOUTS = {
 
 
 def _config(variant: str, par: dict | None = None):
-    cfg = VARIANTS[variant](tiny_config(token_dispatcher_type="alltoall"))
+    cfg = VARIANTS[variant]()
     for k, v in (par or {}).items():
         setattr(cfg.parallel, k, v)
     cfg.validate()
     return cfg
 
 
-def _with_mtp_in_aux(forward):
-    def folded(self, *args, **kwargs):
-        out = forward(self, *args, **kwargs)
-        if out.mtp_loss is not None:
-            out.aux_loss = out.mtp_loss if out.aux_loss is None else out.aux_loss + out.mtp_loss
-        return out
-
-    return folded
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _mtp_objective():
     with pytest.MonkeyPatch.context() as mp:  # forked workers inherit the patched class
-        mp.setattr(MoETransformer, "forward", _with_mtp_in_aux(MoETransformer.forward))
+        mp.setattr(MoETransformer, "forward", with_mtp_in_aux(MoETransformer.forward))
         yield
 
 
+def _seeded_mismatches(rank: int, world: int, cfg, full: dict) -> list[str]:
+    """Parameters whose seeded initialisation on this rank differs from its shard of the one-process init."""
+    torch.manual_seed(1000 + rank)  # torch's own stream differs per rank: the seeded init must not use it
+    model = MoETransformer(copy.deepcopy(cfg), make_dims(cfg, rank, world))
+    return [n for n, p in model.named_parameters() if not torch.equal(p.detach(), get_shard(p).local_of(full[n]))]
+
+
 def _run_all(rank: int, world: int, cases: dict, refs: dict, data) -> dict:
-    return {name: run_layout(rank, world, _config(v, par), refs[v][0], data) for name, (par, v) in cases.items()}
+    out = {}
+    for name, (par, v) in cases.items():
+        cfg = _config(v, par)
+        out[name] = run_layout(rank, world, cfg, refs[v][0], data)
+        out[name]["seeded_mismatches"] = _seeded_mismatches(rank, world, cfg, refs[v][0])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +96,8 @@ def test_tp_matches_single_process(world, refs):
         print(f"{name}: loss {r['loss']:.1e} norm {r['norm']:.1e} grad {r['grad']:.1e} ({r['grad_param']})")
     bad = {n: r for n, r in report.items() if max(r["loss"], r["norm"], r["grad"]) > TOL}
     assert not bad, bad
-    for got in results[1:]:  # every rank reports the same losses
-        for name in report:
+    for rank, got in enumerate(results):
+        for name in report:  # every rank reports the same losses
             assert got[name]["losses"] == pytest.approx(results[0][name]["losses"], rel=1e-12)
+            # seeded init (moecore/models/init.py) gives every rank its shard of the one-process weights
+            assert not got[name]["seeded_mismatches"], (name, rank, got[name]["seeded_mismatches"])
