@@ -54,12 +54,10 @@ def check_layout(cfg: Config) -> None:
     if p.tp == 1:
         return
     tp = p.tp
-    if m.attention_type == "dsa":  # the indexer's KL target sums the main attention's heads (models/dsa.py)
-        raise ConfigError(f"parallel.tp={tp} is not supported with model.attention_type=dsa yet; use parallel.tp=1")
     if m.attn_sinks:
         raise ConfigError(f"model.attn_sinks=true is not supported with parallel.tp={tp} yet; use parallel.tp=1")
-    # Tensor parallel splits attention heads (GQA, MLA: models/attention.py, mla.py), gated DeltaNet key heads
-    # with their value heads (models/linear_attention.py), FFN columns and the vocabulary.
+    # Tensor parallel splits attention heads (GQA, MLA, DSA: models/attention.py, mla.py, dsa.py), gated DeltaNet
+    # key heads with their value heads (models/linear_attention.py), FFN columns and the vocabulary.
     layer_types = m.layer_types or []
     checks = [
         ("model.num_attention_heads", m.num_attention_heads),

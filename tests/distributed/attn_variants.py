@@ -3,8 +3,9 @@
 - `mla_config`: DeepSeek-V3 style MLA (optionally with the q LoRA) and one MTP layer;
 - `deltanet_config`: Qwen3-Next style, gated DeltaNet layers (2 key heads, 4 value heads, chunk 3, so the
   sequence of 8 is not a multiple of the chunk) around one gated GQA layer with q/k norms, and one MTP layer.
-`with_mtp_in_aux` wraps MoETransformer.forward so that the MTP loss joins `aux_loss`, which the harness's
-objective scales as the training loop scales the MTP loss (moecore/train/loop.py).
+- `dsa_config`: DeepSeek-V3.2 sparse attention (MLA + lightning indexer), sparse or dense_warmup stage.
+`with_mtp_in_aux` wraps MoETransformer.forward so that the MTP and indexer losses join `aux_loss`, which the
+harness's objective scales as the training loop scales those losses (moecore/train/loop.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ def mla_config(q_lora: bool = True, mtp: bool = True) -> Config:
     m.q_lora_rank = 16 if q_lora else None
     m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.rope_interleave = 8, 4, 8, True
     m.mtp_num_layers, m.mtp_loss_scaling_factor = (1, 0.3) if mtp else (0, 0.0)
+    return cfg
+
+
+def dsa_config(stage: str = "sparse") -> Config:
+    """DeepSeek-V3.2's sparse attention on MLA: 2 indexer heads, top-3 of a sequence of 8, without MTP."""
+    cfg = mla_config(mtp=False)
+    m = cfg.model
+    m.attention_type, m.dsa_stage = "dsa", stage
+    m.index_n_heads, m.index_head_dim, m.index_topk = 2, 8, 3
     return cfg
 
 
@@ -42,12 +52,13 @@ def deltanet_config() -> Config:
 
 
 def with_mtp_in_aux(forward):
-    """MoETransformer.forward, with the MTP loss added into ModelOutput.aux_loss."""
+    """MoETransformer.forward, with the MTP loss and the DSA indexers' loss added into ModelOutput.aux_loss."""
 
     def folded(self, *args, **kwargs):
         out = forward(self, *args, **kwargs)
-        if out.mtp_loss is not None:
-            out.aux_loss = out.mtp_loss if out.aux_loss is None else out.aux_loss + out.mtp_loss
+        for extra in (out.mtp_loss, out.indexer_loss):
+            if extra is not None and extra.requires_grad:  # dense_warmup: the MTP loss is detached
+                out.aux_loss = extra if out.aux_loss is None or not out.aux_loss.requires_grad else out.aux_loss + extra
         return out
 
     return folded

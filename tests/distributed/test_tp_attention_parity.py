@@ -4,10 +4,11 @@
 shared harness (dist_parity.py) on the tiny models of attn_variants.py:
 - `mla`: DeepSeek-V3 style MLA with the q LoRA (q_a_proj + norm, q_b_proj) and one MTP layer;
 - `mla-noq`: MLA without the q LoRA (a column-parallel q_proj straight from the hidden states);
+- `dsa`: DeepSeek-V3.2 sparse attention (top-3 of 8 tokens) in the sparse stage, its indexer loss included;
 - `deltanet`: Qwen3-Next style gated DeltaNet + gated attention layers and one MTP layer.
 Each layout's own seeded initialisation is also checked to give every rank its shard of the one-process
 weights bit for bit. Layouts: tp2 with and without sequence parallel, and tp2 x ep2 (4 processes) for MLA + MTP.
-The harness's objective is the LM loss plus `aux_loss`; the MTP loss is folded into `aux_loss` here.
+The harness's objective is the LM loss plus `aux_loss`; the MTP and indexer losses are folded into it here.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import copy
 
 import pytest
 import torch
-from attn_variants import deltanet_config, mla_config, with_mtp_in_aux
+from attn_variants import deltanet_config, dsa_config, mla_config, with_mtp_in_aux
 from dist_parity import compare, make_data, make_dims, reference, run_layout
 
 from moecore.models.transformer import MoETransformer
@@ -29,13 +30,19 @@ pytestmark = pytest.mark.distributed
 TOL = 1e-5
 
 
-VARIANTS = {"mla": mla_config, "mla-noq": lambda: mla_config(q_lora=False, mtp=False), "deltanet": deltanet_config}
+VARIANTS = {
+    "mla": mla_config,
+    "mla-noq": lambda: mla_config(q_lora=False, mtp=False),
+    "dsa": dsa_config,
+    "deltanet": deltanet_config,
+}
 
 # world -> name -> (parallel overrides, variant)
 LAYOUTS = {
     2: {
         "mla-tp2-sp": ({"tp": 2}, "mla"),
         "mla-noq-tp2-nosp": ({"tp": 2, "sequence_parallel": False}, "mla-noq"),
+        "dsa-tp2-sp": ({"tp": 2}, "dsa"),
         "deltanet-tp2-sp": ({"tp": 2}, "deltanet"),
         "deltanet-tp2-nosp": ({"tp": 2, "sequence_parallel": False}, "deltanet"),
     },
