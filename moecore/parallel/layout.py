@@ -54,8 +54,6 @@ def check_layout(cfg: Config) -> None:
     if p.tp == 1:
         return
     tp = p.tp
-    if m.attn_sinks:
-        raise ConfigError(f"model.attn_sinks=true is not supported with parallel.tp={tp} yet; use parallel.tp=1")
     # Tensor parallel splits attention heads (GQA, MLA, DSA: models/attention.py, mla.py, dsa.py), gated DeltaNet
     # key heads with their value heads (models/linear_attention.py), FFN columns and the vocabulary.
     layer_types = m.layer_types or []

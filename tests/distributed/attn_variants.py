@@ -3,6 +3,7 @@
 - `mla_config`: DeepSeek-V3 style MLA (optionally with the q LoRA) and one MTP layer;
 - `deltanet_config`: Qwen3-Next style, gated DeltaNet layers (2 key heads, 4 value heads, chunk 3, so the
   sequence of 8 is not a multiple of the chunk) around one gated GQA layer with q/k norms, and one MTP layer.
+- `oss_config`: gpt-oss (attention sinks, sliding windows, biases, biased experts);
 - `dsa_config`: DeepSeek-V3.2 sparse attention (MLA + lightning indexer), sparse or dense_warmup stage.
 `with_mtp_in_aux` wraps MoETransformer.forward so that the MTP and indexer losses join `aux_loss`, which the
 harness's objective scales as the training loop scales those losses (moecore/train/loop.py).
@@ -48,6 +49,20 @@ def deltanet_config() -> Config:
     # steps: a relative 1e-7 perturbation of the initial weights moves the third step's grad norm by ~3e-4 in
     # the one-process run itself (ep2, without TP, differs as much). At 0.02 the same perturbation moves it ~6e-6.
     m.init_std = 0.02
+    return cfg
+
+
+def oss_config() -> Config:
+    """gpt-oss's layers: attention sinks, alternating sliding (window 3) / full layers, q/k/v/o biases, router
+    logit bias, biased experts with the clamped SwiGLU."""
+    cfg = tiny_config(token_dispatcher_type="alltoall")
+    m = cfg.model
+    m.layer_types, m.sliding_window = ["sliding_attention", "full_attention", "sliding_attention"], 3
+    m.qkv_bias = m.attn_out_bias = m.attn_sinks = True
+    m.activation, m.swiglu_limit = "swiglu_clamped", 0.5
+    m.expert_linear_bias = m.router_logit_bias = True
+    cfg.moe.first_k_dense_replace, cfg.moe.shared_expert_intermediate_size = 0, None
+    cfg.moe.router_pre_softmax = False
     return cfg
 
 

@@ -1,11 +1,13 @@
-"""Tensor parallel for multi-latent attention, gated DeltaNet and MTP trains like the one-process run.
+"""Tensor parallel for multi-latent and sparse attention, gated DeltaNet, MTP and attention sinks trains like
+the one-process run.
 
 3 steps' losses, grad norms and every first-step gradient (relative 1e-5, fp32, gloo on CPU) of the
 shared harness (dist_parity.py) on the tiny models of attn_variants.py:
 - `mla`: DeepSeek-V3 style MLA with the q LoRA (q_a_proj + norm, q_b_proj) and one MTP layer;
 - `mla-noq`: MLA without the q LoRA (a column-parallel q_proj straight from the hidden states);
 - `dsa`: DeepSeek-V3.2 sparse attention (top-3 of 8 tokens) in the sparse stage, its indexer loss included;
-- `deltanet`: Qwen3-Next style gated DeltaNet + gated attention layers and one MTP layer.
+- `deltanet`: Qwen3-Next style gated DeltaNet + gated attention layers and one MTP layer;
+- `oss`: gpt-oss's attention sinks (sharded by head), sliding windows and biased experts.
 Each layout's own seeded initialisation is also checked to give every rank its shard of the one-process
 weights bit for bit. Layouts: tp2 with and without sequence parallel, and tp2 x ep2 (4 processes) for MLA + MTP.
 The harness's objective is the LM loss plus `aux_loss`; the MTP and indexer losses are folded into it here.
@@ -17,7 +19,7 @@ import copy
 
 import pytest
 import torch
-from attn_variants import deltanet_config, dsa_config, mla_config, with_mtp_in_aux
+from attn_variants import deltanet_config, dsa_config, mla_config, oss_config, with_mtp_in_aux
 from dist_parity import compare, make_data, make_dims, reference, run_layout
 
 from moecore.models.transformer import MoETransformer
@@ -35,6 +37,7 @@ VARIANTS = {
     "mla-noq": lambda: mla_config(q_lora=False, mtp=False),
     "dsa": dsa_config,
     "deltanet": deltanet_config,
+    "oss": oss_config,
 }
 
 # world -> name -> (parallel overrides, variant)
@@ -45,6 +48,7 @@ LAYOUTS = {
         "dsa-tp2-sp": ({"tp": 2}, "dsa"),
         "deltanet-tp2-sp": ({"tp": 2}, "deltanet"),
         "deltanet-tp2-nosp": ({"tp": 2, "sequence_parallel": False}, "deltanet"),
+        "oss-tp2-sp": ({"tp": 2}, "oss"),
     },
     4: {"mla-tp2xep2-sp": ({"tp": 2, "ep": 2}, "mla")},
 }
