@@ -9,7 +9,7 @@ shared harness (dist_parity.py) on the tiny models of attn_variants.py:
 - `deltanet`: Qwen3-Next style gated DeltaNet + gated attention layers and one MTP layer;
 - `oss`: gpt-oss's attention sinks (sharded by head), sliding windows and biased experts.
 Each layout's own seeded initialisation is also checked to give every rank its shard of the one-process
-weights bit for bit. Layouts: tp2 with and without sequence parallel, and tp2 x ep2 (4 processes) for MLA + MTP.
+weights bit for bit, and the planner to count each rank's parameters exactly. Layouts: tp2 with and without sequence parallel, and tp2 x ep2 (4 processes) for MLA + MTP.
 The harness's objective is the LM loss plus `aux_loss`; the MTP and indexer losses are folded into it here.
 """
 
@@ -26,6 +26,8 @@ from moecore.models.transformer import MoETransformer
 from moecore.parallel.launch import run_local
 from moecore.parallel.layout import check_layout
 from moecore.parallel.sharding import get_shard
+from moecore.plan.layout import layout_of
+from moecore.plan.params import param_entries
 
 pytestmark = pytest.mark.distributed
 
@@ -69,11 +71,14 @@ def _mtp_objective():
         yield
 
 
-def _seeded_mismatches(rank: int, world: int, cfg, full: dict) -> list[str]:
-    """Parameters whose seeded initialisation on this rank differs from its shard of the one-process init."""
+def _seeded_mismatches(rank: int, world: int, cfg, full: dict) -> tuple[list[str], int, int]:
+    """Parameters whose seeded initialisation on this rank differs from its shard of the one-process init; the
+    rank's parameter count and the planner's (moecore/plan/params.py)."""
     torch.manual_seed(1000 + rank)  # torch's own stream differs per rank: the seeded init must not use it
     model = MoETransformer(copy.deepcopy(cfg), make_dims(cfg, rank, world))
-    return [n for n, p in model.named_parameters() if not torch.equal(p.detach(), get_shard(p).local_of(full[n]))]
+    bad = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), get_shard(p).local_of(full[n]))]
+    planned = sum(e.numel for e in param_entries(cfg, layout_of(cfg, world)))
+    return bad, sum(p.numel() for p in model.parameters()), planned
 
 
 def _run_all(rank: int, world: int, cases: dict, refs: dict, data) -> dict:
@@ -111,4 +116,6 @@ def test_tp_matches_single_process(world, refs):
         for name in report:  # every rank reports the same losses
             assert got[name]["losses"] == pytest.approx(results[0][name]["losses"], rel=1e-12)
             # seeded init (moecore/models/init.py) gives every rank its shard of the one-process weights
-            assert not got[name]["seeded_mismatches"], (name, rank, got[name]["seeded_mismatches"])
+            bad, held, planned = got[name]["seeded_mismatches"]
+            assert not bad, (name, rank, bad)
+            assert held == planned, (name, rank, held, planned)  # the planner's count of this rank's parameters
