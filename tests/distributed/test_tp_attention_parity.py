@@ -5,7 +5,8 @@ the one-process run.
 shared harness (dist_parity.py) on the tiny models of attn_variants.py:
 - `mla`: DeepSeek-V3 style MLA with the q LoRA (q_a_proj + norm, q_b_proj) and one MTP layer;
 - `mla-noq`: MLA without the q LoRA (a column-parallel q_proj straight from the hidden states);
-- `dsa`: DeepSeek-V3.2 sparse attention (top-3 of 8 tokens) in the sparse stage, its indexer loss included;
+- `dsa`: DeepSeek-V3.2 sparse attention (top-3 of 8 tokens) in the sparse stage, its indexer loss included
+  (and one forward/backward of the dense_warmup stage, where only the indexers learn);
 - `deltanet`: Qwen3-Next style gated DeltaNet + gated attention layers and one MTP layer;
 - `oss`: gpt-oss's attention sinks (sharded by head), sliding windows and biased experts.
 Each layout's own seeded initialisation is also checked to give every rank its shard of the one-process
@@ -20,7 +21,7 @@ import copy
 import pytest
 import torch
 from attn_variants import deltanet_config, dsa_config, mla_config, oss_config, with_mtp_in_aux
-from dist_parity import compare, make_data, make_dims, reference, run_layout
+from dist_parity import build, compare, make_data, make_dims, reference, run_layout
 
 from moecore.models.transformer import MoETransformer
 from moecore.parallel.launch import run_local
@@ -81,8 +82,23 @@ def _seeded_mismatches(rank: int, world: int, cfg, full: dict) -> tuple[list[str
     return bad, sum(p.numel() for p in model.parameters()), planned
 
 
+def _dsa_warmup(dims, init: dict, data) -> tuple[float, dict]:
+    """DSA's dense_warmup stage, one forward/backward: (the objective = the indexer loss, the indexers' gradients).
+    Every other parameter is frozen; the indexers are whole on every rank, so their gradients need no reduction."""
+    cfg = dsa_config("dense_warmup")
+    if dims is not None:
+        cfg.parallel.tp = dims.tp
+    model = build(cfg, dims, init)
+    ids, labels, mask = data[0]
+    out = model(ids[:2], labels=labels[:2], loss_mask=mask[:2])
+    out.loss.backward()
+    return float(out.loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
 def _run_all(rank: int, world: int, cases: dict, refs: dict, data) -> dict:
     out = {}
+    if world == 2:
+        out["dsa-warmup"] = _dsa_warmup(make_dims(_config("dsa", {"tp": 2}), rank, world), refs["dsa"][0], data)
     for name, (par, v) in cases.items():
         cfg = _config(v, par)
         out[name] = run_layout(rank, world, cfg, refs[v][0], data)
@@ -107,6 +123,13 @@ def test_tp_matches_single_process(world, refs):
     data, ref = refs
     results = run_local(_run_all, world, LAYOUTS[world], ref, data)
     report = {}
+    if "dsa-warmup" in results[0]:
+        want_loss, want_grads = _dsa_warmup(None, ref["dsa"][0], data)
+        for got in results:
+            loss, grads = got.pop("dsa-warmup")
+            assert abs(loss - want_loss) <= TOL * abs(want_loss) and grads.keys() == want_grads.keys()
+            for n, g in grads.items():
+                assert float((g - want_grads[n]).norm() / want_grads[n].norm()) <= TOL, n
     for name, got in results[0].items():
         r = report[name] = compare(ref[LAYOUTS[world][name][1]][1], got)
         print(f"{name}: loss {r['loss']:.1e} norm {r['norm']:.1e} grad {r['grad']:.1e} ({r['grad_param']})")
