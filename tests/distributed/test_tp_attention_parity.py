@@ -4,7 +4,8 @@ the one-process run.
 3 steps' losses, grad norms and every first-step gradient (relative 1e-5, fp32, gloo on CPU) of the
 shared harness (dist_parity.py) on the tiny models of attn_variants.py:
 - `mla`: DeepSeek-V3 style MLA with the q LoRA (q_a_proj + norm, q_b_proj) and one MTP layer;
-- `mla-noq`: MLA without the q LoRA (a column-parallel q_proj straight from the hidden states);
+- `mla-noq`: MLA without the q LoRA (a column-parallel q_proj straight from the hidden states), with the
+  up-projection, attention core and norms recomputed in backward;
 - `dsa`: DeepSeek-V3.2 sparse attention (top-3 of 8 tokens) in the sparse stage, its indexer loss included
   (and one forward/backward of the dense_warmup stage, where only the indexers learn);
 - `deltanet`: Qwen3-Next style gated DeltaNet + gated attention layers and one MTP layer;
@@ -35,9 +36,14 @@ pytestmark = pytest.mark.distributed
 TOL = 1e-5
 
 
+def _recompute(cfg):
+    cfg.model.recompute_modules = ["mla_up_proj", "core_attn", "norm"]  # recomputed in backward, same maths
+    return cfg
+
+
 VARIANTS = {
     "mla": mla_config,
-    "mla-noq": lambda: mla_config(q_lora=False, mtp=False),
+    "mla-noq": lambda: _recompute(mla_config(q_lora=False, mtp=False)),
     "dsa": dsa_config,
     "deltanet": deltanet_config,
     "oss": oss_config,
