@@ -26,7 +26,7 @@ from moecore.config import ModelConfig
 from moecore.models.norms import RMSNorm
 from moecore.models.qk_clip import record_max_logit
 from moecore.models.rope import RotaryEmbedding, apply_rotary
-from moecore.parallel.sharding import mark_tp_partial
+from moecore.parallel.sharding import mark_tp_partial, set_shard
 from moecore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, tp_region_input, tp_size
 
 _BACKENDS = {
@@ -116,10 +116,12 @@ class Attention(nn.Module):
         if cfg.layer_types is not None and cfg.layer_types[layer_idx] != "sliding_attention":
             self.window = None
         self.sinks = None
-        if cfg.attn_sinks:
+        if cfg.attn_sinks:  # one logit per head: under tensor parallel, this rank's heads' block
+            self.sinks = nn.Parameter(torch.zeros(self.num_heads))
             if tp > 1:
-                raise ValueError("model.attn_sinks=true is invalid with parallel.tp > 1: not supported yet")
-            self.sinks = nn.Parameter(torch.zeros(cfg.num_attention_heads))
+                set_shard(
+                    self.sinks, "tensor_parallel", (cfg.num_attention_heads,), (dims.tp_group.rank * self.num_heads,)
+                )
         rotary_dim = int(self.head_dim * cfg.partial_rotary_factor)
         self.rotary = RotaryEmbedding(rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         self.recompute_core = "core_attn" in cfg.recompute_modules

@@ -31,6 +31,12 @@ Training (`model.dsa_stage`), as DeepSeek-V3.2 was trained:
 - `sparse`: the main attention attends to S_t; the indexer's inputs (x, cq) are detached so that it learns
   only from its KL loss, now over S_t: KL(P_t|S_t || softmax(I_{t, S_t})).
 The KL loss (mean over tokens and layers) times `model.dsa_indexer_loss_coeff` is `ModelOutput.indexer_loss`.
+
+Tensor parallel: the main attention's heads split as MLA's do (moecore/models/mla.py); the indexer stays whole
+on every rank (its nh heads and one key are small, and its scores sum over all its heads before the top-k), fed
+the gathered sequence, so every rank selects the same tokens. The KL target, the main attention's probabilities
+summed over heads, is summed over the TP ranks' heads (one all-reduce per query block, without gradient); the
+indexer's gradients are then complete on every rank.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ from torch import nn
 from moecore.config import ModelConfig
 from moecore.models.mla import MLAttention
 from moecore.models.rope import apply_rotary
+from moecore.parallel import comm
+from moecore.parallel.tensor_parallel import tp_region_input, tp_size
 
 # Query rows per block in the indexer's top-k and the KL losses: temporaries of at most about this many
 # fp32 elements at once.
@@ -179,9 +187,18 @@ class DSAttention(MLAttention):
         if self.stage == "dense_warmup":
             out = super().forward(x, position_ids)
             if self.training and torch.is_grad_enabled():
-                self._keep_loss(self._dense_indexer_loss(x, position_ids))
+                # the indexer reads x detached: this second gather of the sequence shards has no backward
+                self._keep_loss(self._dense_indexer_loss(tp_region_input(x.detach(), self.dims), position_ids))
             return out
-        return self._sparse_forward(x, position_ids)
+        return self._sparse_forward(tp_region_input(x, self.dims), position_ids)
+
+    def _head_mean(self, p: torch.Tensor) -> torch.Tensor:
+        """The mean over every head of the main attention's probabilities, from `p` summed over this rank's heads
+        (tensor parallel: summed over the TP ranks; no gradient flows through the target)."""
+        tp = tp_size(self.dims)
+        if tp > 1:
+            comm.all_reduce_(p, self.dims.tp_group, "sum")
+        return p / (self.num_heads * tp)
 
     # ------------------------------------------------------------------ pieces
     def _latents(self, x: torch.Tensor, position_ids: torch.Tensor):
@@ -235,7 +252,7 @@ class DSAttention(MLAttention):
                 rows = kv_t[bidx, sel.clamp(min=0)].float()  # [B, T, K, D]
                 logits = torch.einsum("btnd,btkd->btnk", q_t[:, start:stop].float(), rows) * self.softmax_scale
                 p = torch.exp(logits - lse[:, start:stop, :, None].float()) * keep[:, :, None, :]
-                target = p.sum(2) / self.num_heads
+                target = self._head_mean(p.sum(2))
             index_logits = ix.scores_at(iq, ik, iw, start, stop, sel.clamp(min=0))
             total = total + kl_to_indexer(target, index_logits, keep).sum()
         return total / (b * s)
@@ -254,7 +271,7 @@ class DSAttention(MLAttention):
             with torch.no_grad():
                 logits = torch.einsum("bntd,bnsd->btns", q[:, :, start:stop].float(), k.float()) * self.softmax_scale
                 p = torch.softmax(logits.masked_fill(~keep[:, :, None, :], float("-inf")), dim=-1)
-                target = p.sum(2) / self.num_heads
+                target = self._head_mean(p.sum(2))
             index_logits = self.indexer.scores(iq, ik, iw, start, stop)
             total = total + kl_to_indexer(target, index_logits, keep).sum()
         return total / (b * s)

@@ -21,6 +21,10 @@ head), a causal depthwise `conv1d` + SiLU over q|k|v, L2-normalised q and k, the
 g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), the rule above with q/k heads shared by
 consecutive value heads, a gated RMSNorm `norm` (RMSNorm(o) * weight * silu(z)) and `out_proj`.
 
+Tensor parallel splits the heads: each rank holds Hk/tp key heads with the Hv/tp value heads they
+serve (in_proj_qkvz / in_proj_ba column-parallel, out_proj row-parallel, A_log / dt_bias sharded by
+value head); the conv weight and the gated norm's weight are replicated (see `GatedDeltaNet`).
+
 Shape legend: B batch, S sequence, Hk key heads, Hv value heads, Dk key head dim, Dv value head dim,
 N chunks, C chunk length.
 """
@@ -39,6 +43,8 @@ from moecore.config import ConfigError, ModelConfig
 from moecore.kernels._triton import triton_importable
 from moecore.kernels.gated_delta import MAX_HEAD_DIM as GATED_DELTA_MAX_HEAD_DIM
 from moecore.kernels.gated_delta import gated_delta_rule_triton
+from moecore.parallel.sharding import mark_tp_partial, set_shard
+from moecore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, tp_region_input, tp_size
 
 if TYPE_CHECKING:
     from moecore.parallel.dims import ParallelDims
@@ -255,11 +261,10 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, dims: ParallelDims | None = None) -> None:
         super().__init__()
-        for name in ("tp", "cp"):  # heads are not sharded, and the recurrence does not pass state across ranks
-            if dims is not None and getattr(dims, name, 1) > 1:
-                raise ConfigError(
-                    f"parallel.{name}={getattr(dims, name)} is invalid: gated DeltaNet layers support only parallel.{name}=1 so far"
-                )
+        if dims is not None and getattr(dims, "cp", 1) > 1:  # the recurrence does not pass state across ranks
+            raise ConfigError(
+                f"parallel.cp={dims.cp} is invalid: gated DeltaNet layers support only parallel.cp=1 so far"
+            )
         for name in (
             "linear_num_key_heads",
             "linear_num_value_heads",
@@ -274,29 +279,46 @@ class GatedDeltaNet(nn.Module):
             raise ConfigError(
                 f"model.linear_num_value_heads={cfg.linear_num_value_heads} is invalid: must be a multiple of model.linear_num_key_heads={cfg.linear_num_key_heads}"
             )
+        tp = tp_size(dims)
+        if cfg.linear_num_key_heads % tp:  # value heads are a multiple of key heads: they divide too
+            raise ConfigError(f"parallel.tp={tp} does not divide model.linear_num_key_heads={cfg.linear_num_key_heads}")
         self.layer_idx = layer_idx
-        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dims = dims
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads  # global head counts
+        # Tensor parallel: this rank's key heads and the value heads they serve (sizes below are local).
+        self.num_k_heads, self.num_v_heads = hk // tp, hv // tp
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.chunk_size = cfg.linear_chunk_size
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
+        key_all, value_all = hk * self.head_k_dim, hv * self.head_v_dim
+        conv_all = 2 * key_all + value_all
         self.backend = "auto"  # auto | triton | fla | torch, see gated_delta_rule
         self.recompute_core = "core_attn" in cfg.recompute_modules  # recompute the rule in backward
 
         h = cfg.hidden_size
         # Output features grouped per key head: [q_h (Dk) | k_h (Dk) | v (r*Dv) | z (r*Dv)] for each of
         # the Hk key heads, r = Hv/Hk value heads per key head; in_proj_ba likewise [b (r) | a (r)].
-        self.in_proj_qkvz = nn.Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(h, 2 * self.num_v_heads, bias=False)
-        # Depthwise causal conv over the channels q (all heads) | k (all heads) | v (all heads).
-        self.conv1d = nn.Conv1d(
-            self.conv_dim, self.conv_dim, cfg.linear_conv_kernel_dim, groups=self.conv_dim, bias=False
-        )
+        # That grouping makes a column-parallel split (contiguous blocks of output rows) hand each rank
+        # whole key heads with their value heads' v, z, b and a.
+        heads = "model.linear_num_key_heads"
+        self.in_proj_qkvz = ColumnParallelLinear(h, 2 * key_all + 2 * value_all, False, dims, name=heads)
+        self.in_proj_ba = ColumnParallelLinear(h, 2 * hv, False, dims, name=heads)
+        # Depthwise causal conv over the channels q (all heads) | k (all heads) | v (all heads). Under TP a
+        # rank's channels are three separate blocks of it, so the (small) weight stays whole on every rank,
+        # each rank convolving its heads' channels (`_conv_weight`); its gradient is a partial sum over TP.
+        self.conv1d = nn.Conv1d(conv_all, conv_all, cfg.linear_conv_kernel_dim, groups=conv_all, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
-        self.norm = GatedRMSNorm(self.head_v_dim, eps=cfg.norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=cfg.norm_eps)  # one weight shared by every value head
+        self.out_proj = RowParallelLinear(value_all, h, False, dims, name=heads)
+        if tp > 1:
+            r = dims.tp_group.rank
+            for p in (self.dt_bias, self.A_log):  # per value head: this rank's contiguous block
+                set_shard(p, "tensor_parallel", (hv,), (r * self.num_v_heads,))
+            mark_tp_partial(self.conv1d)
+            mark_tp_partial(self.norm)
         self.init_std = cfg.init_std
         self.reset_parameters()
 
@@ -321,15 +343,26 @@ class GatedDeltaNet(nn.Module):
         b, a = self.in_proj_ba(x).view(bsz, s, self.num_k_heads, 2 * r).split([r, r], dim=-1)
         return tuple(t.reshape(bsz, s, -1) for t in (q, k, v, z, b, a))
 
+    def _conv_weight(self) -> torch.Tensor:
+        """The conv filters of this rank's channels [conv_dim, 1, K]: its q, k and v blocks of the whole weight."""
+        w = self.conv1d.weight
+        if w.shape[0] == self.conv_dim:
+            return w
+        r = self.dims.tp_group.rank
+        kd, vd, tp = self.key_dim, self.value_dim, self.dims.tp
+        q, k, v = w.split([kd * tp, kd * tp, vd * tp])
+        return torch.cat([q[r * kd : (r + 1) * kd], k[r * kd : (r + 1) * kd], v[r * vd : (r + 1) * vd]])
+
     def _conv_silu(self, qkv: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv over the sequence + SiLU: [B, S, conv_dim] -> same."""
         kernel = self.conv1d.weight.shape[-1]
-        y = F.conv1d(F.pad(qkv.transpose(1, 2), (kernel - 1, 0)), self.conv1d.weight, groups=self.conv_dim)
+        y = F.conv1d(F.pad(qkv.transpose(1, 2), (kernel - 1, 0)), self._conv_weight(), groups=self.conv_dim)
         return F.silu(y).transpose(1, 2)
 
     def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Everything before the recurrence: q, k (L2-normalised) [B, S, Hk, Dk], v [B, S, Hv, Dv],
-        g, beta [B, S, Hv] and the output gate z [B, S, Hv, Dv]."""
+        g, beta [B, S, Hv] and the output gate z [B, S, Hv, Dv] (this rank's heads under tensor parallel)."""
+        x = tp_region_input(x, self.dims)  # tensor parallel: the whole sequence (sequence-parallel shards gathered)
         bsz, s, _ = x.shape
         q, k, v, z, b, a = self._split_projections(x)
         q, k, v = self._conv_silu(torch.cat([q, k, v], dim=-1)).split(

@@ -17,6 +17,14 @@ carry the attention factor of rope.py, and the softmax scale is multiplied by ms
 mscale_all_dim)^2, as DeepSeek's reference code does. The two RMSNorms on the latents use eps=1e-6
 whatever model.norm_eps says: DeepSeek's code and transformers both build them with the default eps.
 
+Tensor parallel (`parallel.tp` > 1) splits the heads: q_proj / q_b_proj and kv_b_proj are column-parallel
+(each rank computes n/tp heads' queries, keys and values from the latents), o_proj is row-parallel. The
+down-projections q_a_proj and kv_a_proj_with_mqa and the latent norms are replicated: they are small, the
+norm needs the whole latent, and every rank's heads read the same latent and shared rope key. The block
+input is gathered once (`tp_region_input`: the sequence shards under sequence parallel), so every rank
+computes the latents of the whole sequence; their gradients are partial sums over the ranks' heads and
+are marked `tp_partial` (summed over TP in the gradient reduction).
+
 Parameter names are those of transformers' DeepseekV2/V3 attention (`q_a_proj`, `kv_a_proj_with_mqa`,
 ...), so a checkpoint converts by renaming the `self_attn.` prefix only.
 """
@@ -37,6 +45,8 @@ from moecore.models.norms import RMSNorm
 from moecore.models.qk_clip import record_max_logit
 from moecore.models.recompute import recompute_output
 from moecore.models.rope import RotaryEmbedding, apply_rotary
+from moecore.parallel.sharding import mark_tp_partial
+from moecore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, tp_region_input, tp_size
 
 LATENT_NORM_EPS = 1e-6
 
@@ -69,10 +79,11 @@ class MLAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.hidden_size = cfg.hidden_size
-        tp = int(getattr(dims, "tp", 1) or 1)
-        if tp != 1:
-            raise ValueError(f"parallel.tp={tp} is not supported by multi-latent attention yet; allowed: 1")
-        self.num_heads = cfg.num_attention_heads
+        self.dims = dims
+        tp = tp_size(dims)
+        if cfg.num_attention_heads % tp:
+            raise ValueError(f"parallel.tp={tp} does not divide model.num_attention_heads={cfg.num_attention_heads}")
+        self.num_heads = cfg.num_attention_heads // tp  # this rank's heads
         self.q_lora_rank = cfg.q_lora_rank
         self.kv_lora_rank = cfg.kv_lora_rank
         self.nope_dim = cfg.qk_nope_head_dim
@@ -84,18 +95,25 @@ class MLAttention(nn.Module):
         self.backend = cfg.attention_backend
         self.recompute_up_proj = "mla_up_proj" in (cfg.recompute_modules or [])
         self.recompute_core_attn = "core_attn" in (cfg.recompute_modules or [])
-        n, h = self.num_heads, self.hidden_size
+        n, h = cfg.num_attention_heads, self.hidden_size  # global head count: the parallel linears split it
+        heads = "model.num_attention_heads * head dim"
 
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, n * self.qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(h, n * self.qk_head_dim, False, dims, name=heads)
         else:
             self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, n * self.qk_head_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, n * self.qk_head_dim, False, dims, name=heads)
         self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, n * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(n * self.v_dim, h, bias=False)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank, n * (self.nope_dim + self.v_dim), False, dims, name=heads
+        )
+        self.o_proj = RowParallelLinear(n * self.v_dim, h, False, dims, name=heads)
+        if tp > 1:  # replicated latents read by this rank's heads only: partial gradients over TP
+            for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
+                if hasattr(self, name):
+                    mark_tp_partial(getattr(self, name))
 
         self.rotary = RotaryEmbedding(self.rope_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         self.softmax_scale = mla_softmax_scale(self.qk_head_dim, cfg.rope_scaling, cfg.max_position_embeddings)
@@ -149,6 +167,7 @@ class MLAttention(nn.Module):
             return self._core_attention(q, k, v)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = tp_region_input(x, self.dims)  # tensor parallel: the whole sequence (sequence-parallel shards gathered)
         b, s, _ = x.shape
         cos, sin = self.rotary(position_ids, x.dtype)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)

@@ -19,6 +19,11 @@ The block of module k is a regular DecoderLayer; it is an MoE layer whenever the
 main layers, and always uses full attention. Its routing losses and statistics are returned like
 those of the main layers.
 
+Tensor parallel: the norms and eh_proj are replicated and act on the residual stream (sequence shards
+under sequence parallel, where their gradients are partial sums over TP); the block's attention and
+FFN split as the main layers' do; the shared embedding and head are vocabulary-parallel, as the main
+model's. No further communication is needed: the shifted ids and labels are whole on every rank.
+
 Parameter names: mtp.layers.{k-1}.{enorm, hnorm, eh_proj, block.*, head_norm}; a DeepSeek-V3
 checkpoint stores them as model.layers.{num_hidden_layers + k - 1}.{enorm, hnorm, eh_proj, <block>,
 shared_head.norm} plus copies of the shared embedding and head (moecore/hf/families/deepseek_v3.py).
@@ -34,6 +39,7 @@ from torch import nn
 
 from moecore.config import Config
 from moecore.models.norms import RMSNorm
+from moecore.parallel.tensor_parallel import mark_sequence_parallel
 
 
 def roll_left(t: torch.Tensor, shift: int, fill: float | int = 0) -> torch.Tensor:
@@ -68,6 +74,8 @@ class MTPModule(nn.Module):
         self.eh_proj = nn.Linear(2 * m.hidden_size, m.hidden_size, bias=False)
         self.block = DecoderLayer(mtp_block_config(cfg), self.layer_idx, dims)
         self.head_norm = RMSNorm(m.hidden_size, m.norm_eps, m.norm_zero_centered)
+        for mod in (self.enorm, self.hnorm, self.eh_proj, self.head_norm):  # applied to sequence shards under SP
+            mark_sequence_parallel(mod, dims)
 
     def forward(
         self, hidden: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor, loss_mask: torch.Tensor

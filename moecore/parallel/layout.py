@@ -47,23 +47,26 @@ def check_layout(cfg: Config) -> None:
         raise ConfigError(f"parallel.ep={p.ep} does not divide moe.num_experts={e.num_experts}")
     if e.num_experts and e.ffn_hidden_size % p.etp:
         raise ConfigError(f"parallel.etp={p.etp} does not divide moe.ffn_hidden_size={e.ffn_hidden_size}")
+    if m.expert_linear_bias and p.etp > 1:  # models/biased_moe.py: the experts' down bias is not split
+        raise ConfigError(
+            f"model.expert_linear_bias=true is not supported with parallel.etp={p.etp} yet; use parallel.etp=1"
+        )
     if p.tp == 1:
         return
     tp = p.tp
-    if m.attention_type in ("mla", "dsa"):
-        raise ConfigError(
-            f"parallel.tp={tp} is not supported with model.attention_type={m.attention_type} yet; use parallel.tp=1"
-        )
-    if m.layer_types is not None and "linear_attention" in m.layer_types:
-        raise ConfigError(f"parallel.tp={tp} is not supported with linear_attention layers yet; use parallel.tp=1")
-    if m.mtp_num_layers:
-        raise ConfigError(f"parallel.tp={tp} is not supported with model.mtp_num_layers > 0 yet; use parallel.tp=1")
+    # Tensor parallel splits attention heads (GQA, MLA, DSA: models/attention.py, mla.py, dsa.py), gated DeltaNet
+    # key heads with their value heads (models/linear_attention.py), FFN columns and the vocabulary.
+    layer_types = m.layer_types or []
     checks = [
         ("model.num_attention_heads", m.num_attention_heads),
-        ("model.num_kv_heads", m.kv_heads),
         ("model.ffn_hidden_size", m.ffn_hidden_size),
         ("train.seq_length", cfg.train.seq_length),  # sequence-parallel shards (and MoE token chunks)
     ]
+    if m.attention_type == "gqa":
+        checks.insert(1, ("model.num_kv_heads", m.kv_heads))
+    if "linear_attention" in layer_types:
+        checks.append(("model.linear_num_key_heads", m.linear_num_key_heads))
+        checks.append(("model.linear_num_value_heads", m.linear_num_value_heads))
     if m.vocab_size:
         checks.append(("model.vocab_size", m.vocab_size))
     for name, value in checks:

@@ -67,14 +67,15 @@ def attention_modules(cfg: Config, layer: int, layout: Layout, c: ActContext) ->
     h = m.hidden_size
     out = {"norm_in": T / tp * (h * c.residual_bytes + 4), "norm_out": T * h * b}
     if m.layer_types is not None and m.layer_types[layer] == "linear_attention":
-        kd = m.linear_num_key_heads * m.linear_key_head_dim
-        vd = m.linear_num_value_heads * m.linear_value_head_dim
+        kd = m.linear_num_key_heads * m.linear_key_head_dim // tp  # this rank's heads
+        vd = m.linear_num_value_heads * m.linear_value_head_dim // tp
         # projections, conv input/output, q/k/v after the conv and norm, gate z, rule output, gated norm
         out["core_attn"] = T * b * (2 * (2 * kd + 2 * vd) + 2 * (2 * kd + vd) + 3 * vd)
         out["attn_out"] = T * vd * b
         return out
     if m.attention_type in ("mla", "dsa"):
-        n, dn, dr, dv = m.num_attention_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        n, dn, dr, dv = m.num_attention_heads // tp, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+        # the latents are those of the whole sequence on every TP rank; the heads are this rank's
         lat = T * (m.kv_lora_rank + dr) * b + T * 4 + T * m.kv_lora_rank * b
         if m.q_lora_rank:
             lat += 2 * T * m.q_lora_rank * b + T * 4

@@ -195,22 +195,9 @@ def unsupported_reason(cfg: Config, layout: Layout) -> str | None:
         # the rules that span sections (e.g. bf16 Adam moments without the distributed optimizer), the tiling of
         # the GPUs and the pipeline schedule's micro-batch counts (validate_layout calls check_layout)
         validate_layout(c, layout.world)
-        for reason in _model_refusals(c):
-            return reason
     except ConfigError as e:
         return str(e)
     return None
-
-
-def _model_refusals(cfg: Config) -> list[str]:
-    """Combinations the model layers refuse when built, beyond check_layout (moecore/models/attention.py, biased_moe.py)."""
-    m, p = cfg.model, cfg.parallel
-    out = []
-    if getattr(m, "attn_sinks", False) and p.tp > 1:
-        out.append(f"model.attn_sinks=true is not supported with parallel.tp={p.tp} yet; use parallel.tp=1")
-    if getattr(m, "expert_linear_bias", False) and p.etp > 1:
-        out.append(f"model.expert_linear_bias=true is not supported with parallel.etp={p.etp}; use parallel.etp=1")
-    return out
 
 
 def group_span(layout: Layout, group: str) -> int:

@@ -4,8 +4,9 @@
 layers (plus the embedding on the first pipeline stage, the final norm, head and MTP modules on the
 last), with the sharding moecore applies: q/k/v/gate/up projections split by output columns over tp,
 o/down projections by input rows, embedding and head rows by vocabulary; routed experts E / ep per
-rank, each with F / etp FFN columns; norms, routers, shared experts and MLA replicated (MLA and
-linear attention run with tp = 1 only). Each entry knows whether AdamW decays it (moecore.optim.adamw:
+rank, each with F / etp FFN columns; MLA's up-projections and gated DeltaNet's projections, A_log and
+dt_bias split by heads, MLA's down-projections and latent norms, DeltaNet's conv and gated-norm weights,
+the DSA indexer, norms, routers and shared experts replicated. Each entry knows whether AdamW decays it (moecore.optim.adamw:
 matrices only, no embeddings or norms) and whether it is an expert parameter (reduced and sharded
 over the expert data-parallel group, not dp x cp).
 
@@ -45,21 +46,22 @@ class ParamEntry:
     expert: bool = False
 
 
-def _linear_attention_numels(cfg: Config) -> list[tuple[str, int, int]]:
-    """(name, numel, ndim) of a gated DeltaNet layer (moecore/models/linear_attention.py)."""
+def _linear_attention_numels(cfg: Config, tp: int = 1) -> list[tuple[str, int, int]]:
+    """(name, numel, ndim) on one rank of a gated DeltaNet layer (moecore/models/linear_attention.py): heads split
+    over tp, the conv and gated-norm weights whole."""
     m = cfg.model
     h = m.hidden_size
     kd, vd = m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads * m.linear_value_head_dim
     conv = 2 * kd + vd
     nv = m.linear_num_value_heads
     return [
-        ("attn.in_proj_qkvz.weight", h * (2 * kd + 2 * vd), 2),
-        ("attn.in_proj_ba.weight", h * 2 * nv, 2),
+        ("attn.in_proj_qkvz.weight", h * (2 * kd + 2 * vd) // tp, 2),
+        ("attn.in_proj_ba.weight", h * 2 * nv // tp, 2),
         ("attn.conv1d.weight", conv * m.linear_conv_kernel_dim, 3),
-        ("attn.dt_bias", nv, 1),
-        ("attn.A_log", nv, 1),
+        ("attn.dt_bias", nv // tp, 1),
+        ("attn.A_log", nv // tp, 1),
         ("attn.norm.weight", m.linear_value_head_dim, 1),
-        ("attn.out_proj.weight", vd * h, 2),
+        ("attn.out_proj.weight", vd * h // tp, 2),
     ]
 
 
@@ -73,11 +75,11 @@ def _attention(cfg: Config, layer: int, tp: int, prefix: str) -> list[ParamEntry
         out.append(ParamEntry(full, numel, decay=ndim >= 2 and not name.endswith(".bias") and "norm" not in full))
 
     if m.layer_types is not None and m.layer_types[layer] == "linear_attention":
-        for name, numel, ndim in _linear_attention_numels(cfg):
+        for name, numel, ndim in _linear_attention_numels(cfg, tp):
             add(name, numel, ndim)
         return out
     if m.attention_type in ("mla", "dsa"):  # DSA is MLA plus the lightning indexer (moecore/models/dsa.py)
-        n = m.num_attention_heads
+        n = m.num_attention_heads // tp  # up-projections split by heads; down-projections and indexer whole
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank is None:
             add("attn.q_proj.weight", h * n * qk, 2)
@@ -113,7 +115,7 @@ def _attention(cfg: Config, layer: int, tp: int, prefix: str) -> list[ParamEntry
     if m.qk_norm:
         add("attn.q_norm.weight", hd, 1)
         add("attn.k_norm.weight", hd, 1)
-    if getattr(m, "attn_sinks", False):  # one learned logit per head (gpt-oss; the model runs it with tp = 1 only)
+    if getattr(m, "attn_sinks", False):  # one learned logit per head (gpt-oss), split with the heads
         add("attn.sinks", m.num_attention_heads // tp, 1)
     return out
 

@@ -38,8 +38,22 @@ def test_invalid_layouts_are_refused_naming_the_field(par, world, kwargs, messag
     "overrides, message",
     [
         ({"model.num_kv_heads": 1}, "parallel.tp=2 does not divide model.num_kv_heads=1"),
-        ({"model.attention_type": "mla"}, "parallel.tp=2 is not supported with model.attention_type=mla"),
-        ({"model.mtp_num_layers": 1}, "parallel.tp=2 is not supported with model.mtp_num_layers"),
+        (
+            {"model.attention_type": "mla", "model.num_attention_heads": 1, "model.num_kv_heads": 1},
+            "parallel.tp=2 is invalid: must divide model.num_attention_heads=1",
+        ),
+        (
+            {
+                "model.num_layers": 2,
+                "model.layer_types": ["linear_attention", "full_attention"],
+                "model.linear_num_key_heads": 1,
+            },
+            "parallel.tp=2 does not divide model.linear_num_key_heads=1",
+        ),
+        (
+            {"parallel.tp": 1, "parallel.etp": 2, "moe.num_experts": 4, "model.expert_linear_bias": True},
+            "model.expert_linear_bias=true is not supported with parallel.etp=2",
+        ),
         ({"train.seq_length": 7}, "parallel.tp=2 does not divide train.seq_length=7"),
         (
             {"parallel.etp": 3, "moe.ffn_hidden_size": 16, "parallel.tp": 1},

@@ -204,8 +204,8 @@ def test_recompute_core_attn_gives_the_same_gradients():
 
 def test_bad_head_counts_and_layouts_are_config_errors():
     cfg, _ = _layer_configs()
-    with pytest.raises(ConfigError, match="parallel.tp"):
-        GatedDeltaNet(cfg, layer_idx=0, dims=SimpleNamespace(tp=2, cp=1))
+    with pytest.raises(ConfigError, match=f"parallel.tp={HK + 1} does not divide model.linear_num_key_heads={HK}"):
+        GatedDeltaNet(cfg, layer_idx=0, dims=SimpleNamespace(tp=HK + 1, cp=1))
     with pytest.raises(ConfigError, match="parallel.cp"):
         GatedDeltaNet(cfg, layer_idx=0, dims=SimpleNamespace(tp=1, cp=2))
     cfg.linear_num_value_heads = 3
