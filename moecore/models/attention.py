@@ -141,6 +141,11 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         record_max_logit(self, q, k, self.head_dim**-0.5, self.window)  # optim.muon_qk_clip only
         dropout = self.cfg.attention_dropout if self.training else 0.0
+        if self.dims is not None and self.dims.cp > 1:  # context parallel: moecore/parallel/cp_attention.py
+            from moecore.parallel.cp_attention import context_parallel_attention
+
+            out = context_parallel_attention(q, k, v, self.dims, self.head_dim**-0.5, self.window, self.sinks)
+            return self._project(out, gate, b, s)
         if self.sinks is not None:
             from moecore.models.sinks import sink_attention
 

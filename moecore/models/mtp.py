@@ -87,6 +87,7 @@ class MTPStack(nn.Module):
         if m.mtp_num_layers < 1:
             raise ValueError(f"model.mtp_num_layers={m.mtp_num_layers} is invalid for an MTP stack: must be >= 1")
         self.scaling_factor = m.mtp_loss_scaling_factor
+        self.dims = dims
         self.layers = nn.ModuleList(MTPModule(cfg, k + 1, dims) for k in range(m.mtp_num_layers))
 
     def forward(
@@ -107,12 +108,30 @@ class MTPStack(nn.Module):
         mask = loss_mask.float()
         ids, targets = input_ids, labels
         losses, auxes = [], []
+        cp = getattr(self.dims, "cp", 1) if self.dims is not None else 1
+        if cp > 1:
+            # Context parallel: this rank holds two chunks of the sequence; the token after a chunk's last
+            # comes from the neighbouring chunk (a one-token halo, moecore/parallel/context.py). Each depth's
+            # loss is this rank's share: its loss sum over the tokens counted on every CP rank, so the
+            # shares add up over CP to the loss of the whole sequence.
+            from moecore.parallel.context import cp_roll_left, sum_over_cp
+
+            def roll(t):
+                return cp_roll_left(t, self.dims)
+        else:
+
+            def roll(t):
+                return roll_left(t, 1)
+
+        logged = []
         for layer in self.layers:
-            ids, targets, mask = roll_left(ids, 1), roll_left(targets, 1), roll_left(mask, 1)
+            ids, targets, mask = roll(ids), roll(targets), roll(mask)
             hidden, aux = layer(hidden, model.embed(ids), position_ids, mask)
             if aux is not None:
                 auxes.append((layer.layer_idx, aux))
             _, loss_sum = model.lm_loss(hidden, targets, mask)
-            losses.append(loss_sum / mask.sum().clamp(min=1))
+            count = mask.sum() if cp == 1 else sum_over_cp(mask.sum(), self.dims)
+            losses.append(loss_sum / count.clamp(min=1))
+            logged.append(losses[-1].detach() if cp == 1 else sum_over_cp(losses[-1], self.dims))
         total = torch.stack(losses).mean() * self.scaling_factor
-        return total, [loss.detach() for loss in losses], auxes
+        return total, logged, auxes

@@ -338,3 +338,29 @@ def ring_attention(
     if group.size == 1:
         return chunked_attention(q, k, v, [(0, 0, q.shape[2])], [(0, 0, k.shape[2])], scale, window, q_tile)
     return _RingAttention.apply(q, k, v, group, scale, window, q_tile)
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dims,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What a GQA layer calls under cp > 1: this rank's q [B, Hq, L, D] against the whole sequence's keys,
+    through the exchange `parallel.cp_comm`; with `sinks` [Hq] the gpt-oss sink rescaling
+    out * sigmoid(lse - sink) (moecore/models/sinks.py). Returns [B, Hq, L, Dv] in q's dtype."""
+    from moecore.parallel.context import gather_from_cp
+
+    g = dims.cp_group
+    if dims.cfg.cp_comm == "ring":
+        out, lse = ring_attention(q, k, v, g, scale, window)
+    else:
+        k_full, v_full = gather_from_cp(k, dims, 2), gather_from_cp(v, dims, 2)
+        out, lse = allgather_attention(q, k_full, v_full, g, scale, window)
+    if sinks is not None:
+        gate = torch.sigmoid(lse - sinks.to(lse.dtype).view(1, -1, 1))
+        return (out.to(lse.dtype) * gate.unsqueeze(-1)).to(q.dtype)
+    return out

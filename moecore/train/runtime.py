@@ -45,6 +45,11 @@ class Runtime:
         return self.dims.dp
 
     @property
+    def grad_replicas(self) -> int:
+        """Ranks the dense gradients are averaged over: data x context parallel (dp * cp)."""
+        return self.dims.dp * self.dims.cp
+
+    @property
     def dp_rank(self) -> int:
         return self.dims.dp_group.rank
 
