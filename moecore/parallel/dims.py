@@ -102,7 +102,10 @@ class ParallelDims:
             raise ConfigError(f"rank {self.rank} is invalid: must be in [0, {self.world_size})")
         dense = self.tp * self.cp * self.pp
         if self.world_size % dense:
-            name = "pp" if self.pp > 1 and self.world_size % (self.tp * self.cp) == 0 else "tp"
+            if self.pp > 1 and self.world_size % (self.tp * self.cp) == 0:
+                name = "pp"
+            else:
+                name = "cp" if self.cp > 1 and self.world_size % self.tp == 0 else "tp"
             raise ConfigError(
                 f"parallel.{name}={getattr(self, name)}: tp*cp*pp={dense} does not divide the world size {self.world_size}"
             )

@@ -63,7 +63,7 @@ def check_layout(cfg: Config) -> None:
         ("model.num_kv_heads", m.kv_heads),
         ("model.ffn_hidden_size", m.ffn_hidden_size),
         # sequence-parallel shards (and MoE token chunks) of this CP rank's part of the sequence
-        ("train.seq_length / parallel.cp", cfg.train.seq_length // p.cp),
+        ("train.seq_length" + (" / parallel.cp" if p.cp > 1 else ""), cfg.train.seq_length // p.cp),
     ]
     if m.vocab_size:
         checks.append(("model.vocab_size", m.vocab_size))
