@@ -13,6 +13,9 @@ targets labels rolled left by k; positions that roll past the end of the sequenc
 any position whose target the loss mask excludes. The objective adds
 mtp_loss_scaling_factor * mean_k(loss_k); each loss_k is also returned (detached) for logging.
 RoPE positions are left as they are: attention sees only position differences, which the roll keeps.
+Under context parallel the roll crosses chunk boundaries through a one-token halo from the rank holding
+the next chunk (`moecore.parallel.context.cp_roll_left`), and each depth's loss is this rank's share:
+its loss sum divided by the depth's token count over the whole sequence.
 
 The block of module k is a regular DecoderLayer; it is an MoE layer whenever the model has experts
 (DeepSeek-V3's MTP layer is), whatever `moe.layer_freq` / `moe.first_k_dense_replace` say for the

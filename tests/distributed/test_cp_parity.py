@@ -3,7 +3,8 @@
 Models are the tiny recipes cut to 2 layers and a 64-token vocabulary (gloo on CPU, fp32, sequence 16,
 some padding): `qwen3` (tiny-qwen3-moe: GQA with q/k norms), `qwen3-swa` (the same with a sliding
 window of 5 tokens, shorter than the sequence), `gated` (Qwen3-Next's gated attention output),
-`sinks` (gpt-oss's attention sinks on alternating sliding / full layers) and `dsv3` (tiny-deepseek-v3:
+`sinks` (gpt-oss's attention sinks on alternating sliding / full layers), `qwen3-recompute` (full
+layer recomputation, so the ring runs again inside the backward) and `dsv3` (tiny-deepseek-v3:
 MLA with q LoRA, sigmoid group routing with expert bias, sequence aux loss, one MTP layer). Each
 layout runs the ring and / or the all-gather exchange (`parallel.cp_comm`), alone and folded with data,
 expert and tensor parallel. Tolerance: relative 1e-5 (the issue's bar) on losses, grad norms and every
@@ -32,6 +33,8 @@ def _config(model: str, **parallel):
         m.sliding_window = 5
     elif model == "gated":
         m.attn_output_gate = True
+    elif model == "qwen3-recompute":  # whole layers recomputed in backward: the ring runs again
+        m.recompute_granularity = "full"
     elif model == "sinks":
         m.attn_sinks, m.sliding_window, m.layer_types = True, 5, ["sliding_attention", "full_attention"]
     cfg.moe.token_dispatcher_type = "alltoall"
@@ -49,6 +52,7 @@ LAYOUTS = {
         ("qwen3-swa", {"cp": 2}),
         ("gated", {"cp": 2, "cp_comm": "allgather"}),
         ("sinks", {"cp": 2}),
+        ("qwen3-recompute", {"cp": 2}),
         ("dsv3", {"cp": 2}),
         ("dsv3", {"cp": 2, "cp_comm": "allgather"}),
     ],
@@ -64,7 +68,7 @@ LAYOUTS = {
         ("qwen3-swa", {"cp": 2}),  # cp 2 x dp 2
     ],
 }
-MODELS = ("qwen3", "qwen3-swa", "gated", "sinks", "dsv3")
+MODELS = ("qwen3", "qwen3-swa", "gated", "sinks", "qwen3-recompute", "dsv3")
 
 
 def _run_all(rank: int, world: int, refs: dict, data) -> list[dict]:
