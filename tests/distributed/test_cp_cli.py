@@ -60,6 +60,7 @@ def test_torchrun_context_parallel_trains_and_resumes(tmp_path):
     assert [m["step"] for m in got] == [1, 2]
     for r, g in zip(ref, got):
         _close(g, r)
+        assert g["moe/layer_1/tokens_per_expert"] == r["moe/layer_1/tokens_per_expert"]  # counted over cp x dp
     shutil.copytree(b, c)
     shutil.rmtree(c / "checkpoints" / "step-2")
     (c / "metrics.jsonl").unlink()
