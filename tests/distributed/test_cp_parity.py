@@ -2,13 +2,13 @@
 
 Models are the tiny recipes cut to 2 layers and a 64-token vocabulary (gloo on CPU, fp32, sequence 16,
 some padding): `qwen3` (tiny-qwen3-moe: GQA with q/k norms), `qwen3-swa` (the same with a sliding
-window of 5 tokens, shorter than the sequence), `gated` (Qwen3-Next's gated attention output),
-`sinks` (gpt-oss's attention sinks on alternating sliding / full layers), `qwen3-recompute` (full
-layer recomputation, so the ring runs again inside the backward) and `dsv3` (tiny-deepseek-v3:
-MLA with q LoRA, sigmoid group routing with expert bias, sequence aux loss, one MTP layer). Each
-layout runs the ring and / or the all-gather exchange (`parallel.cp_comm`), alone and folded with data,
-expert and tensor parallel. Tolerance: relative 1e-5 (the issue's bar) on losses, grad norms and every
-parameter's first-step gradient.
+window of 5 tokens, shorter than the sequence), `gated` (Qwen3-Next's gated attention output, with the
+global-batch aux loss and the z-loss), `sinks` (gpt-oss's attention sinks on alternating sliding / full
+layers), `qwen3-recompute` (full layer recomputation, so the ring runs again inside the backward) and
+`dsv3` (tiny-deepseek-v3: MLA with q LoRA, sigmoid group routing with expert bias, sequence aux loss,
+one MTP layer). Each layout runs the ring and / or the all-gather exchange (`parallel.cp_comm`), alone
+and folded with data, expert and tensor parallel. Tolerance: relative 1e-5 (the issue's bar) on losses,
+grad norms and every parameter's first-step gradient.
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ def _config(model: str, **parallel):
     m.vocab_size, m.num_layers = 64, 2
     if model == "qwen3-swa":
         m.sliding_window = 5
-    elif model == "gated":
+    elif model == "gated":  # also the global-batch aux loss and the z-loss, over the whole sequences
         m.attn_output_gate = True
+        cfg.moe.router_load_balancing_type = ["aux_loss", "global_aux_loss"]
+        cfg.moe.aux_loss_coeff, cfg.moe.z_loss_coeff = [1e-2, 1e-2], 1e-3
     elif model == "qwen3-recompute":  # whole layers recomputed in backward: the ring runs again
         m.recompute_granularity = "full"
     elif model == "sinks":
