@@ -1,9 +1,9 @@
 """The CLI under torchrun with context parallel: tiny-deepseek-v3 (MLA, MTP, experts) on 4 gloo processes,
 parallel.cp=2 x parallel.ep=2 (so dp 2 for attention, edp 2 for experts).
 
-Run A (one process) trains 2 steps. Run B (torchrun, cp2 x ep2) trains the same 2 steps from the same
-seed, checkpointing after each: its losses and gradient norms must equal A's. Run C resumes B's step-1
-checkpoint with the same layout: its step 2 must equal B's.
+Run A (one process) trains 2 steps and validates after the second. Run B (torchrun, cp2 x ep2) trains
+the same 2 steps from the same seed, checkpointing after each: its losses, gradient norms and validation
+loss must equal A's. Run C resumes B's step-1 checkpoint with the same layout: its step 2 must equal B's.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ COMMON = [
     "train.global_batch_size=4",
     "train.micro_batch_size=2",
     "train.seq_length=64",
-    "train.eval_interval=0",
+    "train.eval_interval=2",
+    "train.eval_iters=1",
     "log.interval=1",
     "log.progress=false",
     "log.tensorboard=false",
@@ -44,8 +45,10 @@ def _metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def _close(got: dict, ref: dict, keys=("loss", "grad_norm", "mtp_loss")) -> None:
+def _close(got: dict, ref: dict, keys=("loss", "grad_norm", "mtp_loss", "val_loss")) -> None:
     for k in keys:
+        if k not in ref:  # validation runs at step 2 only
+            continue
         assert abs(got[k] - ref[k]) <= 1e-5 * abs(ref[k]), (got["step"], k, ref[k], got[k])
 
 
@@ -57,7 +60,7 @@ def test_torchrun_context_parallel_trains_and_resumes(tmp_path):
     proc = _run([*torchrun, *COMMON, *layout, f"train.run_dir={b}"])
     assert (proc.stdout + proc.stderr).count("done: ") == 1  # rank 0 alone reports
     ref, got = _metrics(a), _metrics(b)
-    assert [m["step"] for m in got] == [1, 2]
+    assert [m["step"] for m in got] == [1, 2] and "val_loss" in ref[1]
     for r, g in zip(ref, got):
         _close(g, r)
         assert g["moe/layer_1/tokens_per_expert"] == r["moe/layer_1/tokens_per_expert"]  # counted over cp x dp

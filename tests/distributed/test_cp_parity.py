@@ -5,7 +5,7 @@ some padding): `qwen3` (tiny-qwen3-moe: GQA with q/k norms), `qwen3-swa` (the sa
 window of 5 tokens, shorter than the sequence), `gated` (Qwen3-Next's gated attention output, with the
 global-batch aux loss and the z-loss), `sinks` (gpt-oss's attention sinks on alternating sliding / full
 layers), `qwen3-recompute` (full layer recomputation, so the ring runs again inside the backward) and
-`dsv3` (tiny-deepseek-v3: MLA with q LoRA, sigmoid group routing with expert bias, sequence aux loss,
+`dsv3` (tiny-deepseek-v3: MLA with q LoRA and YaRN, sigmoid group routing with expert bias, sequence aux loss,
 one MTP layer). Each layout runs the ring and / or the all-gather exchange (`parallel.cp_comm`), alone
 and folded with data, expert and tensor parallel. Tolerance: relative 1e-5 (the issue's bar) on losses,
 grad norms and every parameter's first-step gradient.
@@ -29,6 +29,9 @@ def _config(model: str, **parallel):
     cfg = load_config(recipe)
     m = cfg.model
     m.vocab_size, m.num_layers = 64, 2
+    if model == "dsv3":  # YaRN as DeepSeek-V3 has it, extending a 4-token context: positions must be global
+        m.rope_scaling = {"type": "yarn", "factor": 4, "original_max_position_embeddings": 4, "mscale": 1.0}
+        m.rope_scaling.update({"mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})
     if model == "qwen3-swa":
         m.sliding_window = 5
     elif model == "gated":  # also the global-batch aux loss and the z-loss, over the whole sequences
