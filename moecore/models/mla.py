@@ -37,6 +37,8 @@ from moecore.models.norms import RMSNorm
 from moecore.models.qk_clip import record_max_logit
 from moecore.models.recompute import recompute_output
 from moecore.models.rope import RotaryEmbedding, apply_rotary
+from moecore.parallel.context import gather_from_cp
+from moecore.parallel.cp_attention import allgather_attention, ring_attention
 
 LATENT_NORM_EPS = 1e-6
 
@@ -175,9 +177,6 @@ class MLAttention(nn.Module):
         latent and the rotated shared rope key (kv_lora_rank + dr values per token, instead of
         n * (dn + dr + dv) for K/V); every rank then up-projects the whole sequence's K/V itself.
         """
-        from moecore.parallel.context import gather_from_cp
-        from moecore.parallel.cp_attention import allgather_attention, ring_attention
-
         dims = self.dims
         if dims.cfg.cp_comm == "ring":
             q, k, v = self._up_project(x, latent, k_rope, cos, sin)

@@ -37,6 +37,7 @@ from torch import nn
 
 from moecore.config import Config
 from moecore.models.norms import RMSNorm
+from moecore.parallel.context import cp_roll_left, sum_over_cp
 
 
 def roll_left(t: torch.Tensor, shift: int, fill: float | int = 0) -> torch.Tensor:
@@ -117,8 +118,6 @@ class MTPStack(nn.Module):
             # comes from the neighbouring chunk (a one-token halo, moecore/parallel/context.py). Each depth's
             # loss is this rank's share: its loss sum over the tokens counted on every CP rank, so the
             # shares add up over CP to the loss of the whole sequence.
-            from moecore.parallel.context import cp_roll_left, sum_over_cp
-
             def roll(t):
                 return cp_roll_left(t, self.dims)
         else:

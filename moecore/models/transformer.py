@@ -33,6 +33,7 @@ from moecore.models.norms import RMSNorm
 from moecore.models.recompute import recompute_output
 from moecore.moe.experts import GroupedExperts
 from moecore.parallel import tensor_parallel as tpl
+from moecore.parallel.context import cp_position_ids
 
 
 @dataclass
@@ -253,8 +254,6 @@ class MoETransformer(nn.Module):
             # under context parallel input_ids are this rank's chunks (moecore/parallel/context.py)
             cp = getattr(self.dims, "cp", 1) if self.dims is not None else 1
             if cp > 1:
-                from moecore.parallel.context import cp_position_ids
-
                 position_ids = cp_position_ids(input_ids.shape[1] * cp, self.dims, input_ids.device)
             else:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)

@@ -36,6 +36,7 @@ import torch
 from moecore.moe.dispatch import DispatchCtx, LocalDispatcher, TokenDispatcher
 from moecore.moe.permute import permute, permute_probs, unpermute
 from moecore.parallel import comm
+from moecore.parallel.context import gather_from_cp, gather_from_cp_plain
 from moecore.parallel.dims import ParallelDims
 from moecore.parallel.sharding import set_shard
 
@@ -287,8 +288,6 @@ def router_logits_for_losses(
     if dims is not None and dims.cp > 1:
         # Context parallel: the losses are those of the whole sequences, every CP rank computing them and
         # counting 1/cp of them (`cp_loss_share`); the gradients of the gathered logits are summed over CP.
-        from moecore.parallel.context import gather_from_cp, gather_from_cp_plain
-
         full = logits_TE.view(batch, -1, E)
         if tp is not None:
             full = comm.gather_from_region(full, tp, dim=1)
