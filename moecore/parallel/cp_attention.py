@@ -252,18 +252,25 @@ def allgather_attention(
 
 
 def _shift(tensors: list[torch.Tensor], group: Group) -> tuple[list, list[torch.Tensor]]:
-    """Start sending `tensors` to the next CP rank and receiving the previous rank's; (requests, buffers)."""
+    """Start sending `tensors` to the next CP rank and receiving the previous rank's; (pending, buffers).
+
+    `pending` holds the requests and the tensors being sent, which must stay alive (and unchanged) until
+    `_wait(pending)`.
+    """
     nxt = group.ranks[(group.rank + 1) % group.size]
     prv = group.ranks[(group.rank - 1) % group.size]
-    bufs = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, group.pg) for t in tensors]
+    sent = [t.contiguous() for t in tensors]
+    bufs = [torch.empty_like(t) for t in sent]
+    ops = [dist.P2POp(dist.isend, t, nxt, group.pg) for t in sent]
     ops += [dist.P2POp(dist.irecv, b, prv, group.pg) for b in bufs]
-    return dist.batch_isend_irecv(ops), bufs
+    return [dist.batch_isend_irecv(ops), sent], bufs
 
 
-def _wait(reqs: list) -> None:
-    for r in reqs:
-        r.wait()
+def _wait(pending: list) -> None:
+    if pending:
+        for r in pending[0]:
+            r.wait()
+        pending.clear()
 
 
 class _RingAttention(torch.autograd.Function):
