@@ -42,7 +42,8 @@ class ModelOutput:
 
     Under context parallel (parallel.cp > 1) the sums (`lm_loss_sum`, `num_tokens`) and the objective
     terms (`aux_loss`, `mtp_loss`) are this rank's shares: summed over the CP ranks they give the values
-    of the whole sequences; `mtp_losses` and `moe_stats` are already those of the whole sequences.
+    of the whole sequences; `mtp_losses` and `moe_stats` are already those of the whole sequences;
+    `lm_loss` and `loss` are means over this rank's tokens (the training loop uses the shares).
     """
 
     logits: torch.Tensor | None = None
