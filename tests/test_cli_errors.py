@@ -37,6 +37,8 @@ BAD = [
     (["train", "tiny-moe", "model.rope_scaling={type: ntk}"], "model.rope_scaling"),
     (["train", "tiny-moe", "train.exit_interval=500"], "train.exit_interval"),
     (["train", "tiny-moe", "parallel.pp=2"], "parallel"),
+    (["train", "tiny-moe", "parallel.cp=2"], "parallel.cp"),
+    (["train", "tiny-moe", "parallel.cp_comm=p2p"], "parallel.cp_comm"),
     (["train", "tiny-moe", "moe.layer_freq=[1,0]"], "moe.layer_freq"),
     (["train", "tiny-moe", "model.recompute_modules=[attention]"], "model.recompute_modules"),
 ]

@@ -26,6 +26,7 @@ from moecore.config import ModelConfig
 from moecore.models.norms import RMSNorm
 from moecore.models.qk_clip import record_max_logit
 from moecore.models.rope import RotaryEmbedding, apply_rotary
+from moecore.parallel.cp_attention import context_parallel_attention
 from moecore.parallel.sharding import mark_tp_partial, set_shard
 from moecore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, tp_region_input, tp_size
 
@@ -143,6 +144,9 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         record_max_logit(self, q, k, self.head_dim**-0.5, self.window)  # optim.muon_qk_clip only
         dropout = self.cfg.attention_dropout if self.training else 0.0
+        if self.dims is not None and self.dims.cp > 1:  # context parallel: moecore/parallel/cp_attention.py
+            out = context_parallel_attention(q, k, v, self.dims, self.head_dim**-0.5, self.window, self.sinks)
+            return self._project(out, gate, b, s)
         if self.sinks is not None:
             from moecore.models.sinks import sink_attention
 

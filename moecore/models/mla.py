@@ -45,6 +45,8 @@ from moecore.models.norms import RMSNorm
 from moecore.models.qk_clip import record_max_logit
 from moecore.models.recompute import recompute_output
 from moecore.models.rope import RotaryEmbedding, apply_rotary
+from moecore.parallel.context import gather_from_cp
+from moecore.parallel.cp_attention import allgather_attention, ring_attention
 from moecore.parallel.sharding import mark_tp_partial
 from moecore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, tp_region_input, tp_size
 
@@ -172,10 +174,45 @@ class MLAttention(nn.Module):
         cos, sin = self.rotary(position_ids, x.dtype)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         grad = self.training and torch.is_grad_enabled()
-        if self.recompute_up_proj and grad:
+        if (
+            self.dims is not None and getattr(self.dims, "cp", 1) > 1
+        ):  # context parallel (moecore/parallel/cp_attention.py)
+            out = self._context_parallel_attention(x, latent, k_rope, cos, sin)
+        elif self.recompute_up_proj and grad:
             # q, k, v are not kept for the attention's backward: recomputed from x and the latent
             # (moecore/models/recompute.py), as Megatron-Core's mla_up_proj recomputation.
             out = recompute_output(self._up_project, (x, latent, k_rope, cos, sin), lambda qkv: self._attend(qkv, grad))
         else:
             out = self._attend(self._up_project(x, latent, k_rope, cos, sin), grad)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.v_dim))
+
+    def _context_parallel_attention(
+        self, x: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of this CP rank's queries over the whole sequence: [B, n, S_local, dv].
+
+        ring: the per-head K/V travel around the CP ring. allgather: what is gathered is the compressed
+        latent and the rotated shared rope key (kv_lora_rank + dr values per token, instead of
+        n * (dn + dr + dv) for K/V); every rank then up-projects the whole sequence's K/V itself.
+        """
+        dims = self.dims
+        if dims.cfg.cp_comm == "ring":
+            q, k, v = self._up_project(x, latent, k_rope, cos, sin)
+            out, _ = ring_attention(q, k, v, dims.cp_group, self.softmax_scale)
+            return out[..., : self.v_dim]
+        b, s, _ = x.shape
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(b, s, self.num_heads, self.qk_head_dim).transpose(1, 2)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q = torch.cat((q_nope, apply_rotary(q_rope, cos, sin, interleaved=self.rope_interleave)), dim=-1)
+        k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin, interleaved=self.rope_interleave)  # [B, 1, S_local, dr]
+        latent, k_rope = gather_from_cp(latent, dims, 1), gather_from_cp(k_rope, dims, 2)  # full sequence
+        full = latent.shape[1]
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, full, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.transpose(1, 2).split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(-1, self.num_heads, -1, -1)), dim=-1)
+        out, _ = allgather_attention(q, k, v, dims.cp_group, self.softmax_scale)
+        return out

@@ -13,6 +13,9 @@ targets labels rolled left by k; positions that roll past the end of the sequenc
 any position whose target the loss mask excludes. The objective adds
 mtp_loss_scaling_factor * mean_k(loss_k); each loss_k is also returned (detached) for logging.
 RoPE positions are left as they are: attention sees only position differences, which the roll keeps.
+Under context parallel the roll crosses chunk boundaries through a one-token halo from the rank holding
+the next chunk (`moecore.parallel.context.cp_roll_left`), and each depth's loss is this rank's share:
+its loss sum divided by the depth's token count over the whole sequence.
 
 The block of module k is a regular DecoderLayer; it is an MoE layer whenever the model has experts
 (DeepSeek-V3's MTP layer is), whatever `moe.layer_freq` / `moe.first_k_dense_replace` say for the
@@ -39,6 +42,7 @@ from torch import nn
 
 from moecore.config import Config
 from moecore.models.norms import RMSNorm
+from moecore.parallel.context import cp_roll_left, sum_over_cp
 from moecore.parallel.tensor_parallel import mark_sequence_parallel
 
 
@@ -95,6 +99,7 @@ class MTPStack(nn.Module):
         if m.mtp_num_layers < 1:
             raise ValueError(f"model.mtp_num_layers={m.mtp_num_layers} is invalid for an MTP stack: must be >= 1")
         self.scaling_factor = m.mtp_loss_scaling_factor
+        self.dims = dims
         self.layers = nn.ModuleList(MTPModule(cfg, k + 1, dims) for k in range(m.mtp_num_layers))
 
     def forward(
@@ -115,12 +120,28 @@ class MTPStack(nn.Module):
         mask = loss_mask.float()
         ids, targets = input_ids, labels
         losses, auxes = [], []
+        cp = getattr(self.dims, "cp", 1) if self.dims is not None else 1
+        if cp > 1:
+            # Context parallel: this rank holds two chunks of the sequence; the token after a chunk's last
+            # comes from the neighbouring chunk (a one-token halo, moecore/parallel/context.py). Each depth's
+            # loss is this rank's share: its loss sum over the tokens counted on every CP rank, so the
+            # shares add up over CP to the loss of the whole sequence.
+            def roll(t):
+                return cp_roll_left(t, self.dims)
+        else:
+
+            def roll(t):
+                return roll_left(t, 1)
+
+        logged = []
         for layer in self.layers:
-            ids, targets, mask = roll_left(ids, 1), roll_left(targets, 1), roll_left(mask, 1)
+            ids, targets, mask = roll(ids), roll(targets), roll(mask)
             hidden, aux = layer(hidden, model.embed(ids), position_ids, mask)
             if aux is not None:
                 auxes.append((layer.layer_idx, aux))
             _, loss_sum = model.lm_loss(hidden, targets, mask)
-            losses.append(loss_sum / mask.sum().clamp(min=1))
+            count = mask.sum() if cp == 1 else sum_over_cp(mask.sum(), self.dims)
+            losses.append(loss_sum / count.clamp(min=1))
+            logged.append(losses[-1].detach() if cp == 1 else sum_over_cp(losses[-1], self.dims))
         total = torch.stack(losses).mean() * self.scaling_factor
-        return total, [loss.detach() for loss in losses], auxes
+        return total, logged, auxes

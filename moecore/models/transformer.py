@@ -33,11 +33,18 @@ from moecore.models.norms import RMSNorm
 from moecore.models.recompute import recompute_output
 from moecore.moe.experts import GroupedExperts
 from moecore.parallel import tensor_parallel as tpl
+from moecore.parallel.context import cp_position_ids
 
 
 @dataclass
 class ModelOutput:
-    """What a forward pass returns. `loss` is what to backpropagate (None without labels)."""
+    """What a forward pass returns. `loss` is what to backpropagate (None without labels).
+
+    Under context parallel (parallel.cp > 1) the sums (`lm_loss_sum`, `num_tokens`) and the objective
+    terms (`aux_loss`, `mtp_loss`) are this rank's shares: summed over the CP ranks they give the values
+    of the whole sequences; `mtp_losses` and `moe_stats` are already those of the whole sequences;
+    `lm_loss` and `loss` are means over this rank's tokens (the training loop uses the shares).
+    """
 
     logits: torch.Tensor | None = None
     loss: torch.Tensor | None = None
@@ -245,7 +252,12 @@ class MoETransformer(nn.Module):
     ):
         """Embedding and decoder layers; returns (hidden states before the final norm, MoE aux list)."""
         if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+            # under context parallel input_ids are this rank's chunks (moecore/parallel/context.py)
+            cp = getattr(self.dims, "cp", 1) if self.dims is not None else 1
+            if cp > 1:
+                position_ids = cp_position_ids(input_ids.shape[1] * cp, self.dims, input_ids.device)
+            else:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.embed(input_ids)
         auxes = []
         for layer in self.layers:

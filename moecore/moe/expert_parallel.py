@@ -36,6 +36,7 @@ import torch
 from moecore.moe.dispatch import DispatchCtx, LocalDispatcher, TokenDispatcher
 from moecore.moe.permute import permute, permute_probs, unpermute
 from moecore.parallel import comm
+from moecore.parallel.context import gather_from_cp, gather_from_cp_plain
 from moecore.parallel.dims import ParallelDims
 from moecore.parallel.sharding import set_shard
 
@@ -284,12 +285,28 @@ def router_logits_for_losses(
     """(logits of the whole micro-batch [B*S, E], its valid-token mask [B*S] or None, S) for the balancing losses."""
     tp = _tp(dims)
     E = logits_TE.shape[-1]
+    if dims is not None and dims.cp > 1:
+        # Context parallel: the losses are those of the whole sequences, every CP rank computing them and
+        # counting 1/cp of them (`cp_loss_share`); the gradients of the gathered logits are summed over CP.
+        full = logits_TE.view(batch, -1, E)
+        if tp is not None:
+            full = comm.gather_from_region(full, tp, dim=1)
+        full = gather_from_cp(full, dims, 1, grad="sum")
+        valid = None
+        if full_loss_mask is not None:
+            valid = gather_from_cp_plain(full_loss_mask.reshape(batch, -1), dims.cp_group, 1).reshape(-1) > 0
+        return full.reshape(-1, E), valid, full.shape[1]
     if tp is None:
         valid = None if full_loss_mask is None else full_loss_mask.reshape(-1) > 0
         return logits_TE, valid, logits_TE.shape[0] // batch
     full = comm.gather_from_region(logits_TE.view(batch, -1, E), tp, dim=1)
     valid = None if full_loss_mask is None else full_loss_mask.reshape(-1) > 0
     return full.reshape(-1, E), valid, full.shape[1]
+
+
+def cp_loss_share(loss: torch.Tensor, dims: ParallelDims | None) -> torch.Tensor:
+    """This CP rank's share of a loss every CP rank computed over the whole sequences (loss / cp)."""
+    return loss if dims is None or dims.cp == 1 else loss / dims.cp
 
 
 def sum_counts_over_tp(t: torch.Tensor, dims: ParallelDims | None) -> torch.Tensor:

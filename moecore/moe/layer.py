@@ -164,6 +164,7 @@ class MoELayer(nn.Module):
                 r.logits_TE, B, full_loss_mask, self.dims
             )
             loss, stats = self._routing_losses(loss_logits, loss_valid, B, loss_S)
+            loss = ep_util.cp_loss_share(loss, self.dims)
             return Routed(r.topk_idx_TK, r.topk_weight_TK, loss, stats)
 
     def presort(self, routed: Routed) -> Routed:
@@ -236,7 +237,7 @@ class MoELayer(nn.Module):
     def _use_fused_router(self, x_TH: torch.Tensor) -> bool:
         """The fused router kernel where it launches (CUDA + triton) and covers the options; every rank
         routes the whole micro-batch's losses itself (no tensor-parallel token split)."""
-        if not self.router.fusable() or ep_util.splits_tokens_over_tp(self.dims):
+        if not self.router.fusable() or ep_util.splits_tokens_over_tp(self.dims) or getattr(self.dims, "cp", 1) > 1:
             return False
         if self.fused_router_impl != "auto":
             return True

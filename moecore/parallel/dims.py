@@ -100,11 +100,12 @@ class ParallelDims:
             raise ConfigError(f"world size {self.world_size} is invalid: must be >= 1")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is invalid: must be in [0, {self.world_size})")
-        if self.cp > 1:
-            raise ConfigError(f"parallel.cp={self.cp} is not supported yet: context parallel is not implemented; use 1")
         dense = self.tp * self.cp * self.pp
         if self.world_size % dense:
-            name = "pp" if self.pp > 1 and self.world_size % (self.tp * self.cp) == 0 else "tp"
+            if self.pp > 1 and self.world_size % (self.tp * self.cp) == 0:
+                name = "pp"
+            else:
+                name = "cp" if self.cp > 1 and self.world_size % self.tp == 0 else "tp"
             raise ConfigError(
                 f"parallel.{name}={getattr(self, name)}: tp*cp*pp={dense} does not divide the world size {self.world_size}"
             )

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from moecore.config import ConfigError
 from moecore.parallel.comm import _all_gather_single
-from moecore.parallel.data_parallel import GradSync, _Bucket, wrap_model_for_data_parallel
+from moecore.parallel.data_parallel import GradSync, _Bucket, squared_norm, wrap_model_for_data_parallel
 from moecore.parallel.dims import ParallelDims
 from moecore.parallel.sharding import get_shard, replication_factor
 
@@ -238,8 +238,7 @@ class DistributedOptimizer:
             for p, _, a, e in b.overlaps():
                 # Ranks holding this same shard element: the parameter's copies, divided among g shards.
                 copies = replication_factor(get_shard(p), self.dims) // g
-                sq = torch.linalg.vector_norm(b.shard_grad[a - b.lo : e - b.lo], dtype=torch.float32)
-                total += sq.double().square() / copies
+                total += squared_norm(b.shard_grad[a - b.lo : e - b.lo]) / copies
         if self.dims.world_group.size > 1:
             dist.all_reduce(total, group=self.dims.world_group.pg)
         norm = total.sqrt().float()

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from moecore.config import ConfigError
+from moecore.parallel.data_parallel import squared_norm
 from moecore.parallel.dims import ParallelDims
 from moecore.parallel.sharding import _ATTR, get_shard, replication_factor
 
@@ -127,7 +128,7 @@ class FullyShardedModel:
             spec = get_shard(p)
             mesh = self.dims.edp_group if spec.kind == "expert" else self.dims.dp_cp_group
             copies = replication_factor(spec, self.dims) // mesh.size
-            total += torch.linalg.vector_norm(g, dtype=torch.float32).double().square() / copies
+            total += squared_norm(g) / copies
         if self.dims.world_group.size > 1:
             dist.all_reduce(total, group=self.dims.world_group.pg)
         norm = total.sqrt().float()

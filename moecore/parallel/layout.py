@@ -29,7 +29,7 @@ def check_layout(cfg: Config) -> None:
             if refused:
                 raise ConfigError(f"{name}={value!r} is not supported with parallel.pp={p.pp} yet; allowed: {allowed}")
     if p.cp > 1:
-        raise ConfigError(f"parallel.cp={p.cp} is not supported yet: context parallel is not implemented; use 1")
+        _check_context_parallel(cfg)
     if p.fsdp:
         if p.distributed_optimizer:
             raise ConfigError(
@@ -60,7 +60,8 @@ def check_layout(cfg: Config) -> None:
     checks = [
         ("model.num_attention_heads", m.num_attention_heads),
         ("model.ffn_hidden_size", m.ffn_hidden_size),
-        ("train.seq_length", cfg.train.seq_length),  # sequence-parallel shards (and MoE token chunks)
+        # sequence-parallel shards (and MoE token chunks) of this CP rank's part of the sequence
+        ("train.seq_length" + (" / parallel.cp" if p.cp > 1 else ""), cfg.train.seq_length // p.cp),
     ]
     if m.attention_type == "gqa":
         checks.insert(1, ("model.num_kv_heads", m.kv_heads))
@@ -101,3 +102,25 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         )
     if p.pp > 1:  # the schedule's micro-batch rules
         check_pipeline(cfg, cfg.train.global_batch_size // mb_total)
+
+
+def _check_context_parallel(cfg: Config) -> None:
+    """parallel.cp > 1: the sequence splits into 2 * cp chunks (moecore/parallel/context.py); what CP covers."""
+    p, m = cfg.parallel, cfg.model
+    cp, seq = p.cp, cfg.train.seq_length
+    if seq % (2 * cp):
+        raise ConfigError(
+            f"train.seq_length={seq} is not divisible by 2 * parallel.cp = {2 * cp}: context parallel cuts "
+            "the sequence into 2 * cp equal chunks; use a multiple of it"
+        )
+    refused = [
+        ("parallel.pp", p.pp, p.pp > 1, "1"),
+        ("parallel.fsdp", p.fsdp, p.fsdp, "false"),
+        ("model.attention_type", m.attention_type, m.attention_type == "dsa", "gqa | mla"),
+        ("model.attention_dropout", m.attention_dropout, m.attention_dropout > 0, "0"),
+    ]
+    for name, value, bad, allowed in refused:
+        if bad:
+            raise ConfigError(f"{name}={value!r} is not supported with parallel.cp={cp} yet; allowed: {allowed}")
+    if m.layer_types is not None and "linear_attention" in m.layer_types:
+        raise ConfigError(f"parallel.cp={cp} is not supported with linear_attention layers yet; use parallel.cp=1")

@@ -43,7 +43,7 @@ from moecore.config import Config, ConfigError
 from moecore.models.transformer import ModelParts, MoETransformer
 from moecore.optim.mixed_precision import grad_of, set_grad
 from moecore.parallel import comm
-from moecore.parallel.data_parallel import apply_clip
+from moecore.parallel.data_parallel import apply_clip, squared_norm
 from moecore.parallel.dims import Group, ParallelDims
 from moecore.parallel.pipeline_layout import StageSpec, check_pipeline, stage_ranks
 from moecore.parallel.sharding import get_shard, replication_factor
@@ -427,8 +427,7 @@ def pipeline_grad_norm(pipe: Pipeline) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.float64, device=pipe.device)
     for prm in pipe.norm_params():
         # Each copy within the stage contributes 1/copies of its square, so the world sum counts it once.
-        sq = torch.linalg.vector_norm(grad_of(prm).detach(), dtype=torch.float32).double().square()
-        total += sq / replication_factor(get_shard(prm), pipe.dims)
+        total += squared_norm(grad_of(prm).detach()) / replication_factor(get_shard(prm), pipe.dims)
     comm.all_reduce_(total, pipe.dims.world_group, "sum")
     return total.sqrt().float()
 

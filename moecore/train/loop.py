@@ -26,6 +26,7 @@ from moecore.checkpoint.saver import CheckpointSaver
 from moecore.config import Config, ConfigError
 from moecore.models.transformer import MoETransformer
 from moecore.optim.schedule import lr_at
+from moecore.parallel.context import split_batch_for_cp
 from moecore.parallel.layout import validate_layout
 from moecore.train.guards import StepGuard
 from moecore.train.memory import memory_metrics
@@ -169,6 +170,8 @@ class Trainer:
         model = self.model
         model.train()
         batches = [_to(self.data.train.next_micro_batch(), rt.device) for _ in range(self.micro_batches_per_rank)]
+        # context parallel: this rank's chunks of every sequence, with their global positions
+        batches = [split_batch_for_cp(b, rt.dims) for b in batches]
         local_tokens = sum(b["loss_mask"].sum() for b in batches)
         global_tokens = rt.sum_over_dp(local_tokens.detach().double()).clamp(min=1)
         n_mb_global = self.micro_batches_per_rank * rt.dp_size
@@ -182,16 +185,20 @@ class Trainer:
             # Only the last micro-batch's backward reduces gradients over the data-parallel ranks.
             with rt.grad_sync_context(model, last=i == len(batches) - 1):
                 with autocast_context(rt):
-                    out = model(b["input_ids"], labels=b["labels"], loss_mask=b["loss_mask"])
-                    # Data-parallel gradient reduction averages over dp ranks, hence the factor dp_size:
-                    # sum over ranks of (dp * grad_r / dp) == gradient of the global-batch objective.
-                    objective = out.lm_loss_sum / global_tokens.to(out.lm_loss_sum.dtype) * rt.dp_size
+                    out = model(
+                        b["input_ids"], labels=b["labels"], loss_mask=b["loss_mask"], position_ids=b.get("position_ids")
+                    )
+                    # Gradient reduction averages over the dp x cp ranks, hence the factor replicas = dp * cp:
+                    # sum over ranks of (replicas * grad_r / replicas) == gradient of the global-batch objective
+                    # (under CP each rank's terms are its share of its sequences': moecore/parallel/context.py).
+                    replicas = rt.grad_replicas
+                    objective = out.lm_loss_sum / global_tokens.to(out.lm_loss_sum.dtype) * replicas
                     if out.aux_loss is not None:
-                        objective = objective + out.aux_loss * (rt.dp_size / n_mb_global)
+                        objective = objective + out.aux_loss * (replicas / n_mb_global)
                     if out.mtp_loss is not None:
-                        objective = objective + out.mtp_loss * (rt.dp_size / n_mb_global)
+                        objective = objective + out.mtp_loss * (replicas / n_mb_global)
                     if out.indexer_loss is not None:  # DSA lightning indexer (moecore/models/dsa.py)
-                        objective = objective + out.indexer_loss * (rt.dp_size / n_mb_global)
+                        objective = objective + out.indexer_loss * (replicas / n_mb_global)
                         indexer_sum += out.indexer_loss.detach().double()
                 rt.backward(objective)
             lm_sum += out.lm_loss_sum.detach().double()
@@ -271,13 +278,15 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float64, device=rt.device)
         tokens = torch.zeros((), dtype=torch.float64, device=rt.device)
         for b in self.data.valid_batches():
-            b = _to(b, rt.device)
+            b = split_batch_for_cp(_to(b, rt.device), rt.dims)
             with autocast_context(rt):
                 if self.pipeline is not None:  # sums land on the loss stage; summed over the pipeline below
                     lm_sum, n = self.pipeline.evaluate_batch(b["input_ids"], b["labels"], b["loss_mask"])
                     total, tokens = total + lm_sum, tokens + n
                     continue
-                out = self.model(b["input_ids"], labels=b["labels"], loss_mask=b["loss_mask"])
+                out = self.model(
+                    b["input_ids"], labels=b["labels"], loss_mask=b["loss_mask"], position_ids=b.get("position_ids")
+                )
             total += out.lm_loss_sum.double()
             tokens += out.num_tokens.double()
         self.model.train()

@@ -5,8 +5,9 @@
   sequence of 8 is not a multiple of the chunk) around one gated GQA layer with q/k norms, and one MTP layer.
 - `oss_config`: gpt-oss (attention sinks, sliding windows, biases, biased experts);
 - `dsa_config`: DeepSeek-V3.2 sparse attention (MLA + lightning indexer), sparse or dense_warmup stage.
-`with_mtp_in_aux` wraps MoETransformer.forward so that the MTP and indexer losses join `aux_loss`, which the
-harness's objective scales as the training loop scales those losses (moecore/train/loop.py).
+`with_indexer_in_aux` wraps MoETransformer.forward so that the DSA indexers' loss joins `aux_loss`, which the
+harness's objective scales as the training loop scales it (moecore/train/loop.py); the harness adds the MTP
+loss itself.
 """
 
 from __future__ import annotations
@@ -66,14 +67,14 @@ def oss_config() -> Config:
     return cfg
 
 
-def with_mtp_in_aux(forward):
-    """MoETransformer.forward, with the MTP loss and the DSA indexers' loss added into ModelOutput.aux_loss."""
+def with_indexer_in_aux(forward):
+    """MoETransformer.forward, with the DSA indexers' loss added into ModelOutput.aux_loss."""
 
     def folded(self, *args, **kwargs):
         out = forward(self, *args, **kwargs)
-        for extra in (out.mtp_loss, out.indexer_loss):
-            if extra is not None and extra.requires_grad:  # dense_warmup: the MTP loss is detached
-                out.aux_loss = extra if out.aux_loss is None or not out.aux_loss.requires_grad else out.aux_loss + extra
+        extra = out.indexer_loss
+        if extra is not None and extra.requires_grad:
+            out.aux_loss = extra if out.aux_loss is None or not out.aux_loss.requires_grad else out.aux_loss + extra
         return out
 
     return folded

@@ -4,7 +4,8 @@ The reference is the one-process run (dims None; torch's own clip_grad_norm_); a
 steps on N gloo processes from the same initial weights (cut out of the reference's full tensors)
 and the same global batches (data-parallel rank d takes its contiguous share of the micro-batches).
 The objective is the training loop's (moecore/train/loop.py): LM loss summed over tokens / global
-tokens x dp, plus each micro-batch's routing losses x dp / micro-batches.
+tokens x dp x cp, plus each micro-batch's routing (and MTP) losses x dp x cp / micro-batches; under context
+parallel every rank of a CP group takes the same micro-batches and keeps its chunks of them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from moecore.config import Config
 from moecore.models.transformer import MoETransformer
+from moecore.parallel.context import split_batch_for_cp
 from moecore.parallel.data_parallel import clip_grad_norm_, wrap_model_for_data_parallel
 from moecore.parallel.dims import ParallelDims
 from moecore.parallel.sharding import global_grads, load_global_state_dict
@@ -38,13 +40,13 @@ def tiny_config(**moe_overrides) -> Config:
     return cfg
 
 
-def make_data(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def make_data(seed: int = 0, seq: int = SEQ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(STEPS):
-        ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
-        labels = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
-        mask = (torch.rand(GLOBAL_BATCH, SEQ, generator=g) > 0.15).float()  # some padding positions
+        ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, seq), generator=g)
+        labels = torch.randint(0, VOCAB, (GLOBAL_BATCH, seq), generator=g)
+        mask = (torch.rand(GLOBAL_BATCH, seq, generator=g) > 0.15).float()  # some padding positions
         out.append((ids, labels, mask))
     return out
 
@@ -85,6 +87,7 @@ def train_steps(
     """`steps` optimizer steps on data[first:]; returns losses, grad norms and (full) grads after the first one."""
     opt = make_optimizer(model) if opt is None else opt
     dp = 1 if dims is None else dims.dp
+    replicas = 1 if dims is None else dims.dp * dims.cp  # gradients are averaged over dp x cp
     dp_rank = 0 if dims is None else dims.dp_group.rank
     sync = None if dims is None else wrap_model_for_data_parallel(model, dims, bucket_mb=0.002)
     n_mb = GLOBAL_BATCH // MICRO_BATCH
@@ -100,8 +103,14 @@ def train_steps(
             last = i == per_rank - 1
             ctx = sync.no_sync() if sync is not None and not last else contextlib.nullcontext()
             with ctx:
-                o = model(ids[sl], labels=labels[sl], loss_mask=mask[sl])
-                obj = o.lm_loss_sum / global_tokens.to(o.lm_loss_sum.dtype) * dp + o.aux_loss * (dp / n_mb)
+                # context parallel: this rank's chunks of the micro-batch (moecore/parallel/context.py)
+                b = split_batch_for_cp({"input_ids": ids[sl], "labels": labels[sl], "loss_mask": mask[sl]}, dims)
+                o = model(
+                    b["input_ids"], labels=b["labels"], loss_mask=b["loss_mask"], position_ids=b.get("position_ids")
+                )
+                obj = o.lm_loss_sum / global_tokens.to(o.lm_loss_sum.dtype) * replicas + o.aux_loss * (replicas / n_mb)
+                if o.mtp_loss is not None:
+                    obj = obj + o.mtp_loss * (replicas / n_mb)
                 obj.backward()
             lm_sum += o.lm_loss_sum.detach().double()
         if dims is None:

@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from attn_variants import deltanet_config, mla_config, with_mtp_in_aux
+from attn_variants import deltanet_config, mla_config, with_indexer_in_aux
 from dist_parity import build, full_state, make_data, make_dims, make_optimizer, tiny_config, train_steps
 
 from moecore.checkpoint import load_training_state, save_training_state
@@ -108,7 +108,7 @@ def test_tp2_checkpoint_of_mla_and_deltanet_resumes_in_one_process(tmp_path, mon
     replicated conv) saved under tp2 load in one process as the very weights tp2 held, and the next step gives
     the one-process run's loss (and, for MLA, weights; the tiny DeltaNet model's Adam steps amplify rounding to
     about that tolerance, see attn_variants.py)."""
-    monkeypatch.setattr(MoETransformer, "forward", with_mtp_in_aux(MoETransformer.forward))  # forked workers too
+    monkeypatch.setattr(MoETransformer, "forward", with_indexer_in_aux(MoETransformer.forward))  # forked workers too
     data = make_data()
     variants = {"mla": mla_config, "deltanet": deltanet_config}
     inits, refs = {}, {}

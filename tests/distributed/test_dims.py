@@ -22,7 +22,7 @@ from moecore.parallel.tensor_parallel import vocab_parallel_cross_entropy
     [
         ({"ep": 3}, 3, {"num_experts": 8}, "parallel.ep=3 does not divide moe.num_experts=8"),
         ({"pp": 2}, 3, {}, "parallel.pp=2: tp*cp*pp=2 does not divide the world size 3"),
-        ({"cp": 2}, 2, {}, "parallel.cp=2 is not supported yet"),
+        ({"cp": 3}, 4, {}, "parallel.cp=3: tp*cp*pp=3 does not divide the world size 4"),
         ({"tp": 2}, 3, {}, "parallel.tp=2: tp*cp*pp=2 does not divide the world size 3"),
         ({"ep": 2, "etp": 2}, 2, {"num_experts": 8}, "etp*ep*pp=4 (parallel.etp=2) does not divide the world size 2"),
         ({"tp": 4}, 4, {"num_attention_heads": 6}, "parallel.tp=4 does not divide model.num_attention_heads=6"),
@@ -67,6 +67,12 @@ def test_invalid_layouts_are_refused_naming_the_field(par, world, kwargs, messag
             {"train.precision": "fp16", "parallel.fsdp": True},
             "train.precision='fp16' is not supported with parallel.fsdp",
         ),
+        ({"parallel.cp": 2, "train.seq_length": 18}, "train.seq_length=18 is not divisible by 2"),
+        (
+            {"parallel.cp": 2, "model.attention_dropout": 0.1},
+            "model.attention_dropout=0.1 is not supported with parallel.cp=2",
+        ),
+        ({"parallel.cp": 2, "parallel.pp": 2}, "parallel.pp=2 is not supported with parallel.cp=2"),
     ],
 )
 def test_config_preflight_refuses_unsupported_layouts(overrides, message):
@@ -77,7 +83,7 @@ def test_config_preflight_refuses_unsupported_layouts(overrides, message):
     for key, value in overrides.items():
         section, name = key.split(".")
         setattr(getattr(cfg, section), name, value)
-    world = 6 if cfg.parallel.etp == 3 else 2
+    world = 6 if cfg.parallel.etp == 3 else 2 * cfg.parallel.cp * cfg.parallel.pp
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         validate_layout(cfg, world)
 

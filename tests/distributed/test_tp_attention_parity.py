@@ -21,7 +21,7 @@ import copy
 
 import pytest
 import torch
-from attn_variants import deltanet_config, dsa_config, mla_config, oss_config, with_mtp_in_aux
+from attn_variants import deltanet_config, dsa_config, mla_config, oss_config, with_indexer_in_aux
 from dist_parity import build, compare, make_data, make_dims, reference, run_layout
 
 from moecore.models.transformer import MoETransformer
@@ -74,7 +74,7 @@ def _config(variant: str, par: dict | None = None):
 @pytest.fixture(scope="module", autouse=True)
 def _mtp_objective():
     with pytest.MonkeyPatch.context() as mp:  # forked workers inherit the patched class
-        mp.setattr(MoETransformer, "forward", with_mtp_in_aux(MoETransformer.forward))
+        mp.setattr(MoETransformer, "forward", with_indexer_in_aux(MoETransformer.forward))
         yield
 
 

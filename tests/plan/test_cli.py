@@ -30,9 +30,12 @@ def test_plan_prints_a_ranked_table_and_writes_json(tmp_path, capsys) -> None:
     pp = [c for c in cands if " pp2" in c["layout"]]
     assert pp and all(c["supported"] and c["unsupported_reason"] is None for c in pp)
     assert all("parallel.pp=2" in c["overrides"] and "parallel.pp_schedule=1f1b" in c["overrides"] for c in pp)
+    # context-parallel layouts run too, with the override that selects them (not with FSDP yet)
+    cp = [c for c in cands if " cp2" in c["layout"] and " fsdp" not in c["layout"]]
+    assert cp and all(c["supported"] and "parallel.cp=2" in c["overrides"] for c in cp)
     # layouts the trainer does not run yet are listed, marked with the trainer's reason
-    cp = [c for c in cands if " cp2" in c["layout"]]
-    assert cp and all(not c["supported"] and "parallel.cp=2" in c["unsupported_reason"] for c in cp)
+    cp_fsdp = [c for c in cands if " cp2" in c["layout"] and " fsdp" in c["layout"]]
+    assert all(not c["supported"] and "parallel.fsdp" in c["unsupported_reason"] for c in cp_fsdp)
 
 
 def test_plan_says_when_nothing_fits(capsys) -> None:

@@ -58,13 +58,14 @@ def test_unsupported_layouts_carry_the_trainers_reason() -> None:
     assert unsupported_reason(cfg, Layout(ep=2, dp=2)) is None
     assert unsupported_reason(cfg, Layout(pp=2, dp=1)) is None  # pipeline parallel runs MLA
     assert "parallel.pp=2" in unsupported_reason(cfg, Layout(pp=2, dp=2, distributed_optimizer=True))
-    assert "parallel.cp=2" in unsupported_reason(cfg, Layout(cp=2, dp=1))
+    assert unsupported_reason(cfg, Layout(cp=2, dp=1)) is None  # context parallel runs MLA
     assert unsupported_reason(cfg, Layout(tp=2, dp=1)) is None  # tensor parallel runs MLA
     assert unsupported_reason(cfg, Layout(dp=2, fsdp=True)) is None  # FSDP2 over dp runs
     assert "fsdp" in unsupported_reason(cfg, Layout(pp=2, dp=2, fsdp=True))  # ... but not with pipeline stages
     dsa = load_config("tiny-deepseek-v32")
     dsa.model.vocab_size = 512
     assert "model.attention_type='dsa'" in unsupported_reason(dsa, Layout(pp=2, dp=1))
+    assert "parallel.cp=2" in unsupported_reason(dsa, Layout(cp=2, dp=1))
     oss = load_config("tiny-gpt-oss")
     oss.model.vocab_size = 512
     assert unsupported_reason(oss, Layout(ep=2, dp=2)) is None
