@@ -74,10 +74,16 @@ def main() -> None:
         fp8 = ["train.precision=fp8", f"fp8.recipe={recipe}", f"fp8.format={args.format}"]
         fp8 += ["fp8.emulate=true"] if args.emulate else []
         runs[f"fp8-{recipe}"] = run_one(recipe, [*base, *fp8], args.steps)
-    ref = runs["bf16"]["final_loss"]
+    bf16 = runs["bf16"]["losses"]
     for name, r in runs.items():
-        r["final_loss_rel_diff_vs_bf16"] = (r["final_loss"] - ref) / ref
-        print(f"{name:16s} final loss {r['final_loss']:.4f} ({100 * r['final_loss_rel_diff_vs_bf16']:+.2f}% vs bf16), "
+        # A run whose steps went non-finite logs fewer losses (the guard skips those steps): compare the same
+        # window of logged steps, and say how many there were.
+        n = min(len(r["losses"]), len(bf16))
+        ref = sum(bf16[n - 10 : n]) / len(bf16[n - 10 : n])
+        r["steps_logged"] = len(r["losses"])
+        r["final_loss_rel_diff_vs_bf16"] = (sum(r["losses"][n - 10 : n]) / len(r["losses"][n - 10 : n]) - ref) / ref
+        print(f"{name:16s} final loss {r['final_loss']:.4f} ({100 * r['final_loss_rel_diff_vs_bf16']:+.2f}% vs bf16 "
+              f"over the same steps), {r['steps_logged']} of {args.steps} steps logged, "
               f"{r['tokens_per_s']:.0f} tokens/s", flush=True)  # fmt: skip
     Path(args.out).write_text(json.dumps({"steps": args.steps, "format": args.format, "runs": runs}, indent=1))
 

@@ -176,3 +176,21 @@ def test_primary_weights_refusals():
     check_fp8_runtime(cfg, torch.device("cpu"), 1)
     with pytest.raises(ConfigError, match="single-process"):
         check_fp8_runtime(cfg, torch.device("cpu"), 2)
+
+
+@pytest.mark.parametrize(
+    "extra,word",
+    [(["fp8.format=hybrid"], "fp8.format='hybrid'"), (["fp8.recipe=tensorwise"], "fp8.recipe='tensorwise'")],
+)
+def test_gpu_refuses_what_failed_on_the_h200(monkeypatch, extra, word):
+    """On an FP8-capable GPU (stood in for here), the hybrid format and the tensorwise recipe are refused in one line;
+    rowwise and blockwise e4m3 pass the same check."""
+    from moecore.kernels import fp8_gemm
+    from moecore.train.runtime import check_fp8_runtime
+
+    monkeypatch.setattr(fp8_gemm, "fp8_unsupported_reason", lambda device, scaling: None)
+    real = [o for o in FP8 if o != "fp8.emulate=true"] + ["fp8.emulate=false"]
+    with pytest.raises(ConfigError, match=word):
+        check_fp8_runtime(load_config("tiny-moe", TINY + real + extra), torch.device("cuda"), 1)
+    for recipe in ("rowwise", "blockwise"):
+        check_fp8_runtime(load_config("tiny-moe", TINY + real + [f"fp8.recipe={recipe}"]), torch.device("cuda"), 1)
