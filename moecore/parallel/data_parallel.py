@@ -327,14 +327,12 @@ def _params(params: Iterable[torch.nn.Parameter] | torch.nn.Module) -> list[torc
 
 
 def squared_norm(grad: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of one gradient tensor as a float64 scalar.
+    """Sum of squares of one gradient tensor: its float32 norm, squared in float64 (every layout's grad norm
+    sums these, so a one-process run and a sharded run of the same gradients report the same norm).
 
-    On CPU the reduction runs in float64: torch's float32 norm there accumulates with a relative error of
-    ~2e-5 at 5e5 elements and ~2e-4 at 4e6 (enough to make a sharded run's norm differ from one process's).
-    On CUDA float32's tree reduction is accurate to ~1e-7 and needs no float64 copy of a large gradient.
+    Known limit: torch's float32 norm on CPU accumulates with a relative error of ~2e-5 at 5e5 elements and
+    ~2e-4 at 4e6 (CUDA's tree reduction: ~1e-7), so reported CPU norms carry that error.
     """
-    if grad.device.type == "cpu":
-        return torch.linalg.vector_norm(grad, dtype=torch.float64).square()
     return torch.linalg.vector_norm(grad, dtype=torch.float32).double().square()
 
 

@@ -127,7 +127,7 @@ class Runtime:
         from moecore.parallel.data_parallel import apply_clip, global_grad_norm
 
         if self.world_size > 1 or all(g.dtype == torch.float32 for g in grads):
-            # One algorithm for every layout (per-tensor squared norms summed in fp64), so that a
+            # One algorithm for every layout (per-tensor fp32 norms, squares summed in fp64), so that a
             # one-process run and a parallel run of the same gradients report the same norm.
             norm = global_grad_norm(params, self.dims if self.world_size > 1 else None)
         else:  # bf16 gradients on one process: one foreach norm, squares summed in fp32
