@@ -65,6 +65,20 @@ def test_kernel_matches_reference_interpreter(backend, shape, chunk, decay):
         assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
 
 
+def test_kernel_initial_state_matches_reference_interpreter(backend):
+    """An initial state (what context parallel feeds in): output, final state and every gradient, dh0 included."""
+    if backend != "interpret":
+        pytest.skip("the interpreter checks the maths; the CUDA runs use realistic shapes below")
+    b, s, hk, hv, dk, dv = 2, 37, 1, 2, 16, 32
+    h0 = torch.randn(b, hv, dk, dv, generator=torch.Generator().manual_seed(3))
+    inputs = _inputs(b, s, hk, hv, dk, dv, "cpu") + [h0]
+    got = _run(lambda *a: gated_delta_rule_triton(*a[:5], chunk_size=16, initial_state=a[5]), inputs)
+    ref = _run(lambda *a: gated_delta_rule_chunked(*a[:5], chunk_size=16, initial_state=a[5]), inputs)
+    for name, a, b in zip((*NAMES, "dh0"), got, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
+
+
 def test_layer_with_triton_backend_matches_torch(backend):
     """The whole Qwen3-Next layer (head dims 8 and 6: masked tiles) through the dispatcher."""
     if backend != "interpret":
