@@ -121,6 +121,22 @@ def test_kernel_matches_float64_reference_cuda(backend, dtype):
         assert err < tol, (name, err)
 
 
+def test_kernel_initial_state_matches_float64_reference_cuda(backend):
+    """The initial-state path (context parallel's) at Qwen3-Next head dims, fp32, dh0 included."""
+    if backend != "cuda":
+        pytest.skip("realistic shapes need a GPU")
+    h0 = torch.randn(1, 4, 128, 128, generator=torch.Generator().manual_seed(3)).cuda()
+    inputs = _inputs(1, 1000, 2, 4, 128, 128, "cuda", decay=0.1) + [h0]
+    got = _run(lambda *a: gated_delta_rule_triton(*a[:5], chunk_size=64, initial_state=a[5]), inputs)
+    ref = _run(
+        lambda *a: gated_delta_rule_chunked(*a[:5], chunk_size=64, initial_state=a[5]), inputs, work_dtype=torch.float64
+    )
+    errors = {name: rel_err(a, b) for name, a, b in zip((*NAMES, "dh0"), got, ref)}
+    print("gated delta kernel with initial state vs float64: " + " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
+    for name, err in errors.items():
+        assert err < 1e-4, (name, err)
+
+
 def test_auto_dispatch_picks_triton_on_cuda(backend):
     if backend != "cuda":
         pytest.skip("auto takes the PyTorch path on CPU")
