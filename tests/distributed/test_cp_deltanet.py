@@ -11,6 +11,8 @@ reference itself (6e-6).
 Rule and conv: `gated_delta_rule_cp` and `causal_conv1d_cp` in float64 against `gated_delta_rule_chunked`
 and the padded conv (values and every input gradient), down to chunks of one token: the construction is
 exact (measured <= 1.5e-15; bar 1e-12).
+Long sequence: one forward of the layer on 32768 tokens under cp4 makes no tensor near [seq, seq] (the
+largest, measured: the chunked rule's per-chunk [C, C] blocks, 2M elements against 1.07G).
 cp2 runs on the two cp groups of a cp2 x dp2 layout, cp4 on all four processes, in one launch. The
 one-rank identity (a group of one: the two halves of the sequence composed) runs without processes.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moecore.config import ModelConfig, ParallelConfig
 from moecore.models.linear_attention import GatedDeltaNet, gated_delta_rule_chunked, l2_normalize
@@ -114,16 +117,53 @@ LAYER_CASES = [(2, 24, False), (2, 2, True), (4, 24, True), (4, 2, False)]  # (c
 RULE_CASES = [(2, 24), (4, 24), (4, 2), (4, 1)]  # (cp, chunk length)
 
 
+class _Largest(TorchDispatchMode):
+    """Records the largest element count among the outputs of every operator run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel, self.shape = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
+                self.numel, self.shape = t.numel(), tuple(t.shape)
+        return out
+
+
+def _long_forward(dims: ParallelDims) -> dict:
+    """One forward of the layer on a 32768-token sequence under cp4: the largest tensor any operator makes."""
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(_cfg(), 0, dims)
+    x = split_for_cp(
+        torch.randn(1, LONG, layer.in_proj_qkvz.in_features, generator=torch.Generator().manual_seed(1)), dims
+    )
+    rec = _Largest()
+    with torch.no_grad(), rec:
+        y = layer(x)
+    assert torch.isfinite(y).all()
+    return {"numel": rec.numel, "shape": rec.shape}
+
+
+LONG = 32768
+
+
 def _run_all(rank: int, world: int) -> dict:
     dims = {cp: ParallelDims(ParallelConfig(cp=cp), world, rank, "cpu") for cp in (2, 4)}
     out = {("layer", *c): _case(dims[c[0]], c[1], torch.float32, c[2]) for c in LAYER_CASES}
     out.update({("rule", *c): _rule_case(dims[c[0]], c[1]) for c in RULE_CASES})
+    out["long"] = _long_forward(dims[4])
     return out
 
 
 @pytest.mark.distributed
 def test_cp_deltanet_layer_matches_full_sequence():
     results = run_local(_run_all, 4, timeout_s=300)
+    for r in results:  # 32768 tokens under cp4: no tensor anywhere near [seq, seq]
+        long = r.pop("long")
+        print("largest tensor of the seq-32768 cp4 forward:", long)
+        assert long["numel"] * 100 < LONG * LONG, long
     for case in results[0]:
         bar = 1e-12 if case[0] == "rule" else 1e-5
         worst = {k: max(r[case][k] for r in results) for k in results[0][case]}
