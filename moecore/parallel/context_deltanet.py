@@ -33,6 +33,8 @@ chunk r followed by chunk 2cp-1-r. Two things in the layer look across chunk bou
    identity and autograd differentiates through all of it (the kernels' backward included), so outputs
    and gradients equal the single-sequence layer's up to rounding.
 
+The correction is added in fp32 (float64 for float64 values); with bf16 values the zero-start output
+has been rounded to bf16 first.
 Backends: `triton` / `auto` on CUDA run `gated_delta_rule_triton` (which takes an initial state);
 otherwise the PyTorch `gated_delta_rule_chunked`. flash-linear-attention (`fla`) is not used under CP:
 that backend runs as `auto`.
