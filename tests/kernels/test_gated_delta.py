@@ -79,6 +79,26 @@ def test_kernel_initial_state_matches_reference_interpreter(backend):
         assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
 
 
+def test_context_parallel_rule_on_triton_matches_torch(backend):
+    """`gated_delta_rule_cp` (two passes, one from the identity state, then the composition) on the kernel
+    against the PyTorch path; a CP group of one composes the two halves of the sequence."""
+    if backend != "interpret":
+        pytest.skip("the GPU runs it at sequence 16384 in tests/distributed/test_cp_deltanet_gpu.py")
+    from moecore.parallel.context_deltanet import gated_delta_rule_cp
+    from moecore.parallel.dims import Group
+
+    one = Group("cp", [0], 0, None)
+    inputs = _inputs(2, 2 * 21, 1, 2, 16, 32, "cpu")
+    w = torch.randn(2, 2 * 21, 2, 32, generator=torch.Generator().manual_seed(1))
+    out = {}
+    for b in ("triton", "torch"):
+        xs = [x.detach().requires_grad_() for x in inputs]
+        o = gated_delta_rule_cp(*xs, chunk_size=16, backend=b, group=one)
+        out[b] = [o.detach(), *torch.autograd.grad((o * w).sum(), xs)]
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), out["triton"], out["torch"]):
+        assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
+
+
 def test_layer_with_triton_backend_matches_torch(backend):
     """The whole Qwen3-Next layer (head dims 8 and 6: masked tiles) through the dispatcher."""
     if backend != "interpret":
