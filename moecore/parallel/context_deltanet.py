@@ -15,6 +15,7 @@ chunk r followed by chunk 2cp-1-r. Two things in the layer look across chunk bou
 
        S_t = e^{g_t} (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
 
+   (the transpose of the [Dv, Dk] form S_t = S_{t-1} e^{g_t} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T)
    is affine in S_{t-1}, so a chunk c of tokens maps its start state to its end state affinely,
 
        S_end = A_c S_start + B_c,   A_c = prod_{t in c, last first} e^{g_t} (I - beta_t k_t k_t^T)  [Dk, Dk],
