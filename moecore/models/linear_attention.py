@@ -195,7 +195,7 @@ def _fla_backward_ok(device: torch.device) -> bool:
     return True
 
 
-def triton_rule_chosen(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def _triton_chosen(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether `gated_delta_rule` runs our Triton kernel for this backend and these tensors."""
     return backend == "triton" or (
         backend == "auto"
@@ -222,7 +222,7 @@ def gated_delta_rule(
     Returns o [B, S, Hv, Dv]."""
     if backend not in ("auto", "triton", "fla", "torch"):
         raise ValueError(f"backend={backend!r} is invalid: allowed: auto | triton | fla | torch")
-    if triton_rule_chosen(backend, q, k, v):
+    if _triton_chosen(backend, q, k, v):
         return gated_delta_rule_triton(q, k, v, g, beta, scale=scale, chunk_size=chunk_size)[0]
     fla_fn = _fla_chunk_fn() if backend == "fla" and q.is_cuda else None
     if backend == "fla" and fla_fn is None:
@@ -245,6 +245,27 @@ def gated_delta_rule(
         o, _ = fla_fn(q.to(v.dtype), k.to(v.dtype), v, g=g.float(), beta=beta.to(v.dtype), scale=scale)
         return o
     return gated_delta_rule_chunked(q, k, v, g, beta, scale=scale, chunk_size=chunk_size)[0]
+
+
+def gated_delta_rule_with_state(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    backend: str = "auto",
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule from `initial_state` [B, Hv, Dk, Dv] (zeros when None), returning (o, final state) as
+    `gated_delta_rule_chunked`: the Triton kernel where `gated_delta_rule` would pick it, else the PyTorch
+    chunked rule (flash-linear-attention is not used here: backend fla runs as auto). Context parallel uses it."""
+    if _triton_chosen("auto" if backend == "fla" else backend, q, k, v):
+        return gated_delta_rule_triton(
+            q, k, v, g, beta, scale=scale, chunk_size=chunk_size, initial_state=initial_state
+        )
+    return gated_delta_rule_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
 
 
 class GatedRMSNorm(nn.Module):
@@ -398,7 +419,7 @@ class GatedDeltaNet(nn.Module):
         if self.cp_group is not None:  # x holds this rank's two chunks of the sequence
             from moecore.parallel.context_deltanet import gated_delta_rule_cp
 
-            rule = functools.partial(gated_delta_rule_cp, group=self.cp_group)
+            rule = functools.partial(gated_delta_rule_cp, group=self.cp_group, rule=gated_delta_rule_with_state)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             o = torch.utils.checkpoint.checkpoint(
                 rule, q, k, v, g, beta, None, self.chunk_size, self.backend, use_reentrant=False

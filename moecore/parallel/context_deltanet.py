@@ -35,19 +35,18 @@ chunk r followed by chunk 2cp-1-r. Two things in the layer look across chunk bou
    and gradients equal the single-sequence layer's up to rounding.
 
 The correction is added in fp32 (float64 for float64 values); with bf16 values the zero-start output
-has been rounded to bf16 first.
-Backends: `triton` / `auto` on CUDA run `gated_delta_rule_triton` (which takes an initial state);
-otherwise the PyTorch `gated_delta_rule_chunked`. flash-linear-attention (`fla`) is not used under CP:
-that backend runs as `auto`.
+has been rounded to bf16 first. The rule itself comes from the model layer
+(`moecore.models.linear_attention.gated_delta_rule_with_state`: the Triton kernel on CUDA, which takes an
+initial state, else the PyTorch chunked rule), so this module imports nothing from the models.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-from moecore.kernels.gated_delta import gated_delta_rule_triton
-from moecore.models.linear_attention import gated_delta_rule_chunked, triton_rule_chosen
 from moecore.parallel.comm import gather_from_sequence_parallel
 from moecore.parallel.context import cp_chunk_ids
 from moecore.parallel.dims import Group
@@ -93,25 +92,6 @@ def causal_conv1d_cp(x: torch.Tensor, weight: torch.Tensor, group: Group) -> tor
     return y.transpose(1, 2).reshape(b, 2 * length, ch)
 
 
-def _rule_with_state(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None,
-    chunk_size: int,
-    backend: str,
-    initial_state: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, final state) of the chunked rule from `initial_state`, on the kernel the dispatcher would pick."""
-    if triton_rule_chosen("auto" if backend == "fla" else backend, q, k, v):
-        return gated_delta_rule_triton(
-            q, k, v, g, beta, scale=scale, chunk_size=chunk_size, initial_state=initial_state
-        )
-    return gated_delta_rule_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
-
-
 def gated_delta_rule_cp(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -123,12 +103,15 @@ def gated_delta_rule_cp(
     backend: str = "auto",
     *,
     group: Group,
+    rule: Callable[..., tuple[torch.Tensor, torch.Tensor]],
 ) -> torch.Tensor:
     """The gated delta rule of the full sequence, at this CP rank's tokens (see the module docstring).
 
     Arguments as `moecore.models.linear_attention.gated_delta_rule`, with the local tensors: q, k
     [B, 2L, Hk, Dk], v [B, 2L, Hv, Dv], g, beta [B, 2L, Hv], holding chunks r and 2cp-1-r of the
-    sequence. Returns o [B, 2L, Hv, Dv] in v's dtype.
+    sequence; `rule(q, k, v, g, beta, scale, chunk_size, backend, initial_state) -> (o, final state)` is the
+    chunked rule with a start state (the model's `gated_delta_rule_with_state`). Returns o [B, 2L, Hv, Dv]
+    in v's dtype.
     """
     b, length = _split_local(v)
     hv, dk, dv = v.shape[2], k.shape[-1], v.shape[-1]
@@ -138,12 +121,12 @@ def gated_delta_rule_cp(
 
     q2, k2, v2, g2, beta2 = (fold(t) for t in (q, k, v, g, beta))
     # Pass 1: zero start state -> o|0 and B_c. Pass 2: values 0, start state I -> qt (output) and A_c.
-    o0, b_c = _rule_with_state(q2, k2, v2, g2, beta2, scale, chunk_size, backend, None)
+    o0, b_c = rule(q2, k2, v2, g2, beta2, scale, chunk_size, backend, None)
     zeros = torch.zeros(
         2 * b, length, hv, dk, device=v.device, dtype=torch.float64 if v.dtype == torch.float64 else torch.float32
     )
     eye = torch.eye(dk, device=v.device, dtype=zeros.dtype).expand(2 * b, hv, dk, dk)
-    qt, a_c = _rule_with_state(q2, k2, zeros, g2, beta2, scale, chunk_size, backend, eye)
+    qt, a_c = rule(q2, k2, zeros, g2, beta2, scale, chunk_size, backend, eye)
     work = qt.dtype
     cp = group.size
     ab = torch.cat([a_c.to(work), b_c.to(work)], dim=-1).view(1, b, 2, hv, dk, dk + dv)

@@ -25,7 +25,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moecore.config import ModelConfig, ParallelConfig
-from moecore.models.linear_attention import GatedDeltaNet, gated_delta_rule_chunked, l2_normalize
+from moecore.models.linear_attention import (
+    GatedDeltaNet,
+    gated_delta_rule_chunked,
+    gated_delta_rule_with_state,
+    l2_normalize,
+)
 from moecore.parallel.comm import all_reduce_
 from moecore.parallel.context import split_for_cp
 from moecore.parallel.context_deltanet import causal_conv1d_cp, gated_delta_rule_cp
@@ -100,7 +105,7 @@ def _rule_case(dims: ParallelDims, chunk_len: int) -> dict[str, float]:
     ((o * w_o).sum() + (c * w_c).sum()).backward()
 
     loc = [split_for_cp(t, dims).clone().requires_grad_() for t in (q, k, v, g, beta, x)]
-    o_cp = gated_delta_rule_cp(*loc[:5], chunk_size=16, group=group)
+    o_cp = gated_delta_rule_cp(*loc[:5], chunk_size=16, group=group, rule=gated_delta_rule_with_state)
     c_cp = causal_conv1d_cp(loc[5], weight, group)
     ((o_cp * split_for_cp(w_o, dims)).sum() + (c_cp * split_for_cp(w_c, dims)).sum()).backward()
     errs = {
@@ -186,7 +191,7 @@ def test_one_rank_composition_is_the_full_rule(chunk_len):
         torch.rand(b, s, hv, generator=gen, dtype=torch.float64),
     )
     ins = [t.requires_grad_() for t in (q, k, v, g, beta)]
-    got = gated_delta_rule_cp(*ins, chunk_size=16, group=one)
+    got = gated_delta_rule_cp(*ins, chunk_size=16, group=one, rule=gated_delta_rule_with_state)
     want = gated_delta_rule_chunked(*ins, chunk_size=16)[0]
     assert _rel(got, want) < 1e-12
     w = torch.randn(got.shape, generator=gen, dtype=torch.float64)

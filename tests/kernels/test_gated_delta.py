@@ -20,7 +20,13 @@ import torch
 from moecore.config import ModelConfig
 from moecore.kernels._triton import triton_importable
 from moecore.kernels.gated_delta import gated_delta_rule_triton
-from moecore.models.linear_attention import GatedDeltaNet, gated_delta_rule, gated_delta_rule_chunked, l2_normalize
+from moecore.models.linear_attention import (
+    GatedDeltaNet,
+    gated_delta_rule,
+    gated_delta_rule_chunked,
+    gated_delta_rule_with_state,
+    l2_normalize,
+)
 from tests.kernels.conftest import rel_err
 
 
@@ -93,7 +99,7 @@ def test_context_parallel_rule_on_triton_matches_torch(backend):
     out = {}
     for b in ("triton", "torch"):
         xs = [x.detach().requires_grad_() for x in inputs]
-        o = gated_delta_rule_cp(*xs, chunk_size=16, backend=b, group=one)
+        o = gated_delta_rule_cp(*xs, chunk_size=16, backend=b, group=one, rule=gated_delta_rule_with_state)
         out[b] = [o.detach(), *torch.autograd.grad((o * w).sum(), xs)]
     for name, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), out["triton"], out["torch"]):
         assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
