@@ -5,7 +5,9 @@ tiny-qwen3-next cut to 2 layers (a gated DeltaNet layer, then Qwen3-Next's gated
 multiple of the kernel's chunk, and neither are the CP chunks (10 tokens at cp2, 5 at cp4). 3 AdamW
 steps with clipping (gloo on CPU, fp32, some padding): losses, grad norms and every parameter's
 first-step gradient against the one-process run, relative 1e-5 (the issue's bar). Layouts: cp2 and cp4
-with the ring and the all-gather exchange for the attention layer, cp2 x ep2, and cp2 x dp2.
+with the ring and the all-gather exchange for the attention layer, cp2 x ep2, cp2 x dp2, and cp2 x tp2
+(DeltaNet heads split over TP, each TP rank passing its heads' state maps over CP) with and without
+sequence parallel.
 """
 
 from __future__ import annotations
@@ -35,7 +37,14 @@ def _config(**parallel):
 
 LAYOUTS = {  # world -> parallel overrides
     2: [{"cp": 2}, {"cp": 2, "cp_comm": "allgather"}],
-    4: [{"cp": 4}, {"cp": 4, "cp_comm": "allgather"}, {"cp": 2, "ep": 2}, {"cp": 2}],
+    4: [
+        {"cp": 4},
+        {"cp": 4, "cp_comm": "allgather"},
+        {"cp": 2, "ep": 2},
+        {"cp": 2},  # cp 2 x dp 2
+        {"cp": 2, "tp": 2},
+        {"cp": 2, "tp": 2, "sequence_parallel": True},
+    ],
 }
 
 
