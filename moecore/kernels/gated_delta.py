@@ -14,7 +14,8 @@ state S, G = cumsum(g) (so Gam_t = e^{G_t}, gam = e^{G_C}) and E_ts = e^{G_t - G
     S_next = gam S + Kt^T U,   Kt = diag(gam / Gam) K                     (k_s decayed to the chunk end)
 
 Kernels, forward: `_wy_fwd` (one program per chunk: A, T blockwise, W, U0), `_state_fwd`
-(one program per head and Dv tile, sequential over chunks: U and the state at every chunk start),
+(one program per head and Dv tile, sequential over chunks from the initial state, zeros unless given: U
+and the state at every chunk start),
 `_out_fwd` (one program per chunk and Dv tile: O). Saved for backward: the chunk-start states
 (S/C * Dk * Dv per head), T (S * C), W, U and G (S * D): memory O(S*D + S/C*D^2). Block sizes,
 warps and pipeline stages are autotuned once per head dims and the timings cached on disk (the
@@ -24,7 +25,8 @@ Backward. Write U = T R with R = diag(beta) (V - diag(Gam) K S), the right-hand 
 then dR = T^T dU and dA = -dR U^T (strict lower part), the usual triangular-solve gradient. With dS'
 the gradient of the chunk-end state, `_state_bwd` runs the chunks in reverse (one program per head and
 Dv tile):   dU = P^T dO + Kt dS',   dS = gam dS' + (Gam Qs)^T dO - W^T dU   (W^T dU = (beta Gam K)^T dR),
-with P^T dO computed beforehand for all chunks in parallel (`_du_intra`).
+with P^T dO computed beforehand for all chunks in parallel (`_du_intra`); the last dS (first chunk) is the
+gradient of the initial state.
 Then, one program per chunk, looping over Dv tiles: `_dq_bwd` (X = dO S^T, dP = dO U^T)
     dQs = Gam X + (dP o E) K,   dK += (dP o E)^T Qs
 and `_dk_bwd` (dR, dv = beta dR, dR S^T, dA, U dS'^T)
@@ -132,9 +134,9 @@ if triton_importable():
     @_autotune(_tunings((32, 64), (4, 8), (1, 2)))
     @triton.jit
     def _state_fwd_kernel(
-        k_ptr, gcum_ptr, w_ptr, u0_ptr, u_ptr, h_ptr,
+        k_ptr, gcum_ptr, w_ptr, u0_ptr, u_ptr, h_ptr, h0_ptr,
         S, N, HK, HV, R, DK, DV,
-        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, HAS_H0: tl.constexpr,
     ):  # fmt: skip
         iv, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // HV, bh % HV
@@ -143,7 +145,10 @@ if triton_importable():
         cv = iv * BV + tl.arange(0, BV)
         smask = (ck < DK)[:, None] & (cv < DV)[None, :]
         soff = ck[:, None] * DV + cv[None, :]
-        state = tl.zeros((BK, BV), dtype=tl.float32)
+        if HAS_H0:  # the initial state [B, HV, DK, DV], fp32
+            state = tl.load(h0_ptr + bh.to(tl.int64) * DK * DV + soff, mask=smask, other=0.0)
+        else:
+            state = tl.zeros((BK, BV), dtype=tl.float32)
         for n in range(N):
             tl.store(h_ptr + (bh.to(tl.int64) * (N + 1) + n) * DK * DV + soff, state, mask=smask)
             t = n * C + r
@@ -234,7 +239,7 @@ if triton_importable():
     @_autotune(_tunings((32, 64), (4, 8), (1, 2)))
     @triton.jit
     def _state_bwd_kernel(
-        q_ptr, k_ptr, gcum_ptr, w_ptr, do_ptr, dht_ptr, dui_ptr, du_ptr, dh_ptr, scale,
+        q_ptr, k_ptr, gcum_ptr, w_ptr, do_ptr, dht_ptr, dui_ptr, du_ptr, dh_ptr, dh0_ptr, scale,
         S, N, HK, HV, R, DK, DV,
         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     ):  # fmt: skip
@@ -265,6 +270,7 @@ if triton_importable():
                 + tl.dot(tl.trans(q), do, input_precision=PREC)
                 - tl.dot(tl.trans(w), du, input_precision=PREC)
             )
+        tl.store(dh0_ptr + bh.to(tl.int64) * DK * DV + soff, dstate, mask=smask)  # gradient of the initial state
 
     @_autotune(_tunings((32, 64), (8,), (1, 2)))
     @triton.jit
@@ -397,8 +403,10 @@ def _shapes(q: torch.Tensor, v: torch.Tensor, chunk: int) -> tuple[int, ...]:
 
 class _GatedDeltaRule(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale: float, chunk: int):
+    def forward(ctx, q, k, v, g, beta, h0, scale: float, chunk: int):
         q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        ctx.h0_dtype = None if h0 is None else h0.dtype
+        h0 = None if h0 is None else h0.float().contiguous()
         b, s, hk, hv, rep, dk, dv, n = _shapes(q, v, chunk)
         bk, bv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
         prec = "tf32x3" if all(x.dtype == torch.float32 for x in (q, k, v)) else "tf32"
@@ -414,7 +422,8 @@ class _GatedDeltaRule(torch.autograd.Function):
         meta = {"C": chunk, "BK": bk, "PREC": prec}
         _wy_fwd_kernel[(n, b * hv)](k, v, g, beta, gcum, tmat, w, u0, *dims, BV=bv, **meta)
         grid = lambda m: (triton.cdiv(dv, m["BV"]), b * hv)  # noqa: E731
-        _state_fwd_kernel[grid](k, gcum, w, u0, u, states, *dims, **meta)
+        h0_arg = states if h0 is None else h0  # any pointer when there is no initial state (not read)
+        _state_fwd_kernel[grid](k, gcum, w, u0, u, states, h0_arg, *dims, HAS_H0=h0 is not None, **meta)
         del u0
         _out_fwd_kernel[lambda m: (n, triton.cdiv(dv, m["BV"]), b * hv)](q, k, gcum, u, states, o, scale, *dims, **meta)
         ctx.save_for_backward(q, k, v, g, beta, gcum, tmat, w, u, states)
@@ -435,9 +444,10 @@ class _GatedDeltaRule(torch.autograd.Function):
         dstates = torch.empty(b, hv, n, dk, dv, **f32)
         meta = {"C": chunk, "BK": bk, "PREC": prec}
         dui = torch.empty_like(du)
+        dh0 = torch.empty(b, hv, dk, dv, **f32)
         _du_intra_kernel[lambda m: (n, triton.cdiv(dv, m["BV"]), b * hv)](q, k, gcum, do, dui, scale, *dims, **meta)
         _state_bwd_kernel[lambda m: (triton.cdiv(dv, m["BV"]), b * hv)](
-            q, k, gcum, w, do, dht, dui, du, dstates, scale, *dims, **meta
+            q, k, gcum, w, do, dht, dui, du, dstates, dh0, scale, *dims, **meta
         )
         del dui
         dq = torch.empty(b, s, hv, dk, **f32)
@@ -452,7 +462,8 @@ class _GatedDeltaRule(torch.autograd.Function):
         )
         if rep > 1:  # each key head serves `rep` consecutive value heads
             dq, dk_ = (x.view(b, s, hk, rep, dk).sum(3) for x in (dq, dk_))
-        return dq.to(q.dtype), dk_.to(k.dtype), dv_, dg.to(g.dtype), dbeta.to(beta.dtype), None, None
+        dh0 = None if ctx.h0_dtype is None else dh0.to(ctx.h0_dtype)
+        return dq.to(q.dtype), dk_.to(k.dtype), dv_, dg.to(g.dtype), dbeta.to(beta.dtype), dh0, None, None
 
 
 def gated_delta_rule_triton(
@@ -463,13 +474,15 @@ def gated_delta_rule_triton(
     beta: torch.Tensor,
     scale: float | None = None,
     chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked rule in Triton, differentiable in q, k, v, g and beta (and through the final state).
+    """The chunked rule in Triton, differentiable in q, k, v, g, beta and initial_state (and through the final state).
 
     q, k: [B, S, Hk, Dk]; v: [B, S, Hv, Dv] (Hv a multiple of Hk); g (log decay, <= 0), beta: [B, S, Hv];
     scale multiplies q (default Dk**-0.5). Inputs fp32 or bf16/fp16, head dims <= 128; chunk_size 16, 32
     or 64 (any other value runs with 64: the result does not depend on it). Returns (o [B, S, Hv, Dv] in v's
-    dtype, final state [B, Hv, Dk, Dv] fp32), as `gated_delta_rule_chunked` without an initial state.
+    dtype, final state [B, Hv, Dk, Dv] fp32), as `gated_delta_rule_chunked`. initial_state: [B, Hv, Dk, Dv]
+    (computed in fp32; its gradient comes back in its dtype), zeros when None.
     """
     hk, hv = k.shape[2], v.shape[2]
     if hv % hk:
@@ -484,7 +497,11 @@ def gated_delta_rule_triton(
         raise ValueError("gated_delta_rule_triton needs CUDA tensors (or TRITON_INTERPRET=1 to run on CPU)")
     chunk = chunk_size if chunk_size in (16, 32, 64) else 64
     scale = k.shape[-1] ** -0.5 if scale is None else float(scale)
+    b, _, _, dk = k.shape
+    if initial_state is not None and tuple(initial_state.shape) != (b, hv, dk, v.shape[-1]):
+        raise ValueError(f"initial_state has shape {tuple(initial_state.shape)}: expected {(b, hv, dk, v.shape[-1])}")
     if q.shape[1] == 0:
-        b, _, _, dk = k.shape
+        if initial_state is not None:
+            return v.new_zeros(v.shape), initial_state.float()
         return v.new_zeros(v.shape), v.new_zeros(b, hv, dk, v.shape[-1], dtype=torch.float32)
-    return _GatedDeltaRule.apply(q, k, v, g, beta, scale, chunk)
+    return _GatedDeltaRule.apply(q, k, v, g, beta, initial_state, scale, chunk)

@@ -20,6 +20,8 @@ flash-linear-attention's kernel is an explicit option when that optional package
 head), a causal depthwise `conv1d` + SiLU over q|k|v, L2-normalised q and k, the decay
 g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), the rule above with q/k heads shared by
 consecutive value heads, a gated RMSNorm `norm` (RMSNorm(o) * weight * silu(z)) and `out_proj`.
+Under context parallel (dims.cp > 1) the conv and the rule run through
+moecore/parallel/context_deltanet.py (conv halo, affine state composition across ranks).
 
 Tensor parallel splits the heads: each rank holds Hk/tp key heads with the Hv/tp value heads they
 serve (in_proj_qkvz / in_proj_ba column-parallel, out_proj row-parallel, A_log / dt_bias sharded by
@@ -31,6 +33,7 @@ N chunks, C chunk length.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -192,6 +195,17 @@ def _fla_backward_ok(device: torch.device) -> bool:
     return True
 
 
+def _triton_chosen(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `gated_delta_rule` runs our Triton kernel for this backend and these tensors."""
+    return backend == "triton" or (
+        backend == "auto"
+        and q.is_cuda
+        and triton_importable()
+        and max(k.shape[-1], v.shape[-1]) <= GATED_DELTA_MAX_HEAD_DIM
+        and v.dtype != torch.float64
+    )
+
+
 def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -208,13 +222,7 @@ def gated_delta_rule(
     Returns o [B, S, Hv, Dv]."""
     if backend not in ("auto", "triton", "fla", "torch"):
         raise ValueError(f"backend={backend!r} is invalid: allowed: auto | triton | fla | torch")
-    if backend == "triton" or (
-        backend == "auto"
-        and q.is_cuda
-        and triton_importable()
-        and max(k.shape[-1], v.shape[-1]) <= GATED_DELTA_MAX_HEAD_DIM
-        and v.dtype != torch.float64
-    ):
+    if _triton_chosen(backend, q, k, v):
         return gated_delta_rule_triton(q, k, v, g, beta, scale=scale, chunk_size=chunk_size)[0]
     fla_fn = _fla_chunk_fn() if backend == "fla" and q.is_cuda else None
     if backend == "fla" and fla_fn is None:
@@ -239,6 +247,27 @@ def gated_delta_rule(
     return gated_delta_rule_chunked(q, k, v, g, beta, scale=scale, chunk_size=chunk_size)[0]
 
 
+def gated_delta_rule_with_state(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    chunk_size: int = 64,
+    backend: str = "auto",
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule from `initial_state` [B, Hv, Dk, Dv] (zeros when None), returning (o, final state) as
+    `gated_delta_rule_chunked`: the Triton kernel where `gated_delta_rule` would pick it, else the PyTorch
+    chunked rule (flash-linear-attention is not used here: backend fla runs as auto). Context parallel uses it."""
+    if _triton_chosen("auto" if backend == "fla" else backend, q, k, v):
+        return gated_delta_rule_triton(
+            q, k, v, g, beta, scale=scale, chunk_size=chunk_size, initial_state=initial_state
+        )
+    return gated_delta_rule_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm(x) * weight * silu(z) over the last dim; weight stored as is (initialised to ones)."""
 
@@ -261,10 +290,6 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, dims: ParallelDims | None = None) -> None:
         super().__init__()
-        if dims is not None and getattr(dims, "cp", 1) > 1:  # the recurrence does not pass state across ranks
-            raise ConfigError(
-                f"parallel.cp={dims.cp} is invalid: gated DeltaNet layers support only parallel.cp=1 so far"
-            )
         for name in (
             "linear_num_key_heads",
             "linear_num_value_heads",
@@ -296,6 +321,8 @@ class GatedDeltaNet(nn.Module):
         conv_all = 2 * key_all + value_all
         self.backend = "auto"  # auto | triton | fla | torch, see gated_delta_rule
         self.recompute_core = "core_attn" in cfg.recompute_modules  # recompute the rule in backward
+        # Context parallel (moecore/parallel/context_deltanet.py): conv halo and state passing over this group.
+        self.cp_group = dims.cp_group if dims is not None and getattr(dims, "cp", 1) > 1 else None
 
         h = cfg.hidden_size
         # Output features grouped per key head: [q_h (Dk) | k_h (Dk) | v (r*Dv) | z (r*Dv)] for each of
@@ -355,6 +382,10 @@ class GatedDeltaNet(nn.Module):
 
     def _conv_silu(self, qkv: torch.Tensor) -> torch.Tensor:
         """Causal depthwise conv over the sequence + SiLU: [B, S, conv_dim] -> same."""
+        if self.cp_group is not None:
+            from moecore.parallel.context_deltanet import causal_conv1d_cp
+
+            return F.silu(causal_conv1d_cp(qkv, self._conv_weight(), self.cp_group))
         kernel = self.conv1d.weight.shape[-1]
         y = F.conv1d(F.pad(qkv.transpose(1, 2), (kernel - 1, 0)), self._conv_weight(), groups=self.conv_dim)
         return F.silu(y).transpose(1, 2)
@@ -384,12 +415,17 @@ class GatedDeltaNet(nn.Module):
         """x [B, S, H] -> [B, S, H]. position_ids is accepted for a uniform token-mixer signature and
         unused: the recurrence and the causal conv carry the order."""
         q, k, v, g, beta, z = self.prepare(x)
+        rule = gated_delta_rule
+        if self.cp_group is not None:  # x holds this rank's two chunks of the sequence
+            from moecore.parallel.context_deltanet import gated_delta_rule_cp
+
+            rule = functools.partial(gated_delta_rule_cp, group=self.cp_group, rule=gated_delta_rule_with_state)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             o = torch.utils.checkpoint.checkpoint(
-                gated_delta_rule, q, k, v, g, beta, None, self.chunk_size, self.backend, use_reentrant=False
+                rule, q, k, v, g, beta, None, self.chunk_size, self.backend, use_reentrant=False
             )
         else:
-            o = gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, backend=self.backend)
+            o = rule(q, k, v, g, beta, chunk_size=self.chunk_size, backend=self.backend)
         return self.finish(o, z)
 
     def forward_recurrent(self, x: torch.Tensor) -> torch.Tensor:

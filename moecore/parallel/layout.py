@@ -122,5 +122,3 @@ def _check_context_parallel(cfg: Config) -> None:
     for name, value, bad, allowed in refused:
         if bad:
             raise ConfigError(f"{name}={value!r} is not supported with parallel.cp={cp} yet; allowed: {allowed}")
-    if m.layer_types is not None and "linear_attention" in m.layer_types:
-        raise ConfigError(f"parallel.cp={cp} is not supported with linear_attention layers yet; use parallel.cp=1")

@@ -71,6 +71,8 @@ def attention_modules(cfg: Config, layer: int, layout: Layout, c: ActContext) ->
         vd = m.linear_num_value_heads * m.linear_value_head_dim // tp
         # projections, conv input/output, q/k/v after the conv and norm, gate z, rule output, gated norm
         out["core_attn"] = T * b * (2 * (2 * kd + 2 * vd) + 2 * (2 * kd + vd) + 3 * vd)
+        if layout.cp > 1:  # the identity-start pass's zero values and read-out qt, fp32 (parallel/context_deltanet.py)
+            out["core_attn"] += 2 * T * m.linear_num_value_heads * m.linear_key_head_dim * 4
         out["attn_out"] = T * vd * b
         return out
     if m.attention_type in ("mla", "dsa"):

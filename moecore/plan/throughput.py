@@ -156,7 +156,12 @@ def estimate_step(
         hd = m_cfg.resolved_head_dim
         kv = 2 * m_cfg.kv_heads // max(1, layout.tp) * hd
         per = (layout.cp - 1) * T * kv * b / _bw(layout, "cp", hw)
-        cp_s = 2 * per * layers_per_stage * m
+        linear = sum(t == "linear_attention" for t in m_cfg.layer_types or []) / layout.pp
+        # gated DeltaNet layers all-gather every chunk's fp32 state map (A, B) instead (parallel/context_deltanet.py)
+        dk, hv = m_cfg.linear_key_head_dim, m_cfg.linear_num_value_heads // max(1, layout.tp)
+        state = 2 * layout.micro_batch_size * hv * dk * (dk + m_cfg.linear_value_head_dim) * 4
+        per_linear = (layout.cp - 1) * state / _bw(layout, "cp", hw)
+        cp_s = 2 * (per * (layers_per_stage - linear) + per_linear * linear) * m
     if layout.pp > 1:
         per = T * h * b / layout.tp / _bw(layout, "pp", hw)
         pp_s = 2 * per * layout.vpp * m

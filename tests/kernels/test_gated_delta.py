@@ -20,7 +20,13 @@ import torch
 from moecore.config import ModelConfig
 from moecore.kernels._triton import triton_importable
 from moecore.kernels.gated_delta import gated_delta_rule_triton
-from moecore.models.linear_attention import GatedDeltaNet, gated_delta_rule, gated_delta_rule_chunked, l2_normalize
+from moecore.models.linear_attention import (
+    GatedDeltaNet,
+    gated_delta_rule,
+    gated_delta_rule_chunked,
+    gated_delta_rule_with_state,
+    l2_normalize,
+)
 from tests.kernels.conftest import rel_err
 
 
@@ -65,6 +71,40 @@ def test_kernel_matches_reference_interpreter(backend, shape, chunk, decay):
         assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
 
 
+def test_kernel_initial_state_matches_reference_interpreter(backend):
+    """An initial state (what context parallel feeds in): output, final state and every gradient, dh0 included."""
+    if backend != "interpret":
+        pytest.skip("the interpreter checks the maths; the CUDA runs use realistic shapes below")
+    b, s, hk, hv, dk, dv = 2, 37, 1, 2, 16, 32
+    h0 = torch.randn(b, hv, dk, dv, generator=torch.Generator().manual_seed(3))
+    inputs = _inputs(b, s, hk, hv, dk, dv, "cpu") + [h0]
+    got = _run(lambda *a: gated_delta_rule_triton(*a[:5], chunk_size=16, initial_state=a[5]), inputs)
+    ref = _run(lambda *a: gated_delta_rule_chunked(*a[:5], chunk_size=16, initial_state=a[5]), inputs)
+    for name, a, b in zip((*NAMES, "dh0"), got, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
+
+
+def test_context_parallel_rule_on_triton_matches_torch(backend):
+    """`gated_delta_rule_cp` (two passes, one from the identity state, then the composition) on the kernel
+    against the PyTorch path; a CP group of one composes the two halves of the sequence."""
+    if backend != "interpret":
+        pytest.skip("the GPU runs it at sequence 16384 in tests/distributed/test_cp_deltanet_gpu.py")
+    from moecore.parallel.context_deltanet import gated_delta_rule_cp
+    from moecore.parallel.dims import Group
+
+    one = Group("cp", [0], 0, None)
+    inputs = _inputs(1, 2 * 19, 1, 2, 16, 16, "cpu")  # halves of 19 tokens: 2 kernel chunks of 16 each
+    w = torch.randn(1, 2 * 19, 2, 16, generator=torch.Generator().manual_seed(1))
+    out = {}
+    for b in ("triton", "torch"):
+        xs = [x.detach().requires_grad_() for x in inputs]
+        o = gated_delta_rule_cp(*xs, chunk_size=16, backend=b, group=one, rule=gated_delta_rule_with_state)
+        out[b] = [o.detach(), *torch.autograd.grad((o * w).sum(), xs)]
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), out["triton"], out["torch"]):
+        assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
+
+
 def test_layer_with_triton_backend_matches_torch(backend):
     """The whole Qwen3-Next layer (head dims 8 and 6: masked tiles) through the dispatcher."""
     if backend != "interpret":
@@ -105,6 +145,22 @@ def test_kernel_matches_float64_reference_cuda(backend, dtype):
     assert got[0].dtype == dtype and all(torch.isfinite(x).all() for x in got)
     for name, err in errors.items():
         assert err < tol, (name, err)
+
+
+def test_kernel_initial_state_matches_float64_reference_cuda(backend):
+    """The initial-state path (context parallel's) at Qwen3-Next head dims, fp32, dh0 included."""
+    if backend != "cuda":
+        pytest.skip("realistic shapes need a GPU")
+    h0 = torch.randn(1, 4, 128, 128, generator=torch.Generator().manual_seed(3)).cuda()
+    inputs = _inputs(1, 1000, 2, 4, 128, 128, "cuda", decay=0.1) + [h0]
+    got = _run(lambda *a: gated_delta_rule_triton(*a[:5], chunk_size=64, initial_state=a[5]), inputs)
+    ref = _run(
+        lambda *a: gated_delta_rule_chunked(*a[:5], chunk_size=64, initial_state=a[5]), inputs, work_dtype=torch.float64
+    )
+    errors = {name: rel_err(a, b) for name, a, b in zip((*NAMES, "dh0"), got, ref)}
+    print("gated delta kernel with initial state vs float64: " + " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
+    for name, err in errors.items():
+        assert err < 1e-4, (name, err)
 
 
 def test_auto_dispatch_picks_triton_on_cuda(backend):

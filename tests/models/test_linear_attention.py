@@ -206,8 +206,8 @@ def test_bad_head_counts_and_layouts_are_config_errors():
     cfg, _ = _layer_configs()
     with pytest.raises(ConfigError, match=f"parallel.tp={HK + 1} does not divide model.linear_num_key_heads={HK}"):
         GatedDeltaNet(cfg, layer_idx=0, dims=SimpleNamespace(tp=HK + 1, cp=1))
-    with pytest.raises(ConfigError, match="parallel.cp"):
-        GatedDeltaNet(cfg, layer_idx=0, dims=SimpleNamespace(tp=1, cp=2))
+    cp_group = object()  # context parallel is supported: the layer keeps its group
+    assert GatedDeltaNet(cfg, layer_idx=0, dims=SimpleNamespace(tp=1, cp=2, cp_group=cp_group)).cp_group is cp_group
     cfg.linear_num_value_heads = 3
     with pytest.raises(ConfigError, match="model.linear_num_value_heads"):
         GatedDeltaNet(cfg, layer_idx=0)
