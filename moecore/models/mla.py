@@ -131,10 +131,8 @@ class MLAttention(nn.Module):
             elif name != "rotary":
                 raise RuntimeError(f"MLAttention.init_weights does not know child {name}")
 
-    def _up_project(
-        self, x: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries from x, per-head keys/values from the latent; returns q, k [B, n, S, dn+dr], v [B, n, S, dv]."""
+    def _queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Per-head queries [B, n, S, dn+dr] from x, the rotary part rotated."""
         b, s, _ = x.shape
         if self.q_lora_rank is None:
             q = self.q_proj(x)
@@ -142,12 +140,18 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(b, s, self.num_heads, self.qk_head_dim).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        return torch.cat((q_nope, apply_rotary(q_rope, cos, sin, interleaved=self.rope_interleave)), dim=-1)
+
+    def _up_project(
+        self, x: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries from x, per-head keys/values from the latent; returns q, k [B, n, S, dn+dr], v [B, n, S, dv]."""
+        b, s, _ = x.shape
+        q = self._queries(x, cos, sin)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.transpose(1, 2).split([self.nope_dim, self.v_dim], dim=-1)
         # The rotary key is one "head" [B, 1, S, dr] shared by all heads.
-        q_rope = apply_rotary(q_rope, cos, sin, interleaved=self.rope_interleave)
         k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin, interleaved=self.rope_interleave)
-        q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, self.num_heads, -1, -1)), dim=-1)
         if self.backend == "flash" and self.v_dim != self.qk_head_dim:
             # Flash kernels need one head size for q, k and v: pad v with zeros (the padding of the output
@@ -200,14 +204,8 @@ class MLAttention(nn.Module):
             q, k, v = self._up_project(x, latent, k_rope, cos, sin)
             out, _ = ring_attention(q, k, v, dims.cp_group, self.softmax_scale)
             return out[..., : self.v_dim]
-        b, s, _ = x.shape
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(b, s, self.num_heads, self.qk_head_dim).transpose(1, 2)
-        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q = torch.cat((q_nope, apply_rotary(q_rope, cos, sin, interleaved=self.rope_interleave)), dim=-1)
+        b = x.shape[0]
+        q = self._queries(x, cos, sin)
         k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin, interleaved=self.rope_interleave)  # [B, 1, S_local, dr]
         latent, k_rope = gather_from_cp(latent, dims, 1), gather_from_cp(k_rope, dims, 2)  # full sequence
         full = latent.shape[1]
