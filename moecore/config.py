@@ -813,11 +813,13 @@ def list_recipes() -> list[str]:
 def recipe_path(name_or_path: str) -> Path:
     """A recipe name (shipped with the package) or a path to a YAML file."""
     p = Path(name_or_path)
+    shipped = RECIPE_DIR / f"{name_or_path}.yaml"
+    if p.is_dir() and shipped.is_file():  # e.g. a run folder named after its recipe: the name wins
+        return shipped
     if p.suffix in (".yaml", ".yml") or p.exists():
         if not p.is_file():
             raise ConfigError(f"recipe file {name_or_path!r} does not exist")
         return p
-    shipped = RECIPE_DIR / f"{name_or_path}.yaml"
     if not shipped.is_file():
         raise ConfigError(
             f"recipe {name_or_path!r} is not a shipped recipe or a YAML file; shipped: {', '.join(list_recipes())}"

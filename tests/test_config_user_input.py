@@ -49,3 +49,12 @@ def test_unnormalised_softmax_after_topk_is_refused_before_any_work(capsys: pyte
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("moecore: error: moe.norm_topk_prob=False")
     load_config(None, ["moe.norm_topk_prob=false", "moe.router_pre_softmax=true"]).validate()  # Qwen2-MoE's way
+
+
+def test_a_folder_named_like_a_recipe_does_not_hide_it(tmp_path: Path, monkeypatch) -> None:
+    """A run folder called after its recipe in the working directory: the shipped recipe is still found."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-moe").mkdir()
+    assert load_config("tiny-moe").recipe == "tiny-moe"
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "no-such.yaml"))
