@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from moecore.config import Config
+from moecore.models.decoder_layer import DecoderLayer
 from moecore.models.norms import RMSNorm
 from moecore.parallel.context import cp_roll_left, sum_over_cp
 from moecore.parallel.tensor_parallel import mark_sequence_parallel
@@ -68,7 +69,6 @@ class MTPModule(nn.Module):
 
     def __init__(self, cfg: Config, depth: int, dims: Any = None) -> None:
         super().__init__()
-        from moecore.models.transformer import DecoderLayer  # the spine imports this module lazily
 
         m = cfg.model
         self.depth = depth  # 1-based

@@ -3,10 +3,8 @@
     input_ids -> embed -> [DecoderLayer] x L -> norm -> lm_head -> logits / loss
     DecoderLayer: x + attn(attn_norm(x)); then x + mlp(mlp_norm(x)), mlp = dense MLP or MoELayer
 
-Which attention a layer uses comes from the config: grouped-query attention (`attention.py`),
-multi-latent attention (`mla.py`, `model.attention_type=mla`) or gated DeltaNet linear attention
-(`linear_attention.py`, `model.layer_types[i] == linear_attention`). Which layers are MoE comes
-from `MoEConfig.is_moe_layer`. Parallel-aware pieces receive `dims` (a ParallelDims or None).
+The layers are `DecoderLayer`s (`decoder_layer.py`: which attention, dense MLP or MoE, recomputation).
+Parallel-aware pieces receive `dims` (a ParallelDims or None).
 
 The forward returns a `ModelOutput` carrying the LM loss, the MoE routing losses and statistics
 (returned, never stored in globals) and the MTP loss when multi-token prediction is on.
@@ -24,13 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from moecore.config import Config, ModelConfig
+from moecore.config import Config
 from moecore.kernels.cross_entropy import linear_cross_entropy
-from moecore.models.attention import Attention
+from moecore.models.decoder_layer import DecoderLayer
 from moecore.models.init import seeded_init_
-from moecore.models.mlp import MLP
 from moecore.models.norms import RMSNorm
-from moecore.models.recompute import recompute_output
 from moecore.moe.experts import GroupedExperts
 from moecore.parallel import tensor_parallel as tpl
 from moecore.parallel.context import cp_position_ids
@@ -77,99 +73,6 @@ class Absent(nn.Module):
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("this layer is held by another pipeline stage")
-
-
-def build_attention(cfg: ModelConfig, layer_idx: int, dims=None) -> nn.Module:
-    """The attention module of layer `layer_idx` as the config describes it."""
-    if cfg.layer_types is not None and cfg.layer_types[layer_idx] == "linear_attention":
-        from moecore.models.linear_attention import GatedDeltaNet
-
-        return GatedDeltaNet(cfg, layer_idx, dims)
-    if cfg.attention_type == "dsa":
-        from moecore.models.dsa import DSAttention
-
-        return DSAttention(cfg, layer_idx, dims)
-    if cfg.attention_type == "mla":
-        from moecore.models.mla import MLAttention
-
-        return MLAttention(cfg, layer_idx, dims)
-    return Attention(cfg, layer_idx, dims)
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm attention + feed-forward (dense or MoE) with residual connections."""
-
-    def __init__(self, cfg: Config, layer_idx: int, dims=None) -> None:
-        super().__init__()
-        m = cfg.model
-        self.layer_idx = layer_idx
-        self.attn_norm = RMSNorm(m.hidden_size, m.norm_eps, m.norm_zero_centered)
-        self.attn = build_attention(m, layer_idx, dims)
-        self.mlp_norm = RMSNorm(m.hidden_size, m.norm_eps, m.norm_zero_centered)
-        tpl.mark_sequence_parallel(self.attn_norm, dims)  # norms see sequence shards under SP
-        tpl.mark_sequence_parallel(self.mlp_norm, dims)
-        self.is_moe = cfg.moe.is_moe_layer(layer_idx, m.num_layers)
-        if self.is_moe and (m.router_logit_bias or m.expert_linear_bias):  # gpt-oss (moecore/models/biased_moe.py)
-            from moecore.models.biased_moe import BiasedMoELayer
-
-            rec = set(m.recompute_modules)
-            self.mlp = BiasedMoELayer(cfg, dims, "moe_act" in rec, "shared_experts" in rec)
-        elif self.is_moe:
-            from moecore.moe.layer import MoELayer
-
-            rec = set(m.recompute_modules)
-            self.mlp = MoELayer(
-                cfg.moe, m.hidden_size, m.activation, m.init_std, dims,
-                recompute_act="moe_act" in rec, recompute_shared="shared_experts" in rec,
-            )  # fmt: skip
-        else:
-            if m.activation not in ("swiglu", "gelu"):
-                raise ValueError(
-                    f"model.activation={m.activation!r} is for routed experts only; layer {layer_idx} is dense"
-                )
-            self.mlp = MLP(m.hidden_size, m.ffn_hidden_size, m.activation, dims)
-        rec = set(m.recompute_modules)
-        self.recompute_norm = "norm" in rec
-        self.recompute_mlp = ("moe" in rec) if self.is_moe else ("mlp" in rec)
-        self.cuda_graphs = None  # LayerGraphs with train.cuda_graphs (moecore/models/cuda_graphs.py)
-
-    def _maybe_checkpoint(self, enabled: bool, fn, *args):
-        if enabled and self.training and torch.is_grad_enabled():
-            return checkpoint(fn, *args, use_reentrant=False)
-        return fn(*args)
-
-    def _norm_then(self, norm: nn.Module, x: torch.Tensor, consumer):
-        """consumer(norm(x)); with "norm" recomputation the norm output is not kept for backward
-        (moecore/models/recompute.py: the consumer's saved copies of it are recomputed from x)."""
-        if self.recompute_norm and self.training and torch.is_grad_enabled():
-            return recompute_output(norm, (x,), consumer)
-        return consumer(norm(x))
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, loss_mask: torch.Tensor | None):
-        g = self.cuda_graphs
-        if g is not None and g.whole is not None:
-            return g.layer_forward(x, position_ids, loss_mask)
-        return self.eager_forward(x, position_ids, loss_mask)
-
-    def eager_forward(self, x: torch.Tensor, position_ids: torch.Tensor, loss_mask: torch.Tensor | None):
-        """The layer op by op, except the parts `train.cuda_graphs` captured (attention, MoE routing)."""
-        g = self.cuda_graphs
-        if g is not None and g.attention is not None:
-            x = x + g.attention(x, position_ids)[0]
-        else:
-            x = x + self._norm_then(self.attn_norm, x, lambda h: self.attn(h, position_ids))
-        if self.is_moe and g is not None and g.moe_head is not None:
-            h, routed = g.routed(x, loss_mask)
-            out, aux = self._maybe_checkpoint(self.recompute_mlp, self.mlp, h, loss_mask, routed)
-            return x + out, aux
-        if self.is_moe:
-            out, aux = self._norm_then(
-                self.mlp_norm, x, lambda h: self._maybe_checkpoint(self.recompute_mlp, self.mlp, h, loss_mask)
-            )
-            return x + out, aux
-        return x + self._norm_then(
-            self.mlp_norm, x, lambda h: self._maybe_checkpoint(self.recompute_mlp, self.mlp, h)
-        ), None
 
 
 class MoETransformer(nn.Module):

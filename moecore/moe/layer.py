@@ -42,7 +42,7 @@ from moecore.moe.experts import GroupedExperts
 from moecore.moe.minimal import minimal_experts
 from moecore.moe.permute import SortedAssignments, capacity_keep, expert_capacity, sort_assignments
 from moecore.moe.router import TopKRouter, scores_for_balancing
-from moecore.train.profiling import nvtx_range
+from moecore.nvtx import nvtx_range
 
 
 @dataclass

@@ -13,12 +13,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from moecore.nvtx import nvtx_range  # noqa: F401  (re-exported: the profiling helpers in one place)
 
 
 class Profiler:
@@ -82,20 +82,6 @@ class Profiler:
     def __exit__(self, *exc: object) -> None:
         if self._prof is not None:  # the run ended (or failed) inside the window: keep what was recorded
             self._finish()
-
-
-@contextlib.contextmanager
-def nvtx_range(name: str, enabled: bool | None = None) -> Iterator[None]:
-    """An NVTX range on CUDA (`enabled=None`: when CUDA is available) that also labels torch.profiler traces."""
-    use_nvtx = torch.cuda.is_available() if enabled is None else enabled
-    with torch.autograd.profiler.record_function(name):
-        if use_nvtx:
-            torch.cuda.nvtx.range_push(name)
-        try:
-            yield
-        finally:
-            if use_nvtx:
-                torch.cuda.nvtx.range_pop()
 
 
 def dump_memory_snapshot(path: Path | str) -> bool:

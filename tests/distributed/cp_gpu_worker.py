@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moecore.config import ModelConfig, ParallelConfig
-from moecore.models.transformer import build_attention
+from moecore.models.decoder_layer import build_attention
 from moecore.parallel import context
 from moecore.parallel.dims import ParallelDims, destroy_distributed, init_distributed
 
