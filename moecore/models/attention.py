@@ -23,8 +23,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moecore.config import ModelConfig
+from moecore.models.max_logit import record_max_logit
 from moecore.models.norms import RMSNorm
-from moecore.models.qk_clip import record_max_logit
 from moecore.models.rope import RotaryEmbedding, apply_rotary
 from moecore.parallel.cp_attention import context_parallel_attention
 from moecore.parallel.sharding import mark_tp_partial, set_shard

@@ -41,8 +41,8 @@ from torch.utils.checkpoint import checkpoint
 
 from moecore.config import ModelConfig
 from moecore.models.attention import sdpa_backends
+from moecore.models.max_logit import record_max_logit
 from moecore.models.norms import RMSNorm
-from moecore.models.qk_clip import record_max_logit
 from moecore.models.recompute import recompute_output
 from moecore.models.rope import RotaryEmbedding, apply_rotary
 from moecore.parallel.context import gather_from_cp
