@@ -226,7 +226,9 @@ if triton_importable():
 
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, pow2: bool = False) -> torch.Tensor:
     """s = max(amax, AMAX_FLOOR) / fp8_max in fp32; with `pow2` rounded up to a power of two (bit-exact)."""
-    s = amax.float().clamp(min=AMAX_FLOOR) / FP8_MAX[dtype]
+    # Divide by a tensor on amax's device: torch's CUDA division by a Python scalar multiplies by its reciprocal
+    # (not correctly rounded), where the kernels divide with round-to-nearest (tl.div_rn).
+    s = amax.float().clamp(min=AMAX_FLOOR) / torch.full((), FP8_MAX[dtype], device=amax.device)
     if pow2:
         bits = s.view(torch.int32)
         s = ((bits + 0x7FFFFF) & -8388608).view(torch.float32)
