@@ -1,6 +1,6 @@
 """Which GEMM each phase of the expert FFN should use, per shape, on the GPU at hand.
 
-Times, for random top-k routing of the issue's shapes: each GEMM kind (forward, dgrad, wgrad) with
+Times, for random top-k routing of the benchmark's MoE-layer shapes: each GEMM kind (forward, dgrad, wgrad) with
 torch._grouped_mm, a loop of cuBLAS GEMMs and (wgrad) our Triton kernel; the fused SwiGLU and the
 permute/unpermute gathers; and the whole expert FFN forward+backward under several plans. Prints
 one JSON line per measurement and writes them all to --json.

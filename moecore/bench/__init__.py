@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=("moe-layer", "train"), help="the MoE layer alone or a full training step")
     p.add_argument("--compare", choices=("hf",), default=None, help="also time transformers in the same process")
     p.add_argument("--json", default=None, metavar="OUT", help="write the records to this JSON file")
-    p.add_argument("--shapes", default=None, help="comma-separated shape names (default: all of the issue's)")
+    p.add_argument("--shapes", default=None, help="comma-separated shape names (default: all of them)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per measurement (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
     p.add_argument(

@@ -8,13 +8,11 @@ gradient norm, and only rank 0 may print the summary and write metrics.jsonl.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
 import sys
 
 import pytest
+from cli_runs import read_metrics, run_cli
 
 pytestmark = pytest.mark.distributed
 
@@ -37,28 +35,17 @@ COMMON = [
 ]
 
 
-def _run(args: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def _metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
 def test_torchrun_resumes_one_process_checkpoint_with_expert_parallel(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    _run([sys.executable, "-m", "moecore", "train", *COMMON, f"train.run_dir={a}"])
+    run_cli([sys.executable, "-m", "moecore", "train", *COMMON, f"train.run_dir={a}"])
     shutil.copytree(a, b)
     shutil.rmtree(b / "checkpoints" / "step-2")
     (b / "metrics.jsonl").unlink()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moecore", "train"]
-    proc = _run([*torchrun, *COMMON, f"train.run_dir={b}", "checkpoint.resume=true", "parallel.ep=2"])
+    proc = run_cli([*torchrun, *COMMON, f"train.run_dir={b}", "checkpoint.resume=true", "parallel.ep=2"])
     out = proc.stdout + proc.stderr
     assert out.count("done: ") == 1, out[-2000:]  # rank 0 alone reports
-    ref, got = _metrics(a), _metrics(b)
+    ref, got = read_metrics(a), read_metrics(b)
     assert [m["step"] for m in got] == [2]  # one writer, one line per logged step
     assert abs(got[0]["loss"] - ref[1]["loss"]) <= 1e-5 * abs(ref[1]["loss"])
     assert abs(got[0]["grad_norm"] - ref[1]["grad_norm"]) <= 1e-5 * abs(ref[1]["grad_norm"])
@@ -70,10 +57,10 @@ def test_torchrun_data_parallel_with_gradient_accumulation_equals_one_process(tm
     """dp2 with two micro-batches per rank: the deferred gradient reduction must see every micro-batch once."""
     a, b = tmp_path / "a", tmp_path / "b"
     accum = [*COMMON, "train.steps=3", "train.global_batch_size=8", "checkpoint.interval=0"]
-    _run([sys.executable, "-m", "moecore", "train", *accum, f"train.run_dir={a}"])
+    run_cli([sys.executable, "-m", "moecore", "train", *accum, f"train.run_dir={a}"])
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moecore", "train"]
-    _run([*torchrun, *accum, f"train.run_dir={b}"])
-    ref, got = _metrics(a), _metrics(b)
+    run_cli([*torchrun, *accum, f"train.run_dir={b}"])
+    ref, got = read_metrics(a), read_metrics(b)
     assert [m["step"] for m in got] == [1, 2, 3]
     for r, g in zip(ref, got):
         assert abs(g["loss"] - r["loss"]) <= 1e-5 * abs(r["loss"]), (r["step"], r["loss"], g["loss"])
@@ -90,10 +77,10 @@ def test_torchrun_global_aux_loss_with_one_micro_batch_per_replica_equals_one_pr
     # (the per-micro-batch aux_loss is a product of averages, so it depends on the split: left out here)
     loss = ["moe.router_load_balancing_type=global_aux_loss", "moe.aux_loss_coeff=1.0"]
     run = [*COMMON, *loss, "train.steps=3", "train.global_batch_size=8", "checkpoint.interval=0"]
-    _run([sys.executable, "-m", "moecore", "train", *run, "train.micro_batch_size=8", f"train.run_dir={a}"])
+    run_cli([sys.executable, "-m", "moecore", "train", *run, "train.micro_batch_size=8", f"train.run_dir={a}"])
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moecore", "train"]
-    _run([*torchrun, *run, "train.micro_batch_size=4", f"train.run_dir={b}"])
-    for r, g in zip(_metrics(a), _metrics(b)):
+    run_cli([*torchrun, *run, "train.micro_batch_size=4", f"train.run_dir={b}"])
+    for r, g in zip(read_metrics(a), read_metrics(b)):
         assert abs(g["moe/layer_1/global_aux_loss"] / r["moe/layer_1/global_aux_loss"] - 1) <= 1e-5
         assert abs(g["grad_norm"] - r["grad_norm"]) <= 1e-5 * abs(r["grad_norm"]), (
             r["step"],
@@ -113,18 +100,18 @@ def test_torchrun_bf16_equals_one_process(tmp_path):
     bf16 = [*COMMON, "train.steps=3", "train.precision=bf16"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moecore", "train"]
     one = tmp_path / "one"
-    _run([sys.executable, "-m", "moecore", "train", *bf16, f"train.run_dir={one}"])
-    ref = {m["step"]: m for m in _metrics(one)}
+    run_cli([sys.executable, "-m", "moecore", "train", *bf16, f"train.run_dir={one}"])
+    ref = {m["step"]: m for m in read_metrics(one)}
     dp2 = tmp_path / "dp2"
-    _run([*torchrun, *bf16, f"train.run_dir={dp2}", "checkpoint.interval=0"])
+    run_cli([*torchrun, *bf16, f"train.run_dir={dp2}", "checkpoint.interval=0"])
     ep2 = tmp_path / "ep2"
     shutil.copytree(one, ep2)
     for step in (2, 3):
         shutil.rmtree(ep2 / "checkpoints" / f"step-{step}")
     (ep2 / "metrics.jsonl").unlink()
-    _run([*torchrun, *bf16, f"train.run_dir={ep2}", "checkpoint.resume=true", "parallel.ep=2"])
+    run_cli([*torchrun, *bf16, f"train.run_dir={ep2}", "checkpoint.resume=true", "parallel.ep=2"])
     for run_dir, tol, steps in ((dp2, 1e-6, [1, 2, 3]), (ep2, 1e-3, [2, 3])):
-        got = _metrics(run_dir)
+        got = read_metrics(run_dir)
         assert [m["step"] for m in got] == steps
         for g in got:
             r = ref[g["step"]]

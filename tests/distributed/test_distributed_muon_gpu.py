@@ -10,13 +10,11 @@ initialisation is layout-independent for dense and expert parallel layouts witho
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from cli_runs import metrics_by_step, run_cli
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,23 +40,13 @@ COMMON = [
 ]
 
 
-def _run(args: list[str]) -> None:
-    proc = subprocess.run(args, env=dict(os.environ), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
-def _metrics(run_dir) -> dict:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {m["step"]: m for m in (json.loads(x) for x in lines if x.strip()) if "loss" in m}
-
-
 @pytest.mark.parametrize("extra", [["parallel.tp=2"], ["parallel.distributed_optimizer=true"], ["parallel.fsdp=true"]])
 def test_gpu_distributed_muon_matches_one_gpu(tmp_path, extra):
     a, b = tmp_path / "a", tmp_path / "b"
-    _run([sys.executable, "-m", "moecore", "train", *COMMON, f"train.run_dir={a}"])
+    run_cli([sys.executable, "-m", "moecore", "train", *COMMON, f"train.run_dir={a}"])
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moecore", "train"]
-    _run([*torchrun, *COMMON, f"train.run_dir={b}", *extra])
-    ref, got = _metrics(a), _metrics(b)
+    run_cli([*torchrun, *COMMON, f"train.run_dir={b}", *extra])
+    ref, got = metrics_by_step(a, having="loss"), metrics_by_step(b, having="loss")
     assert sorted(got) == [1, 2, 3] and ref[1]["attn/max_logit"] > 0.05
     for step in (1, 2, 3):
         for key in ("loss", "grad_norm", "attn/max_logit"):

@@ -143,7 +143,7 @@ def _tied(**parallel) -> Config:
 
 
 ZB, IL, V = "zero_bubble", "interleaved_1f1b", "zbv"
-# Every schedule runs on several layouts; each layout of the issue runs under at least one schedule.
+# Every schedule runs on several layouts; each layout named in docs/parallel.md runs under at least one schedule.
 CASES = {
     2: {
         "pp2-vpp2-interleaved": _cfg(pp=2, vpp=2, pp_schedule=IL),

@@ -11,12 +11,11 @@ checkpoint in one process: its step 4 must equal A's. Optimizer state crosses bo
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 
 import pytest
+from cli_runs import read_metrics, run_cli
 
 pytestmark = pytest.mark.distributed
 
@@ -35,17 +34,6 @@ COMMON = [
     "checkpoint.interval=1",
 ]
 KEYS = ("loss", "grad_norm", "mtp_loss", "val_loss", "moe/mean_imbalance", "moe/layer_1/seq_aux_loss")
-
-
-def _run(args: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def _metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def _resume_copy(src, dst, keep: int) -> None:
@@ -67,16 +55,16 @@ def _same(ref: dict, got: dict) -> None:
 def test_torchrun_pipeline_expert_parallel_resumes_across_layouts(tmp_path):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     moecore = [sys.executable, "-m", "moecore", "train"]
-    _run([*moecore, *COMMON, f"train.run_dir={a}"])
-    ref = {m["step"]: m for m in _metrics(a)}
+    run_cli([*moecore, *COMMON, f"train.run_dir={a}"])
+    ref = {m["step"]: m for m in read_metrics(a)}
 
     _resume_copy(a, b, keep=2)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "moecore", "train"]
     pp = ["parallel.pp=2", "parallel.ep=2", "train.exit_interval=3", "checkpoint.resume=true"]
-    proc = _run([*torchrun, *COMMON, f"train.run_dir={b}", *pp])
+    proc = run_cli([*torchrun, *COMMON, f"train.run_dir={b}", *pp])
     out = proc.stdout + proc.stderr
     assert out.count("done: ") == 1 and "pipeline rank 1: stages 1:tmL" in out, out[-2000:]
-    got = _metrics(b)
+    got = read_metrics(b)
     assert [m["step"] for m in got] == [3]
     _same(ref[3], got[0])
     stages = json.loads((b / "pipeline_stages.json").read_text())
@@ -84,7 +72,7 @@ def test_torchrun_pipeline_expert_parallel_resumes_across_layouts(tmp_path):
     assert (b / "checkpoints" / "step-3" / "complete").exists() and not (b / "checkpoints" / "step-4").exists()
 
     _resume_copy(b, c, keep=3)
-    _run([*moecore, *COMMON, f"train.run_dir={c}", "checkpoint.resume=true"])
-    got = _metrics(c)
+    run_cli([*moecore, *COMMON, f"train.run_dir={c}", "checkpoint.resume=true"])
+    got = read_metrics(c)
     assert [m["step"] for m in got] == [4]
     _same(ref[4], got[0])

@@ -9,14 +9,12 @@ A bf16 run of each schedule checks that the compute-precision path trains (finit
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
+from cli_runs import metrics_by_step, run_cli
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,30 +36,20 @@ COMMON = [
 ]
 
 
-def _run(args: list[str]) -> None:
-    proc = subprocess.run(args, env=dict(os.environ), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
-def _metrics(run_dir) -> dict:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {m["step"]: m for m in (json.loads(x) for x in lines if x.strip())}
-
-
 @pytest.mark.parametrize("gpus, extra", [(2, []), (4, ["parallel.ep=2"])])
-def test_gpu_pipeline_resumes_one_gpu_run(tmp_path, gpus, extra):
+def test_gpu_pipeline_resumes_one_gpurun_cli(tmp_path, gpus, extra):
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
     a, b = tmp_path / "a", tmp_path / "b"
     fp32 = ["train.precision=fp32", "checkpoint.interval=1"]
-    _run([sys.executable, "-m", "moecore", "train", *COMMON, *fp32, f"train.run_dir={a}"])
+    run_cli([sys.executable, "-m", "moecore", "train", *COMMON, *fp32, f"train.run_dir={a}"])
     shutil.copytree(a, b)
     for step in (2, 3):
         shutil.rmtree(b / "checkpoints" / f"step-{step}")
     (b / "metrics.jsonl").unlink()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), "-m", "moecore", "train"]
-    _run([*torchrun, *COMMON, *fp32, f"train.run_dir={b}", "checkpoint.resume=true", "parallel.pp=2", *extra])
-    ref, got = _metrics(a), _metrics(b)
+    run_cli([*torchrun, *COMMON, *fp32, f"train.run_dir={b}", "checkpoint.resume=true", "parallel.pp=2", *extra])
+    ref, got = metrics_by_step(a), metrics_by_step(b)
     assert sorted(got) == [2, 3]
     for step in (2, 3):
         for key in ("loss", "grad_norm", "mtp_loss"):
@@ -72,7 +60,7 @@ def test_gpu_pipeline_resumes_one_gpu_run(tmp_path, gpus, extra):
 def test_gpu_pipeline_schedules_train_in_bf16(tmp_path, schedule):
     vpp = "1" if schedule == "1f1b" else "2"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moecore", "train"]
-    _run(
+    run_cli(
         [
             *torchrun,
             *COMMON,
@@ -84,5 +72,5 @@ def test_gpu_pipeline_schedules_train_in_bf16(tmp_path, schedule):
             f"parallel.pp_schedule={schedule}",
         ]
     )
-    m = _metrics(tmp_path)
+    m = metrics_by_step(tmp_path)
     assert all(v["loss"] == v["loss"] for v in m.values()) and m[6]["loss"] < m[1]["loss"]

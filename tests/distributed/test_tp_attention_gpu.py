@@ -9,13 +9,11 @@ test_pipeline_gpu.py (1e-5 on CPU: test_tp_attention_parity.py).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from cli_runs import metrics_by_step, run_cli
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,23 +36,13 @@ COMMON = [
 ]
 
 
-def _run(args: list[str]) -> None:
-    proc = subprocess.run(args, env=dict(os.environ), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
-def _metrics(run_dir) -> dict:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {m["step"]: m for m in (json.loads(x) for x in lines if x.strip()) if "grad_norm" in m}
-
-
 @pytest.mark.parametrize("recipe", ["tiny-deepseek-v3", "tiny-deepseek-v32", "tiny-qwen3-next"])
 def test_gpu_tp2_matches_one_gpu(tmp_path, recipe):
     a, b = tmp_path / "a", tmp_path / "b"
-    _run([sys.executable, "-m", "moecore", "train", recipe, *COMMON, f"train.run_dir={a}"])
+    run_cli([sys.executable, "-m", "moecore", "train", recipe, *COMMON, f"train.run_dir={a}"])
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    _run([*torchrun, "-m", "moecore", "train", recipe, *COMMON, "parallel.tp=2", f"train.run_dir={b}"])
-    ma, mb = _metrics(a), _metrics(b)
+    run_cli([*torchrun, "-m", "moecore", "train", recipe, *COMMON, "parallel.tp=2", f"train.run_dir={b}"])
+    ma, mb = metrics_by_step(a, having="grad_norm"), metrics_by_step(b, having="grad_norm")
     assert sorted(ma) == sorted(mb) == [1, 2, 3]
     for step in (1, 2, 3):
         for key in ("loss", "grad_norm"):
