@@ -50,6 +50,17 @@ if triton_importable():
         return s
 
     @triton.jit
+    def _swiglu_tile(h_ptr, r64, cols, m, F, p, HAS_P: tl.constexpr):
+        # silu(gate) * up (* the rows' routing probabilities) of a [rows, cols] tile of h = [gate | up], rounded to
+        # h's dtype as the bf16 path stores it, returned in fp32
+        g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        a = g * tl.sigmoid(g) * u
+        if HAS_P:
+            a = a * p[:, None]
+        return a.to(h_ptr.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
     def _to_fp8_grid(v, FMAX: tl.constexpr):
         # Round fp32 v (|v| <= FMAX) to the nearest fp8 value, ties to even, in fp32 arithmetic, so that the
         # final cast is exact (Triton's interpreter mis-rounds values that round up into the next binade).
@@ -185,36 +196,21 @@ if triton_importable():
             for c0 in range(0, F, BC):
                 cols = c0 + tl.arange(0, BC)
                 m = rm[:, None] & (cols < F)[None, :]
-                g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=m, other=0.0).to(tl.float32)
-                u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=m, other=0.0).to(tl.float32)
-                a = g * tl.sigmoid(g) * u
-                if HAS_P:
-                    a = a * p[:, None]
-                a = a.to(h_ptr.dtype.element_ty).to(tl.float32)
+                a = _swiglu_tile(h_ptr, r64, cols, m, F, p, HAS_P)
                 amax = tl.maximum(amax, tl.max(tl.abs(a), axis=1))
             s = _scale_of(amax, FMAX, POW2)
             tl.store(s_ptr + rows, s, mask=rm)
             for c0 in range(0, F, BC):
                 cols = c0 + tl.arange(0, BC)
                 m = rm[:, None] & (cols < F)[None, :]
-                g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=m, other=0.0).to(tl.float32)
-                u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=m, other=0.0).to(tl.float32)
-                a = g * tl.sigmoid(g) * u
-                if HAS_P:
-                    a = a * p[:, None]
-                a = a.to(h_ptr.dtype.element_ty).to(tl.float32)
+                a = _swiglu_tile(h_ptr, r64, cols, m, F, p, HAS_P)
                 q = _to_fp8_grid(tl.clamp(tl.div_rn(a, s[:, None]), -FMAX, FMAX), FMAX)
                 tl.store(q_ptr + r64[:, None] * F + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
         else:
             pc = tl.program_id(1)
             cols = pc * BC + tl.arange(0, BC)
             m = rm[:, None] & (cols < F)[None, :]
-            g = tl.load(h_ptr + r64[:, None] * (2 * F) + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            u = tl.load(h_ptr + r64[:, None] * (2 * F) + F + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            a = g * tl.sigmoid(g) * u
-            if HAS_P:
-                a = a * p[:, None]
-            a = a.to(h_ptr.dtype.element_ty).to(tl.float32)
+            a = _swiglu_tile(h_ptr, r64, cols, m, F, p, HAS_P)
             s = _scale_of(tl.max(tl.abs(a), axis=1), FMAX, POW2)
             tl.store(s_ptr + rows * s_stride + pc, s, mask=rm)
             q = _to_fp8_grid(tl.clamp(tl.div_rn(a, s[:, None]), -FMAX, FMAX), FMAX)
