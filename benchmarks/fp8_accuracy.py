@@ -1,7 +1,10 @@
 """FP8 training accuracy: a ~100M-parameter MoE trained N steps on the embedded corpus in bf16 and in each FP8 recipe.
 
-Usage (GPU): PYTHONPATH=. python benchmarks/fp8_accuracy.py OUT.json [--steps 1000] [--recipes tensorwise,rowwise,blockwise]
-(a CPU smoke run of the script itself: ... --steps 2 --small --emulate)
+Usage (GPU): PYTHONPATH=. python benchmarks/fp8_accuracy.py OUT.json [--steps 1000] [--recipes rowwise,blockwise]
+[--concurrent] (a CPU smoke run of the script itself: ... --steps 2 --small --emulate)
+
+`--concurrent` runs every precision in its own process at the same time (the ~100M model leaves most of an H200
+idle; the losses do not depend on it, the tokens/s of each run then do and are reported as such).
 
 Every run starts from the same weights (train.seed) and reads the same batches; only train.precision (bf16 or
 fp8) and fp8.recipe differ. The model: 8 layers, hidden 512, 8 heads, 16 experts top-2 of width 512 plus a
@@ -14,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +35,7 @@ MODEL = [
     "moe.first_k_dense_replace=1",
     "train.seq_length=512",
     "train.global_batch_size=32",
-    "train.micro_batch_size=16",
+    "train.micro_batch_size=32",
     "optim.lr=1e-3",
     "optim.min_lr=1e-4",
     "optim.warmup_steps=50",
@@ -63,17 +68,32 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--recipes", default="tensorwise,rowwise,blockwise")
+    p.add_argument("--recipes", default="rowwise,blockwise")
     p.add_argument("--format", default="e4m3", choices=("e4m3", "hybrid"))
     p.add_argument("--small", action="store_true", help="a tiny model (smoke test)")
     p.add_argument("--emulate", action="store_true", help="emulated FP8 GEMMs (CPU smoke test)")
+    p.add_argument("--concurrent", action="store_true", help="every precision in its own process, at once")
+    p.add_argument("--only", help=argparse.SUPPRESS)  # one run, its result as JSON to OUT (--concurrent's workers)
     args = p.parse_args()
     base = MODEL + (SMALL if args.small else [])
-    runs = {"bf16": run_one("bf16", [*base, "train.precision=bf16"], args.steps)}
+    configs = {"bf16": [*base, "train.precision=bf16"]}
     for recipe in args.recipes.split(","):
         fp8 = ["train.precision=fp8", f"fp8.recipe={recipe}", f"fp8.format={args.format}"]
-        fp8 += ["fp8.emulate=true"] if args.emulate else []
-        runs[f"fp8-{recipe}"] = run_one(recipe, [*base, *fp8], args.steps)
+        configs[f"fp8-{recipe}"] = [*base, *fp8, *(["fp8.emulate=true"] if args.emulate else [])]
+    if args.only:
+        Path(args.out).write_text(json.dumps(run_one(args.only, configs[args.only], args.steps)))
+        return
+    if args.concurrent:
+        parts = {name: Path(tempfile.mkdtemp(prefix="fp8-acc-")) / f"{name}.json" for name in configs}
+        flags = ["--steps", str(args.steps), "--recipes", args.recipes, "--format", args.format]
+        flags += ["--small"] * args.small + ["--emulate"] * args.emulate
+        procs = [subprocess.Popen([sys.executable, __file__, str(out), *flags, "--only", name])
+                 for name, out in parts.items()]  # fmt: skip
+        if any(proc.wait() for proc in procs):
+            raise SystemExit("a run failed (its output is above)")
+        runs = {name: json.loads(out.read_text()) for name, out in parts.items()}
+    else:
+        runs = {name: run_one(name, overrides, args.steps) for name, overrides in configs.items()}
     bf16 = runs["bf16"]["losses"]
     for name, r in runs.items():
         # A run whose steps went non-finite logs fewer losses (the guard skips those steps): compare the same
@@ -85,7 +105,8 @@ def main() -> None:
         print(f"{name:16s} final loss {r['final_loss']:.4f} ({100 * r['final_loss_rel_diff_vs_bf16']:+.2f}% vs bf16 "
               f"over the same steps), {r['steps_logged']} of {args.steps} steps logged, "
               f"{r['tokens_per_s']:.0f} tokens/s", flush=True)  # fmt: skip
-    Path(args.out).write_text(json.dumps({"steps": args.steps, "format": args.format, "runs": runs}, indent=1))
+    record = {"steps": args.steps, "format": args.format, "concurrent": args.concurrent, "runs": runs}
+    Path(args.out).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

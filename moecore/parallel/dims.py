@@ -253,7 +253,7 @@ def init_distributed(
     """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) and build ParallelDims.
 
     Without those variables (or WORLD_SIZE=1) nothing is initialised and a one-process ParallelDims
-    comes back. The backend is `parallel.backend`, or with `auto` NCCL when CUDA is available and gloo
+    comes back, except with `parallel.fsdp=true`: FSDP2 runs over a one-rank process group then. The backend is `parallel.backend`, or with `auto` NCCL when CUDA is available and gloo
     otherwise. `seed` seeds python, torch and CUDA identically on every rank (so every rank builds the
     same initial weights before sharding).
     """
@@ -280,6 +280,12 @@ def init_distributed(
     if world_size > 1 and not dist.is_initialized():
         kwargs = {"device_id": dev} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    elif cfg.fsdp and not dist.is_initialized():  # FSDP2 needs a process group, even a one-rank one
+        kwargs = {"device_id": dev} if backend == "nccl" else {}
+        store = dist.HashStore()  # in-process: no address, no port
+        dist.init_process_group(
+            backend=backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=timeout_s), **kwargs
+        )
     if dist.is_initialized():
         world_size, rank = dist.get_world_size(), dist.get_rank()
     if seed is not None:

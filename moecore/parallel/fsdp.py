@@ -28,7 +28,11 @@ from the local gradient shards, each weighted by the number of ranks holding the
 saves a DTensor of an EP-sharded parameter as its chunk of the global tensor, so the files are
 layout-free as without FSDP.
 
-Supported: tp, dp and ep with edp > 1; etp = cp = pp = 1 (refused otherwise by `check_layout`).
+Supported: tp, dp and ep with edp > 1; etp = cp = pp = 1 (refused otherwise by `check_layout`). On one
+process (`moecore train` without torchrun) the run initialises a one-rank process group
+(`moecore.parallel.dims.init_distributed`) and FSDP2 runs over a one-rank mesh: nothing is split, but
+parameters, gradients and optimizer state are the DTensors and the all-gather / reduce-scatter calls are
+those of a multi-GPU run, so its cost and its checkpoints can be checked on one GPU.
 Muon runs on the sharded parameters: each matrix's update is gathered over the FSDP mesh and
 orthogonalised once (`moecore.parallel.distributed_muon`).
 """
@@ -66,7 +70,11 @@ class FullyShardedModel:
 
         from moecore.moe.experts import GroupedExperts
 
-        if dims.edp_group.size == 1 and any(isinstance(m, GroupedExperts) for m in model.modules()):
+        if (
+            dims.world_size > 1
+            and dims.edp_group.size == 1
+            and any(isinstance(m, GroupedExperts) for m in model.modules())
+        ):
             raise ConfigError(
                 f"parallel.fsdp=true needs experts replicated over data parallel (edp > 1): parallel.ep={dims.ep} "
                 f"over {dims.world_size} ranks leaves edp = 1; use a smaller parallel.ep"
@@ -76,13 +84,16 @@ class FullyShardedModel:
         device_type = next(model.parameters()).device.type
         reduce_dtype = reduce_dtype or (torch.float32 if param_dtype else None)
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        dense_mesh = DeviceMesh.from_group(dims.dp_cp_group.pg, device_type)
-        expert_mesh = DeviceMesh.from_group(dims.edp_group.pg, device_type) if dims.edp_group.size > 1 else None
+        if dims.world_size == 1:  # one process: FSDP2 over a one-rank mesh (nothing split, the same code path)
+            dense_mesh = expert_mesh = DeviceMesh.from_group(dist.group.WORLD, device_type)
+        else:
+            dense_mesh = DeviceMesh.from_group(dims.dp_cp_group.pg, device_type)
+            expert_mesh = DeviceMesh.from_group(dims.edp_group.pg, device_type) if dims.edp_group.size > 1 else None
         for module in model.modules():
             if isinstance(module, GroupedExperts):
                 fully_shard(module, mesh=expert_mesh, mp_policy=policy)
                 module.set_gradient_divide_factor(float(dims.dp * dims.cp))
-                if dist.get_backend(dims.edp_group.pg) == "gloo":  # gloo has no PREMUL_SUM: sum, divide apart
+                if dist.get_backend(expert_mesh.get_group()) == "gloo":  # gloo has no PREMUL_SUM: sum, divide apart
                     module.set_force_sum_reduction_for_comms(True)
         for layer in getattr(model, "layers", []):
             fully_shard(layer, mesh=dense_mesh, mp_policy=policy)

@@ -361,6 +361,8 @@ class Trainer:
                 result.losses.append((self.step, metrics["loss"]))
                 if result.first_loss is None:
                     result.first_loss = metrics["loss"]
+                # per rank, by kind; measured before evaluation (FSDP2's forward drops the root module's gradients)
+                memory = memory_metrics(self.model, self.optimizer, rt.mixed) if log_now or evaluate_now else None
                 if evaluate_now:
                     val = self.evaluate()
                     metrics["val_loss"] = val
@@ -373,7 +375,7 @@ class Trainer:
                     metrics["tokens_per_s"] = tps
                     metrics["step_time_s"] = elapsed / max(window_steps, 1)
                     metrics.update(rt.perf_metrics(tps, flops_per_token, cfg))
-                    result.memory = memory_metrics(self.model, self.optimizer, rt.mixed)  # per rank, by kind
+                    result.memory = memory
                     metrics.update(result.memory)
                     logger.log(self.step, metrics)
                     window_t, window_steps = time.perf_counter(), 0

@@ -69,7 +69,7 @@ class Runtime:
             from moecore.models.fp8 import apply_fp8
 
             apply_fp8(model, Fp8Recipe.from_config(self.fp8), self.fp8.modules)
-        if self.dims.cfg.fsdp and self.world_size > 1:  # FSDP2: sharded weights, its own bf16 policy
+        if self.dims.cfg.fsdp:  # FSDP2 (over a one-rank mesh on one process): sharded weights, its own bf16 policy
             from moecore.parallel.fsdp import FullyShardedModel
 
             bf16 = self.precision in ("bf16", "fp8")
@@ -184,7 +184,7 @@ class Runtime:
         return opt
 
     def _fsdp_fused(self, cfg: Config) -> bool:
-        fsdp = cfg.parallel.fsdp and self.world_size > 1 and cfg.optim.name == "adamw"
+        fsdp = cfg.parallel.fsdp and cfg.optim.name == "adamw"
         return fsdp and (cfg.optim.state_dtype == "bf16" or (self.precision == "bf16" and not self.master_weights))
 
     def _sharded_optimizer(self, cfg: Config) -> bool:

@@ -1,0 +1,73 @@
+"""parallel.fsdp=true on one process: FSDP2 over a one-rank mesh trains exactly as the plain run does.
+
+`moecore train ... parallel.fsdp=true` without torchrun initialises a one-rank process group and applies
+FSDP2 (nothing is split). The same weights and batches must give the same losses and grad norms as the run
+without FSDP, the parameters must be FSDP2's DTensors, and the checkpoint it writes must resume a run without
+FSDP (layout-free files).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.distributed.cli_runs import metrics_by_step, run_cli
+
+TINY = [
+    "tiny-moe",
+    "train.device=cpu",
+    "train.steps=3",
+    "log.progress=false",
+    "train.eval_interval=0",
+    "log.interval=1",
+]
+
+
+def _train(run_dir, *extra: str) -> dict[int, dict]:
+    run_cli([sys.executable, "-m", "moecore", "train", *TINY, f"train.run_dir={run_dir}", *extra])
+    return metrics_by_step(run_dir, having="loss")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_one_process_fsdp_trains_like_the_plain_run(tmp_path, precision):
+    plain = _train(tmp_path / "plain", f"train.precision={precision}", "checkpoint.interval=3")
+    fsdp = _train(tmp_path / "fsdp", f"train.precision={precision}", "parallel.fsdp=true", "checkpoint.interval=3")
+    assert sorted(plain) == sorted(fsdp) == [1, 2, 3]
+    for step in plain:
+        for key in ("loss", "grad_norm"):
+            a, b = fsdp[step][key], plain[step][key]
+            # fp32: the same arithmetic (FSDP2's copy-in / copy-out moves bytes only). bf16: FSDP2 casts the
+            # fp32 shards to bf16 for each forward, the plain run keeps bf16 weights beside fp32 masters;
+            # both round the same fp32 masters to bf16, so they agree to float rounding of the reductions.
+            tol = 1e-6 if precision == "fp32" else 2e-3
+            assert abs(a - b) <= tol * abs(b), (step, key, a, b)
+    # Same tensors per rank as without FSDP (one rank holds everything): parameter and optimizer bytes.
+    for key in ("memory/params_gb", "memory/grads_gb", "memory/optim_gb"):
+        if precision == "fp32":
+            assert fsdp[3][key] == pytest.approx(plain[3][key], rel=1e-6), key
+    if precision == "fp32":  # the FSDP checkpoint resumes a run without FSDP as the plain run's checkpoint does
+        resumed = {
+            name: _train(
+                tmp_path / f"resumed-{name}", "train.steps=4", f"checkpoint.load={tmp_path / name}/checkpoints/step-3"
+            )
+            for name in ("plain", "fsdp")
+        }
+        assert resumed["fsdp"][4]["loss"] == pytest.approx(resumed["plain"][4]["loss"], rel=1e-6)
+
+
+def test_one_process_fsdp_parameters_are_dtensors(tmp_path):
+    from torch.distributed.tensor import DTensor
+
+    from moecore.config import load_config
+    from moecore.train.loop import Trainer
+
+    cfg = load_config(TINY[0], [*TINY[1:], "parallel.fsdp=true", f"train.run_dir={tmp_path}"])
+    trainer = Trainer(cfg)
+    try:
+        assert all(isinstance(p, DTensor) for p in trainer.model.parameters())
+        assert {p.device_mesh.size() for p in trainer.model.parameters()} == {1}
+        trainer.train_step()
+        assert all(p.grad is not None for p in trainer.model.parameters())
+    finally:
+        trainer.rt.shutdown()  # the one-rank process group this run initialised
