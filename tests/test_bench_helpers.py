@@ -83,3 +83,21 @@ def test_optimizer_bytes_counts_each_tensor_the_update_touches():
     n = sum(p.numel() for p in trainer.model.parameters())
     # bf16 gradient 2 + fp32 master read and written 8 + bf16 weight written 2 + two fp32 moments 16
     assert train.optimizer_bytes(trainer) == n * 28
+
+
+def test_skewed_routing_concentrates_tokens_and_random_does_not():
+    import torch
+
+    torch.manual_seed(0)
+    x, gate = torch.randn(1, 2048, 256), torch.randn(64, 256) * 0.02
+    even = moe_layer.expert_load(x, gate, k=4)
+    skewed = moe_layer.expert_load(*moe_layer.skew_routing(x, gate), k=4)
+    assert even["max_over_mean"] < 1.5 and even["top10pct_share"] < 0.2
+    assert skewed["max_over_mean"] > 5 and skewed["top10pct_share"] > 0.5
+    x2, _ = moe_layer.skew_routing(x, gate)
+    assert torch.equal(x2, moe_layer.skew_routing(x, gate)[0])  # deterministic: every implementation sees it
+
+
+def test_unknown_routing_is_one_line(capsys):
+    assert main(["moe-layer", "--routing", "zipf"]) == 2
+    assert "--routing 'zipf' is unknown" in capsys.readouterr().err

@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated moecore variants to time: moecore, moecore-unfused-router (both benches), "
         "moecore-all-grouped, moecore-minimal, moecore-sync-free (moe-layer)",
     )
+    p.add_argument(
+        "--routing", default="random", help="moe-layer: comma-separated: random (near-uniform) and/or skewed (a few "
+        "experts take most tokens)"
+    )  # fmt: skip
     p.add_argument("--phases", action="store_true", help="add a GPU-time breakdown by phase (torch.profiler)")
     p.add_argument("--trace", default=None, metavar="DIR", help="train: write a gzipped Chrome trace of one step each")
     return p
@@ -55,7 +59,15 @@ def main(argv: list[str] | None = None) -> int:
         print("moecore bench: error: --iters must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
     if args.what == "moe-layer":
-        from moecore.bench.moe_layer import SHAPES, VARIANTS
+        from moecore.bench.moe_layer import ROUTINGS, SHAPES, VARIANTS
+
+        bad = [v for v in args.routing.split(",") if v not in ROUTINGS]
+        if bad:
+            print(
+                f"moecore bench: error: --routing {bad[0]!r} is unknown; allowed: {', '.join(ROUTINGS)}",
+                file=sys.stderr,
+            )
+            return 2
     else:
         from moecore.bench.train import MODES, PROXIES, VARIANTS
 
@@ -113,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             eager=not args.no_eager,
             phases=args.phases,
             variants=variants,
+            routing=tuple(args.routing.split(",")),
         )
     else:
         from moecore.bench.train import run

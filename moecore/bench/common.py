@@ -148,7 +148,7 @@ def chrome_trace(step: Callable[[], object], path: str) -> None:
 
 def print_table(records: list[dict]) -> None:
     """One line per record: shape, impl, TFLOP/s, ms, peak GB (+ tokens/s and MFU where present)."""
-    cols = ["shape", "impl", "tflops", "ms", "peak_mem_gb", "tokens_per_s", "mfu", "error"]
+    cols = ["shape", "routing", "impl", "tflops", "ms", "peak_mem_gb", "tokens_per_s", "mfu", "error"]
     cols = [c for c in cols if any(r.get(c) is not None for r in records)]
     rows = [[("" if r.get(c) is None else str(r.get(c)))[:60] for c in cols] for r in records]
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]

@@ -8,6 +8,12 @@ random weights (normal, std 0.02: near-uniform random routing) and timed with
 Inputs: x [1, T, H] bf16 and an output gradient, identical for all. Each implementation is timed
 alone (the other's modules freed), so peak memory is its own (weights, inputs, activations, grads).
 
+`routing="skewed"` makes a few experts take most tokens, the same way for every implementation: the input
+gets a shared direction u (x + 4u, |u| = 1) and expert e's router row gets -log(e + 1) / 4 along u, so its
+logit is shifted by about -log(e + 1) (Zipf-like popularity: expert 0 first, expert 1 half as likely, ...).
+Each record carries the load this produced (`load`: tokens of the busiest expert over the mean, and the
+share of assignments taken by the busiest tenth of the experts).
+
 FLOPs per forward + backward, as in the reference measurements: 18 * H * F * K * T (three GEMMs,
 backward twice the forward) + 6 * H * E * T (the router).
 """
@@ -138,6 +144,29 @@ PHASES = (  # (phase, substrings of CUDA kernel names), first match wins
 )
 
 
+ROUTINGS = ("random", "skewed")
+
+
+def skew_routing(x: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, gate) with a Zipf-like expert popularity (module docstring); deterministic, on x's device."""
+    h, e = x.shape[-1], gate.shape[0]
+    u = torch.randn(h, generator=torch.Generator(device=x.device).manual_seed(2), device=x.device)
+    u = u / u.norm()
+    shift = -torch.log(torch.arange(1, e + 1, device=x.device, dtype=torch.float32))
+    return (x.float() + 4 * u).to(x.dtype), (gate.float() + (shift / 4)[:, None] * u).to(gate.dtype)
+
+
+def expert_load(x: torch.Tensor, gate: torch.Tensor, k: int) -> dict:
+    """How the softmax-top-k router spreads these tokens: busiest expert over the mean, busiest tenth's share."""
+    chosen = torch.topk(x.reshape(-1, x.shape[-1]).float() @ gate.float().t(), k, dim=-1).indices
+    counts = torch.bincount(chosen.reshape(-1), minlength=gate.shape[0]).float()
+    top = torch.sort(counts, descending=True).values[: max(1, gate.shape[0] // 10)]
+    return {
+        "max_over_mean": round(float(counts.max() / counts.mean()), 2),
+        "top10pct_share": round(float(top.sum() / counts.sum()), 3),
+    }
+
+
 def profile_phases(module, x: torch.Tensor, g: torch.Tensor, steps: int = 3) -> dict:
     """GPU milliseconds per forward + backward by phase (see `profile_gpu_ms`)."""
 
@@ -159,13 +188,21 @@ def run_shape(
     eager: bool = True,
     phases: bool = False,
     variants: tuple[str, ...] = ("moecore",),
+    routing: str = "random",
 ) -> list[dict]:
     h, f, e, k, t = SHAPES[name]
     flops = moe_flops(h, f, e, k, t)
     dev, dt = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
-    x = torch.randn(1, t, h, device=dev, dtype=dt, requires_grad=True)
+    x = torch.randn(1, t, h, device=dev, dtype=dt)
     g = torch.randn(1, t, h, device=dev, dtype=dt)
+    gate = (
+        torch.randn(e, h, generator=torch.Generator(device=dev).manual_seed(1), device=dev, dtype=dt) * 0.02
+    )  # = _weights' gate
+    if routing == "skewed":
+        x, gate = skew_routing(x, gate)
+    load = {"routing": routing, "load": expert_load(x, gate, k)}
+    x.requires_grad_()
     records = []
     impls = []
     if compare_hf:
@@ -183,7 +220,7 @@ def run_shape(
                     else _moecore_layer(h, f, e, k, impl, t)
                 )
             mod = mod.to(dt)
-            state = _weights(h, f, e, dev, dt)
+            state = {**_weights(h, f, e, dev, dt), "gate.weight": gate}
             if impl.startswith("transformers"):
                 mod.load_state_dict(state)
             else:
@@ -192,7 +229,7 @@ def run_shape(
             _free()
             ms, peak = _time_step(mod, x, g, warmup, iters)
             extra = {"phases_ms": profile_phases(mod, x, g)} if phases else {}
-            records.append(record(name, impl, ms, flops, peak, **extra))
+            records.append(record(name, impl, ms, flops, peak, **load, **extra))
         except Exception as ex:  # record and continue: one failing implementation must not hide the others
             records.append(record(name, impl, None, None, None, error=f"{type(ex).__name__}: {ex}"[:300]))
         print(json.dumps(records[-1]), flush=True)
@@ -209,8 +246,10 @@ def run(
     eager: bool = True,
     phases: bool = False,
     variants: tuple[str, ...] = ("moecore",),
+    routing: tuple[str, ...] = ("random",),
 ) -> list[dict]:
     out = []
     for name in shapes:
-        out.extend(run_shape(name, compare_hf, warmup, iters, eager, phases, variants))
+        for how in routing:
+            out.extend(run_shape(name, compare_hf, warmup, iters, eager, phases, variants, how))
     return out

@@ -38,12 +38,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-LAST_BIT = pytest.mark.xfail(
-    reason="H200 run (torch 2.11, Triton 3.6): the kernels' scales differed from the reference's in the last bit "
-    "where not powers of two (the reference then divided by a Python scalar, which torch's CUDA kernel does by "
-    "multiplying with the reciprocal; it now divides by a tensor); not re-run on a GPU since",
-    strict=False,
-)
 NO_E5M2 = (
     "cuBLAS on Hopper (torch 2.11) rejects e5m2 operands with row/block scales: fp8.format=hybrid is refused on GPUs"
 )
@@ -56,8 +50,7 @@ def _hybrid_known_failure(grad_dtype) -> None:
 
 @pytest.mark.parametrize(
     "granularity",
-    ["tensorwise", pytest.param("rowwise", marks=LAST_BIT), pytest.param("1x128", marks=LAST_BIT),
-     pytest.param("128x128", marks=LAST_BIT)],
+    ["tensorwise", "rowwise", "1x128", "128x128"],
 )  # fmt: skip
 def test_quant_kernels_match_reference_on_cuda(granularity):
     _skip_unless_fp8()

@@ -35,15 +35,6 @@ def _groups64(x: torch.Tensor, granularity: str) -> torch.Tensor:
     return out
 
 
-def _known_cuda_last_bit(request, backend: str, pow2: bool = False) -> None:
-    """The H200 run (torch 2.11, Triton 3.6) found the kernels' non-power-of-two scales one bit off the
-    reference's on CUDA (the reference divided by a Python scalar, which torch's CUDA kernel does by multiplying
-    with the reciprocal; it now divides by a tensor). Not re-run on a GPU since: an expected failure there until
-    it is (the check still runs)."""
-    if backend == "cuda" and not pow2:
-        request.applymarker(pytest.mark.xfail(reason="CUDA: kernel scales differ from the reference in the last bit"))
-
-
 @pytest.mark.parametrize("granularity", list(QUANT))
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_reference_matches_float64(granularity, dtype):
@@ -84,8 +75,7 @@ def test_dequantize_rejects_unknown_granularity():
 
 @pytest.mark.parametrize("granularity", list(QUANT))
 @pytest.mark.parametrize("shape,pow2", [((130, 200), False), ((37, 256), True)])  # partial tiles; aligned
-def test_kernel_matches_reference(request, backend, granularity, pow2, shape):
-    _known_cuda_last_bit(request, backend, pow2 or granularity == "tensorwise")
+def test_kernel_matches_reference(backend, granularity, pow2, shape):
     dev, _ = setup(backend)
     torch.manual_seed(2)
     x = (torch.randn(*shape) * torch.logspace(-2, 1, shape[1])).to(dev)
@@ -116,8 +106,7 @@ def test_grouped_cols_reference_matches_float64():
 
 
 @pytest.mark.parametrize("pow2", [False, True])
-def test_grouped_cols_kernel_matches_reference(request, backend, pow2):
-    _known_cuda_last_bit(request, backend, pow2)
+def test_grouped_cols_kernel_matches_reference(backend, pow2):
     dev, _ = setup(backend)
     torch.manual_seed(4)
     counts = torch.tensor([32, 0, 16, 80], device=dev)
@@ -130,8 +119,7 @@ def test_grouped_cols_kernel_matches_reference(request, backend, pow2):
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
 
 
-def test_tile_kernel_reads_a_transposed_view(request, backend):
-    _known_cuda_last_bit(request, backend)
+def test_tile_kernel_reads_a_transposed_view(backend):
     dev, _ = setup(backend)
     torch.manual_seed(5)
     x = torch.randn(256, 200, device=dev)
@@ -140,10 +128,9 @@ def test_tile_kernel_reads_a_transposed_view(request, backend):
     assert torch.equal(s, sr) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
 
 
-def test_transposed_weight_quantisation(request, backend):
+def test_transposed_weight_quantisation(backend):
     """w [E, N, K] -> w^T per expert, quantised along N: the kernel against the reference, the reference against
     quantising each transposed expert weight rowwise."""
-    _known_cuda_last_bit(request, backend)
     dev, _ = setup(backend)
     torch.manual_seed(6)
     w = (torch.randn(3, 48, 80) * torch.logspace(-2, 1, 80)).to(dev)

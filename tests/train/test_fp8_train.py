@@ -34,6 +34,7 @@ TINY = [  # every GEMM dimension a multiple of 16
     "log.interval=1",
     "log.progress=false",
     "log.tensorboard=false",
+    "train.device=cpu",  # the CPU's FP8 paths (emulation, refusals) also where a GPU is visible
 ]
 FP8 = ["train.precision=fp8", "fp8.emulate=true"]
 
