@@ -19,7 +19,7 @@ import yaml
 from moecore.config.errors import ConfigError, _fail
 from moecore.config.root import Config
 
-RECIPE_DIR = Path(__file__).parent.parent / "recipes"
+RECIPE_DIR = Path(__file__).parent.parent / "recipes"  # moecore/recipes, beside this package
 DEFAULT_RECIPE = "tiny-moe"
 
 
