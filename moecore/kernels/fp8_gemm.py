@@ -64,7 +64,7 @@ class Fp8Recipe:
 
     @classmethod
     def from_config(cls, fp8cfg) -> Fp8Recipe:
-        """From an `FP8Config` (moecore/config.py)."""
+        """From an `FP8Config` (moecore/config/fp8.py)."""
         grad = E5M2 if fp8cfg.format == "hybrid" else E4M3
         return cls(fp8cfg.recipe, grad, bool(fp8cfg.pow2_scales), bool(fp8cfg.emulate), bool(fp8cfg.fprop_fast_accum))
 

@@ -15,7 +15,7 @@ copying it, and the next micro-batch's replay would overwrite a gradient aliasin
 (gradient accumulation would double the last micro-batch instead). Calls that do not match the
 captured shapes, dtypes and argument pattern (evaluation, a different batch shape) run eagerly.
 
-Correctness rules (enforced by config validation, moecore/config.py): one forward of a layer is
+Correctness rules (enforced by config validation, moecore/config/root.py): one forward of a layer is
 followed by its backward before the next forward of that layer (so no pipeline schedule); with
 activation recomputation a captured part is replayed again in backward, which recomputes the same
 values, but its activations stay in the graph's memory pool (recomputation saves no memory there);

@@ -1,0 +1,52 @@
+"""The `fp8` section: the FP8 GEMM recipe, format and modules used under `train.precision=fp8`.
+
+The rules that tie it to other sections (GEMM dimensions, sync-free experts, CUDA graphs) are in
+`moecore/config/root.py`, with the other cross-section checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moecore.config.errors import _check_choice, _fail
+
+FP8_MODULES = ("experts", "shared_experts", "dense_mlp", "attention")
+
+
+@dataclass
+class FP8Config:
+    """FP8 GEMMs under `train.precision=fp8` (moecore/kernels/fp8_gemm.py; docs/train.md "FP8").
+
+    The router, embeddings, output head and norms stay bf16/fp32; every other tensor is bf16 as in
+    `train.precision=bf16` (bf16 parameters, fp32 masters in the optimizer). Scales are computed from
+    the tensor being quantised at every use (current scaling): scale = amax / fp8_max per group.
+    """
+
+    recipe: str = "rowwise"  # tensorwise | rowwise | blockwise (activations 1x128, weights 128x128, as DeepSeek-V3)
+    format: str = "e4m3"  # e4m3 everywhere | hybrid: e4m3 forward, e5m2 gradients
+    modules: list = field(default_factory=lambda: ["experts", "shared_experts", "dense_mlp", "attention"])
+    primary_weights: bool = False  # keep the weights in FP8 between steps (masters in the optimizer)
+    pow2_scales: bool = False  # round every scale up to a power of two (exact rescaling; off as in DeepSeek-V3)
+    emulate: bool = False  # quantise-dequantise then ordinary matmuls: FP8 numerics without FP8 GEMMs (CPU, debugging)
+    fprop_fast_accum: bool = True  # forward GEMMs use Hopper's fast FP8 accumulation (Transformer Engine's default)
+
+    RECIPES = ("tensorwise", "rowwise", "blockwise")
+
+    @property
+    def alignment(self) -> int:
+        """Multiple the GEMM dimensions must be: 128 (the block) for blockwise, 16 (FP8 tensor cores) otherwise."""
+        return 128 if self.recipe == "blockwise" else 16
+
+    def validate(self) -> None:
+        _check_choice("fp8.recipe", self.recipe, self.RECIPES)
+        _check_choice("fp8.format", self.format, ("e4m3", "hybrid"))
+        if not isinstance(self.modules, list) or not self.modules:
+            _fail("fp8.modules", self.modules, "a non-empty list of " + " | ".join(FP8_MODULES))
+        for m in self.modules:
+            _check_choice("fp8.modules", m, FP8_MODULES)
+        if self.primary_weights and self.recipe == "rowwise":
+            _fail(
+                "fp8.primary_weights",
+                True,
+                "needs fp8.recipe=tensorwise | blockwise (their weight scales also serve the transposed weight)",
+            )

@@ -1,0 +1,179 @@
+"""The `model` section: the transformer's shape (attention kinds, norms, RoPE, MTP, recomputation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moecore.config.errors import _check_choice, _check_range, _fail
+
+MODEL_FAMILIES = (
+    "moecore", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "qwen3_next",
+    "glm4_moe", "gpt_oss",
+)  # fmt: skip
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the transformer. Field names follow Hugging Face configs where one exists."""
+
+    family: str = "moecore"  # moecore | mixtral | qwen2_moe | qwen3_moe | deepseek_v2 | deepseek_v3 | qwen3_next | ...
+    vocab_size: int = 0  # 0: take the tokenizer's vocabulary size
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_attention_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    ffn_hidden_size: int = 352  # dense SwiGLU MLP width (dense layers)
+    activation: str = "swiglu"  # swiglu | gelu | swiglu_clamped (gpt-oss experts) (dense MLP and experts)
+    norm_eps: float = 1e-6
+    norm_zero_centered: bool = False  # RMSNorm weight stored as an offset from 1 (Qwen3-Next)
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # e.g. {type: yarn, factor: 40, original_max_position_embeddings: 4096, ...}
+    partial_rotary_factor: float = 1.0
+    qkv_bias: bool = False
+    attn_out_bias: bool = False  # bias on o_proj
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    attn_output_gate: bool = False  # sigmoid gate on the attention output from q_proj (Qwen3-Next)
+    sliding_window: int | None = None
+    attention_dropout: float = 0.0
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    attention_backend: str = "auto"  # auto | flash | cudnn | efficient | math
+    # Multi-latent attention (DeepSeek-V2/V3). attention_type=mla switches attention to MLA; dsa adds
+    # DeepSeek-V3.2's lightning indexer and top-k sparse attention (moecore/models/dsa.py).
+    attention_type: str = "gqa"  # gqa | mla | dsa
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_interleave: bool = True  # MLA checkpoints store rope dims interleaved
+    # DeepSeek sparse attention (attention_type=dsa): indexer heads, their size, tokens kept per query,
+    # training stage (dense_warmup: dense attention, only the indexer trained; sparse) and the KL loss weight.
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    dsa_stage: str = "sparse"  # dense_warmup | sparse
+    dsa_indexer_loss_coeff: float = 1.0
+    # Per-layer attention kind, one entry per layer: full_attention | linear_attention (Qwen3-Next hybrid)
+    # | sliding_attention (gpt-oss: model.sliding_window on that layer only).
+    layer_types: list | None = None
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 32
+    linear_value_head_dim: int = 32
+    linear_conv_kernel_dim: int = 4
+    linear_chunk_size: int = 64
+    # Multi-token prediction (DeepSeek-V3).
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
+    # gpt-oss: a learned logit per head in the softmax denominator (attention sinks), biased expert
+    # projections with the clamped SwiGLU (activation=swiglu_clamped), a learned bias on the router logits.
+    attn_sinks: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_linear_bias: bool = False
+    router_logit_bias: bool = False
+    # Recomputation: names of modules whose activations are recomputed in backward.
+    recompute_modules: list = field(default_factory=list)
+    recompute_granularity: str = "none"  # none | selective | full
+    fused_cross_entropy: bool = True  # chunked linear + cross-entropy, never materialising all logits
+    # Activation offloading: modules (names as recompute_modules) whose saved tensors wait in host memory.
+    offload_modules: list = field(default_factory=list)
+
+    RECOMPUTE_CHOICES = ("core_attn", "mla_up_proj", "moe", "mlp", "moe_act", "norm", "shared_experts")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_attention_heads
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def validate(self) -> None:
+        _check_choice(
+            "model.family",
+            self.family,
+            MODEL_FAMILIES,
+        )
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size"):
+            _check_range(f"model.{name}", getattr(self, name), 1)
+        _check_range("model.vocab_size", self.vocab_size, 0)
+        _check_range("model.num_kv_heads", self.num_kv_heads, 1)
+        if self.num_attention_heads % self.kv_heads:
+            _fail(
+                "model.num_kv_heads",
+                self.num_kv_heads,
+                f"must divide model.num_attention_heads={self.num_attention_heads}",
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            _fail(
+                "model.num_attention_heads",
+                self.num_attention_heads,
+                f"must divide model.hidden_size={self.hidden_size} (or set model.head_dim)",
+            )
+        _check_choice("model.activation", self.activation, ("swiglu", "gelu", "swiglu_clamped"))
+        _check_range("model.swiglu_limit", self.swiglu_limit, 0.0)
+        if self.activation == "swiglu_clamped" and not self.expert_linear_bias:
+            _fail(
+                "model.activation",
+                self.activation,
+                "swiglu_clamped is gpt-oss's expert activation: set model.expert_linear_bias=true",
+            )
+        if self.expert_linear_bias and self.activation == "gelu":
+            _fail("model.expert_linear_bias", True, "biased experts take swiglu | swiglu_clamped")
+        _check_choice("model.attention_type", self.attention_type, ("gqa", "mla", "dsa"))
+        _check_choice("model.dsa_stage", self.dsa_stage, ("dense_warmup", "sparse"))
+        _check_range("model.dsa_indexer_loss_coeff", self.dsa_indexer_loss_coeff, 0.0)
+        if self.attention_type == "dsa":
+            for name in ("index_n_heads", "index_head_dim", "index_topk"):
+                _check_range(f"model.{name}", getattr(self, name), 1)
+            if self.q_lora_rank is None:
+                _fail(
+                    "model.q_lora_rank",
+                    None,
+                    "model.attention_type=dsa needs the q LoRA (its indexer reads the q latent)",
+                )
+            if not self.rope_interleave:
+                _fail("model.rope_interleave", False, "model.attention_type=dsa stores RoPE channels interleaved")
+            if self.index_head_dim < self.qk_rope_head_dim:
+                _fail(
+                    "model.index_head_dim",
+                    self.index_head_dim,
+                    f"must be >= model.qk_rope_head_dim={self.qk_rope_head_dim}",
+                )
+        _check_choice(
+            "model.attention_backend", self.attention_backend, ("auto", "flash", "cudnn", "efficient", "math")
+        )
+        _check_range("model.partial_rotary_factor", self.partial_rotary_factor, 0.0, 1.0)
+        _check_range("model.norm_eps", self.norm_eps, 0.0)
+        _check_range("model.init_std", self.init_std, 0.0)
+        _check_range("model.mtp_num_layers", self.mtp_num_layers, 0)
+        _check_range("model.mtp_loss_scaling_factor", self.mtp_loss_scaling_factor, 0.0)
+        _check_range("model.attention_dropout", self.attention_dropout, 0.0, 1.0)
+        if self.sliding_window is not None:
+            _check_range("model.sliding_window", self.sliding_window, 1)
+        if self.rope_scaling is not None:
+            if not isinstance(self.rope_scaling, dict) or "type" not in self.rope_scaling:
+                _fail("model.rope_scaling", self.rope_scaling, "a mapping with a 'type' key (yarn | linear | default)")
+            _check_choice("model.rope_scaling.type", self.rope_scaling["type"], ("yarn", "linear", "default"))
+        for m in self.recompute_modules:
+            _check_choice("model.recompute_modules", m, self.RECOMPUTE_CHOICES)
+        for m in self.offload_modules:
+            _check_choice("model.offload_modules", m, self.RECOMPUTE_CHOICES)
+        _check_choice("model.recompute_granularity", self.recompute_granularity, ("none", "selective", "full"))
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                _fail(
+                    "model.layer_types",
+                    self.layer_types,
+                    f"needs one entry per layer (model.num_layers={self.num_layers})",
+                )
+            for t in self.layer_types:
+                _check_choice("model.layer_types", t, ("full_attention", "linear_attention", "sliding_attention"))
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                _fail(
+                    "model.sliding_window", None, "set a window for the sliding_attention entries of model.layer_types"
+                )
