@@ -84,6 +84,9 @@ class FullyShardedModel:
         device_type = next(model.parameters()).device.type
         reduce_dtype = reduce_dtype or (torch.float32 if param_dtype else None)
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        # One rank: the shard is the whole parameter, so freeing the gathered copy after forward saves nothing
+        # but costs a second gather in backward (measured on an H200: 248.6 -> 238.7 ms per step, same peak).
+        reshard = dims.world_size > 1
         if dims.world_size == 1:  # one process: FSDP2 over a one-rank mesh (nothing split, the same code path)
             dense_mesh = expert_mesh = DeviceMesh.from_group(dist.group.WORLD, device_type)
         else:
@@ -91,13 +94,13 @@ class FullyShardedModel:
             expert_mesh = DeviceMesh.from_group(dims.edp_group.pg, device_type) if dims.edp_group.size > 1 else None
         for module in model.modules():
             if isinstance(module, GroupedExperts):
-                fully_shard(module, mesh=expert_mesh, mp_policy=policy)
+                fully_shard(module, mesh=expert_mesh, mp_policy=policy, reshard_after_forward=reshard)
                 module.set_gradient_divide_factor(float(dims.dp * dims.cp))
                 if dist.get_backend(expert_mesh.get_group()) == "gloo":  # gloo has no PREMUL_SUM: sum, divide apart
                     module.set_force_sum_reduction_for_comms(True)
         for layer in getattr(model, "layers", []):
-            fully_shard(layer, mesh=dense_mesh, mp_policy=policy)
-        fully_shard(model, mesh=dense_mesh, mp_policy=policy)
+            fully_shard(layer, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(model, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard)
         for name, p in model.named_parameters():  # fully_shard made new parameters: keep their ShardSpecs
             setattr(p, _ATTR, specs[name])
         self.tp_partial = [p for p in model.parameters() if get_shard(p).kind == "tp_partial"]
