@@ -3,6 +3,9 @@
 Usage (GPU): PYTHONPATH=. python benchmarks/fp8_accuracy.py OUT.json [--steps 1000] [--recipes rowwise,blockwise]
 [--concurrent] (a CPU smoke run of the script itself: ... --steps 2 --small --emulate)
 
+`--plot PNG` draws the loss curves (20-step mean) and each FP8 run's difference from bf16; with an existing
+OUT.json and `--plot` alone (`... OUT.json --plot PNG --replot`) it draws them from that file without training.
+
 `--concurrent` runs every precision in its own process at the same time (the ~100M model leaves most of an H200
 idle; the losses do not depend on it, the tokens/s of each run then do and are reported as such).
 
@@ -73,8 +76,13 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="a tiny model (smoke test)")
     p.add_argument("--emulate", action="store_true", help="emulated FP8 GEMMs (CPU smoke test)")
     p.add_argument("--concurrent", action="store_true", help="every precision in its own process, at once")
+    p.add_argument("--plot", metavar="PNG", help="draw the curves into this PNG (matplotlib)")
+    p.add_argument("--replot", action="store_true", help="only draw --plot from an existing OUT.json")
     p.add_argument("--only", help=argparse.SUPPRESS)  # one run, its result as JSON to OUT (--concurrent's workers)
     args = p.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.out).read_text()), args.plot)
+        return
     base = MODEL + (SMALL if args.small else [])
     configs = {"bf16": [*base, "train.precision=bf16"]}
     for recipe in args.recipes.split(","):
@@ -107,6 +115,41 @@ def main() -> None:
               f"{r['tokens_per_s']:.0f} tokens/s", flush=True)  # fmt: skip
     record = {"steps": args.steps, "format": args.format, "concurrent": args.concurrent, "runs": runs}
     Path(args.out).write_text(json.dumps(record, indent=1))
+    if args.plot:
+        plot(record, args.plot)
+
+
+def _mean(xs: list[float], window: int = 20) -> list[float]:
+    return [sum(xs[max(0, i - window + 1) : i + 1]) / len(xs[max(0, i - window + 1) : i + 1]) for i in range(len(xs))]
+
+
+def plot(record: dict, png: str) -> None:
+    """Loss (20-step mean) of every run, and each run's relative difference from bf16's, against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = record["runs"]
+    ref = _mean(runs["bf16"]["losses"])
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    for name, r in runs.items():
+        curve = _mean(r["losses"])
+        steps = range(1, len(curve) + 1)
+        top.plot(steps, curve, label=name, linewidth=1)
+        if name != "bf16":
+            n = min(len(curve), len(ref))
+            bottom.plot(steps[:n], [100 * (a - b) / b for a, b in zip(curve[:n], ref[:n])], label=name, linewidth=1)
+    top.set_ylabel("training loss (20-step mean)")
+    top.set_yscale("log")
+    top.legend()
+    bottom.axhline(1.0, color="grey", linewidth=0.5, linestyle="--")
+    bottom.set_ylabel("difference from bf16 (%)")
+    bottom.set_xlabel("step")
+    bottom.legend()
+    fig.suptitle(f"FP8 against bf16, {record['steps']} steps (benchmarks/fp8_accuracy.py)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
 
 
 if __name__ == "__main__":
