@@ -12,6 +12,18 @@ from moecore.kernels.fp8_gemm import E4M3, E5M2, SCALINGS, Fp8Recipe, fp8_linear
 from moecore.kernels.fp8_grouped import _Fp8GroupedFFN, fp8_expert_ffn, pad_plan, pad_rows, quant_cols
 from moecore.kernels.grouped_ffn import expert_ffn_reference
 
+
+def _cpu_rowwise_scaled_mm() -> bool:
+    """torch._scaled_mm with row scales on CPU (torch 2.13 has it; 2.11, the GPU machine's, only per-tensor)."""
+    a = torch.ones(16, 16).to(E4M3)
+    try:
+        torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
+NEEDS_CPU_ROWWISE = pytest.mark.skipif(not _cpu_rowwise_scaled_mm(), reason="this torch has no CPU rowwise _scaled_mm")
 # Relative (Frobenius) error of one FP8 GEMM on Gaussian data against fp32: e4m3 keeps 3 mantissa bits
 # (relative rounding error up to 2^-4, about 2.7% rms), e5m2 2 bits. Measured here: linear 3.7% (e4m3),
 # 5.9% (e5m2 gradients); expert FFN (two GEMMs and SwiGLU) 6.5% / 9.2%. The bounds leave ~30% headroom.
@@ -44,7 +56,7 @@ def test_emulated_linear_close_to_fp32(scaling, grad_dtype):
     assert torch.equal(b.grad, br.grad)  # the bias stays out of FP8
 
 
-@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("scaling", ["tensorwise", pytest.param("rowwise", marks=NEEDS_CPU_ROWWISE)])
 def test_emulation_matches_torch_scaled_mm(scaling):
     """The emulated GEMM and torch._scaled_mm (which runs tensorwise / rowwise on CPU) on the same operands."""
     torch.manual_seed(1)
@@ -149,6 +161,7 @@ def test_expert_ffn_padding_is_invisible():
     assert torch.equal(cols.s, want)
 
 
+@NEEDS_CPU_ROWWISE
 def test_loop_backend_matches_emulation_on_cpu():
     """With emulate=False on CPU the experts run the loop of torch._scaled_mm (rowwise runs on CPU)."""
     torch.manual_seed(5)
@@ -164,10 +177,17 @@ def test_loop_backend_matches_emulation_on_cpu():
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_triton_blockwise_grouped_gemms_match_emulation(request, backend):
+def _close(got: torch.Tensor, want: torch.Tensor, backend: str) -> bool:
+    """CPU (the interpreter, fp32 dots): elementwise. CUDA: Hopper's FP8 tensor cores accumulate with about 14
+    mantissa bits (DeepSeek-V3 report, section 3.3), so the per-block sums carry ~2^-13 relative error: the
+    H200 gives 1.27e-4 relative (Frobenius) on both GEMMs here; bar 5e-4."""
+    if backend == "cuda":
+        return ((got.double() - want.double()).norm() / want.double().norm()).item() < 5e-4
+    return torch.allclose(got, want, rtol=1e-4, atol=1e-3)
+
+
+def test_triton_blockwise_grouped_gemms_match_emulation(backend):
     """The Triton blockwise grouped GEMMs against the emulated per-expert loop on the same FP8 operands."""
-    if backend == "cuda":  # the H200 run (torch 2.11, Triton 3.6) found them apart: an open defect
-        request.applymarker(pytest.mark.xfail(reason="CUDA: block GEMM and emulation disagree (H200 run)"))
     from moecore.kernels.fp8_block_gemm import block_gemm_nt, block_gemm_tn
     from moecore.kernels.fp8_grouped import gmm_nt, gmm_tn, quant_weights
 
@@ -180,12 +200,12 @@ def test_triton_blockwise_grouped_gemms_match_emulation(request, backend):
     w = quant_weights(torch.randn(3, N, K, device=dev) * 0.1, emu)
     got = block_gemm_nt(a.q, a.s, w.q, w.s, counts, torch.float32)
     want = gmm_nt(a, w, counts, None, emu, torch.float32)
-    assert torch.allclose(got, want, rtol=1e-4, atol=1e-3)
+    assert _close(got, want, backend)
     x, y = torch.randn(P, 128, device=dev), torch.randn(P, 256, device=dev)
     ca, cb = quant_cols(x, counts, emu, E4M3), quant_cols(y, counts, emu, E4M3)
     got = block_gemm_tn(ca.q, ca.s, cb.q, cb.s, counts, torch.float32)
     want = gmm_tn(ca, cb, counts, None, emu, torch.float32)
-    assert torch.allclose(got, want, rtol=1e-4, atol=1e-3)
+    assert _close(got, want, backend)
     assert torch.equal(got[1], torch.zeros_like(got[1]))
 
 
