@@ -9,20 +9,32 @@ head h:
     s_j = q[t, h] . kv[idx[t, j]] * scale            (j over the valid entries of idx[t])
     o[t, h] = sum_j softmax(s)_j kv[idx[t, j], :DV]      lse[t, h] = log sum_j exp(s_j)
 
-One program handles one query and a block of heads and walks its K selected rows in blocks (online
-softmax, as flash attention), so memory is O(B S n D) whatever S: no [S, S] and no [S, K, D] tensor. The
-backward recomputes the probabilities from lse, accumulates dq in registers and adds each row's dkv
-contribution atomically into an fp32 buffer (a row is selected by many queries):
+Forward: one program handles one query and a block of `block_h` heads and walks its K selected rows in tiles
+(online softmax, as flash attention), so memory is O(B S n D) whatever S: no [S, S] and no [S, K, D] tensor.
+It saves lse. Both backwards recompute the probabilities from it; with delta = do . o (per query and head):
 
-    dp_j = do . v_j,   ds_j = p_j (dp_j - delta),   delta = do . o
-    dq  += scale ds_j kv_j,   dkv_j += scale ds_j q  (all D channels),   dkv_j[:DV] += p_j do
+    p_j = exp(s_j - lse),   dp_j = do . v_j,   ds_j = p_j (dp_j - delta)
+    dq = scale sum_j ds_j kv_j,   dkv_j += scale ds_j q  (all D channels, summed over heads),   dkv_j[:DV] += p_j do
 
-Same result as `moecore.models.dsa.sparse_mqa_attention_reference` (tests/kernels/test_sparse_mla.py, in
-Triton's interpreter on CPU and on a GPU). Rows are gathered by index, so each head block re-reads them:
-heads are processed `block_h` at a time (32 by default; the backward at most 32 at DV = 512, for shared
-memory). Measured on an H200 at S = 32768, K = 2048 (docs/benchmarks.md): the forward runs at 140-167
-TFLOP/s and the backward is bound by its atomic adds (one [K, D] block per query and head block), so the
-kernel is slower than dense flash attention of the same shape there.
+A row is selected by many queries, so dkv is summed over queries with atomic adds into an fp32 buffer. The
+two backwards differ in how many (`sparse_mla_attention(..., backward=...)`):
+
+- "atomic": one kernel, one program per (query, block of <= 32 heads) walking the K rows in 16-row tiles,
+  dq in registers, one atomic add of the tile's [16, D] dkv share per tile: S K D ceil(n / 32) adds per
+  sequence (4 S K D at n = 128; 32 heads is the most whose tiles fit in shared memory at DV = 512).
+- "split": two passes over chunks of query rows that share a scratch buffer [2, rows, n, K] (in q's dtype,
+  bounded by `SplitBackward.scratch_bytes`). Pass A, one program per (query, block of heads): recomputes s,
+  p, dp, ds tile by tile (two GEMMs of the gathered rows, no accumulator over K) and writes p and scale ds.
+  Pass B, one program per (query, channel block, head group; the rope channels are one block): for each tile
+  of selected rows, dq[heads, channels] += (scale ds) @ kv[rows, channels] in registers and the tile's dkv
+  share (scale ds)^T @ q + p^T @ do, summed over the whole head group by the GEMM itself, added atomically
+  once: S K D ceil(n / b_block_h) adds (S K D at n <= 128, the default group), and each program gathers only
+  its own channels of the selected rows.
+
+Same result as `moecore.models.dsa.sparse_mqa_attention_reference` (tests/kernels/test_sparse_mla.py, both
+backwards, in Triton's interpreter on CPU and on a GPU). Launch sizes are arguments (`block_h`, `block_k`,
+`num_warps`, `num_stages`, `SplitBackward`) so that benchmarks/sparse_mla_bench.py can sweep them; its H200
+timings against dense MLA attention of the same shape are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
