@@ -91,6 +91,17 @@ if triton_importable():
         tl.store(lse_ptr + row.to(tl.int64) * NH + h, m_i + tl.log(l_i), mask=mh)
 
     @triton.jit
+    def _row_dot(a_ptr, b_ptr, out_ptr, R, DV, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+        # delta = sum over the value channels of do * o, in fp32, for BLOCK_R (query, head) rows
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        dv = tl.arange(0, BLOCK_V)
+        m = (r < R)[:, None] & (dv < DV)[None, :]
+        off = r[:, None].to(tl.int64) * DV + dv[None, :]
+        a = tl.load(a_ptr + off, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + off, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r, tl.sum(a * b, 1), mask=r < R)
+
+    @triton.jit
     def _sparse_mla_bwd(
         q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr, S, NH, K, DV, DR, scale,
         sq_t, sq_h, skv_t, sdo_t, sdo_h, sdkv_t,
@@ -401,7 +412,10 @@ class _SparseMLA(torch.autograd.Function):
     def backward(ctx, d_out: torch.Tensor, _d_lse: torch.Tensor):
         q, kv, idx, out, lse = ctx.saved_tensors
         d_out = d_out.contiguous()
-        delta = (d_out.float() * out.float()).sum(-1).contiguous()
+        delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+        rows, block_v = delta.numel(), max(16, next_pow2(ctx.dv))
+        block_r = max(1, 4096 // block_v)  # 4096 elements of each operand per program
+        _row_dot[(triton.cdiv(rows, block_r),)](d_out, out, delta, rows, ctx.dv, BLOCK_R=block_r, BLOCK_V=block_v)
         run = _backward_split if ctx.backward == "split" else _backward_atomic
         dq, dkv = run(ctx, q, kv, idx, d_out, lse, delta)
         return (dq, dkv.to(kv.dtype)) + (None,) * 9
