@@ -128,7 +128,7 @@ def main() -> None:
 
             name = f"sparse_mla fwd+bwd ({fwd_name}; bwd {bwd}" + (f" {describe(cfg)})" if cfg else ")")
             runs.append((name, {"backward": bwd, "split": asdict(cfg) if cfg else None}, sparse_step))
-        fwd_ms = None
+        fwd_ms = ref = None
         for i, (impl, extra, fn) in enumerate(runs):
             rec = {"impl": impl, **fwd_kw, **extra}
             try:
@@ -138,7 +138,10 @@ def main() -> None:
                 elif fwd_ms is not None:
                     rec["bwd_ms"] = rec["ms"] - fwd_ms
                 if i > 0 and a.check:
-                    rec["rel_err_vs_atomic"] = check(q, kv, idx, g, scale, r, fwd_kw, extra)
+                    ref = ref or grads(q, kv, idx, g, scale, r, fwd_kw, "atomic", None)
+                    got = grads(q, kv, idx, g, scale, r, fwd_kw, extra["backward"], extra["split"])
+                    rec["rel_err_vs_atomic"] = rel_errs(got, ref)
+                    got = None
             except Exception as err:  # a block size whose tiles exceed the GPU's shared memory or registers
                 rec["error"] = str(err).splitlines()[0][:200]
             q.grad = kv.grad = None
@@ -157,17 +160,17 @@ def main() -> None:
             json.dump(records, f, indent=2)
 
 
-def check(q, kv, idx, g, scale: float, r: int, fwd_kw: dict, extra: dict) -> dict:
-    """Relative errors of this configuration's (dq, dkv) against the atomic backward's, at the bench shape."""
-    grads = []
-    for bwd, split in ((extra["backward"], extra["split"]), ("atomic", None)):
-        qq, kk = q.detach().requires_grad_(), kv.detach().requires_grad_()
-        out, _ = sparse_mla_attention(
-            qq, kk, idx, scale, r, **fwd_kw, backward=bwd, split=SplitBackward(**split) if split else None
-        )
-        out.backward(g)
-        grads.append((qq.grad.float(), kk.grad.float()))
-    return {name: ((a - b).norm() / b.norm()).item() for name, a, b in zip(("dq", "dkv"), grads[0], grads[1])}
+def grads(q, kv, idx, g, scale: float, r: int, fwd_kw: dict, bwd: str, split: dict | None) -> tuple:
+    """(dq, dkv) in fp32 of one forward + backward configuration at the benchmark's shape."""
+    qq, kk = q.detach().requires_grad_(), kv.detach().requires_grad_()
+    split = SplitBackward(**split) if split else None
+    out, _ = sparse_mla_attention(qq, kk, idx, scale, r, **fwd_kw, backward=bwd, split=split)
+    out.backward(g)
+    return qq.grad.float(), kk.grad.float()
+
+
+def rel_errs(got: tuple, ref: tuple) -> dict:
+    return {name: ((a - b).norm() / b.norm()).item() for name, a, b in zip(("dq", "dkv"), got, ref)}
 
 
 def line(rec: dict) -> str:
