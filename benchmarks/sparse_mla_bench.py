@@ -1,7 +1,8 @@
 """DeepSeek sparse attention's main attention against dense MLA attention on one GPU, forward + backward.
 
     PYTHONPATH=. python benchmarks/sparse_mla_bench.py [--seq 32768] [--topk 2048] [--heads 128] --json OUT
-        [--block-h 32,64] [--warps 4,8] [--block-k 16,32] [--stages 2,3]      (forward launch sizes)
+        [--block-h 32,64] [--warps 4,8] [--block-k 16,32] [--stages 2,3]      (forward launch sizes, all products)
+        [--fwd "32,4" "64,8,32,3" ...]                                        (or forward launch sizes, listed)
         [--bwd atomic,split] [--split "" "a_stages=1" "b_block_c=64,b_warps=4" ...] [--check] [--skip dense,indexer]
 
 Every forward configuration is timed alone and with each backward (`--bwd`; each `--split` string is one
@@ -81,6 +82,12 @@ def main() -> None:
     p.add_argument("--warps", default="4,8", help="warps per program of the sparse kernel, comma-separated")
     p.add_argument("--block-k", default="32", help="selected rows per tile of the forward, comma-separated")
     p.add_argument("--stages", default="", help="num_stages of the forward, comma-separated ('' = Triton's default)")
+    p.add_argument(
+        "--fwd",
+        nargs="*",
+        default=None,
+        help='forward configs "block_h,warps[,block_k[,stages]]" (instead of the product of the four flags above)',
+    )
     p.add_argument("--bwd", default="atomic", help="backwards to time with each forward: atomic, split (comma-sep.)")
     p.add_argument(
         "--split",
@@ -109,6 +116,8 @@ def main() -> None:
     fwd_configs = [
         (h, w, bk, st) for h in ints(a.block_h) for w in ints(a.warps) for bk in ints(a.block_k) for st in stages
     ]
+    if a.fwd:
+        fwd_configs = [tuple(ints(c) + [32, None][len(ints(c)) - 2 :]) for c in a.fwd]
     bwd_configs = [("atomic", None)] if "atomic" in a.bwd.split(",") else []
     bwd_configs += [("split", c) for c in split_configs(a.split)] if "split" in a.bwd.split(",") else []
     for block_h, warps, block_k, st in fwd_configs:
@@ -137,7 +146,7 @@ def main() -> None:
                     fwd_ms = rec["ms"]
                 elif fwd_ms is not None:
                     rec["bwd_ms"] = rec["ms"] - fwd_ms
-                if i > 0 and a.check:
+                if a.check and extra.get("backward") == "split":
                     ref = ref or grads(q, kv, idx, g, scale, r, fwd_kw, "atomic", None)
                     got = grads(q, kv, idx, g, scale, r, fwd_kw, extra["backward"], extra["split"])
                     rec["rel_err_vs_atomic"] = rel_errs(got, ref)
