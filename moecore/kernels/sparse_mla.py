@@ -319,7 +319,7 @@ def _blocks(dv: int, dr: int, block_h: int, block_k: int = 32) -> dict:
 
 
 def _backward_atomic(ctx, q, kv, idx, d_out, lse, delta) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one-kernel backward: dq in registers, dkv by atomic adds per (query, head block, 16-row tile)."""
+    """The one-kernel backward: dq in registers, dkv by atomic adds per (query, head block, tile of rows)."""
     b, s, nh, d = q.shape
     dv = ctx.dv
     dq = torch.empty_like(q)
