@@ -61,7 +61,7 @@ def split_configs(specs: list[str]) -> list[SplitBackward]:
     out = []
     for spec in specs:
         kw = dict(item.split("=") for item in spec.split(",") if item)
-        out.append(SplitBackward(**{key: int(v) for key, v in kw.items()}))
+        out.append(SplitBackward(**{key: int(v) if v.isdigit() else v for key, v in kw.items()}))
     return out
 
 

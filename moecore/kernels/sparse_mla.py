@@ -16,8 +16,8 @@ It saves lse. Both backwards recompute the probabilities from it; with delta = d
     p_j = exp(s_j - lse),   dp_j = do . v_j,   ds_j = p_j (dp_j - delta)
     dq = scale sum_j ds_j kv_j,   dkv_j += scale ds_j q  (all D channels, summed over heads),   dkv_j[:DV] += p_j do
 
-A row is selected by many queries, so dkv is summed over queries with atomic adds into an fp32 buffer. The
-two backwards differ in how many (`sparse_mla_attention(..., backward=...)`):
+A row is selected by many queries, so dkv sums over queries into an fp32 buffer; the two backwards
+(`sparse_mla_attention(..., backward=...)`) differ in how:
 
 - "atomic": one kernel, one program per (query, block of <= 32 heads) walking the K rows in 16-row tiles,
   dq in registers, one atomic add of the tile's [16, D] dkv share per tile: S K D ceil(n / 32) adds per
@@ -29,7 +29,10 @@ two backwards differ in how many (`sparse_mla_attention(..., backward=...)`):
   of selected rows, dq[heads, channels] += (scale ds) @ kv[rows, channels] in registers and the tile's dkv
   share (scale ds)^T @ q + p^T @ do, summed over the whole head group by the GEMM itself, added atomically
   once: S K D ceil(n / b_block_h) adds (S K D at n <= 128, the default group), and each program gathers only
-  its own channels of the selected rows.
+  its own channels of the selected rows. With `SplitBackward.b_reduce="sorted"` pass B stores each query's
+  share instead (one fp32 row per query, slot and head group, in a second scratch buffer), and a third kernel
+  sums them per kv row over the chunk's (query, slot) pairs grouped by a stable sort of idx: no atomics, and
+  the same gradients bit for bit on every run (dq is never summed by atomics).
 
 Same result as `moecore.models.dsa.sparse_mqa_attention_reference` (tests/kernels/test_sparse_mla.py, both
 backwards, in Triton's interpreter on CPU and on a GPU). Launch sizes are arguments (`block_h`, `block_k`,
@@ -199,6 +202,7 @@ if triton_importable():
         q_ptr, kv_ptr, idx_ptr, do_ptr, pds_ptr, dq_ptr, dkv_ptr, row, local, b, h0, c0, CW, S, NH, K,
         sq_t, sq_h, skv_t, sdo_t, sdo_h, spds_w, spds_t, spds_h, sdkv_t,
         BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, HAS_V: tl.constexpr,
+        ATOMIC: tl.constexpr,
     ):  # fmt: skip
         # channels [c0, c0 + CW) of dq (heads h0 ...) and of this query's share of dkv, over all its K rows
         h = h0 + tl.arange(0, BLOCK_H)
@@ -234,23 +238,30 @@ if triton_importable():
             if HAS_V:
                 p = tl.load(pb + kk[None, :], mask=mh[:, None] & mk[None, :], other=0.0)
                 d = tl.dot(tl.trans(p), do_c.to(p.dtype), d)
-            tl.atomic_add(
-                dkv_ptr + rows[:, None] * sdkv_t + ch[None, :], d, mask=valid[:, None] & mc[None, :], sem="relaxed"
-            )
+            if ATOMIC:
+                tl.atomic_add(
+                    dkv_ptr + rows[:, None] * sdkv_t + ch[None, :], d, mask=valid[:, None] & mc[None, :], sem="relaxed"
+                )
+            else:  # "sorted": dkv_ptr holds one row per (query, selected slot), summed by _sparse_mla_dkv_sum
+                slot = (local * K + kk).to(tl.int64)
+                tl.store(dkv_ptr + slot[:, None] * sdkv_t + ch[None, :], d, mask=valid[:, None] & mc[None, :])
         dqb = dq_ptr + row.to(tl.int64) * sq_t + h[:, None].to(tl.int64) * sq_h + ch[None, :]
         tl.store(dqb, dq.to(dq_ptr.dtype.element_ty), mask=mh[:, None] & mc[None, :])
 
     @triton.jit
     def _sparse_mla_bwd_dq_dkv(
         q_ptr, kv_ptr, idx_ptr, do_ptr, pds_ptr, dq_ptr, dkv_ptr, row0, S, NH, K, DV, DR,
-        sq_t, sq_h, skv_t, sdo_t, sdo_h, spds_w, spds_t, spds_h, sdkv_t,
+        sq_t, sq_h, skv_t, sdo_t, sdo_h, spds_w, spds_t, spds_h, sdkv_t, sdkv_g,
         BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+        ATOMIC: tl.constexpr,
     ):  # fmt: skip
         # split backward, pass B: program (c, g) of a query: latent channels [c BLOCK_C, ...) for
         # c < cdiv(DV, BLOCK_C), else the rope channels; heads [g BLOCK_H, ...)
         n_c = tl.cdiv(DV, BLOCK_C) + 1
         c = tl.program_id(0) % n_c
-        h0 = (tl.program_id(0) // n_c) * BLOCK_H
+        group = tl.program_id(0) // n_c
+        h0 = group * BLOCK_H
+        dkv_ptr += group.to(tl.int64) * sdkv_g  # "sorted": each head group has its own slot rows (0 if atomic)
         local = tl.program_id(1)
         row = row0 + local
         b = row // S
@@ -258,14 +269,41 @@ if triton_importable():
             _dq_dkv_channels(
                 q_ptr, kv_ptr, idx_ptr, do_ptr, pds_ptr, dq_ptr, dkv_ptr, row, local, b, h0, c * BLOCK_C,
                 tl.minimum(BLOCK_C, DV - c * BLOCK_C), S, NH, K, sq_t, sq_h, skv_t, sdo_t, sdo_h, spds_w, spds_t,
-                spds_h, sdkv_t, BLOCK_K, BLOCK_H, BLOCK_C, True,
+                spds_h, sdkv_t, BLOCK_K, BLOCK_H, BLOCK_C, True, ATOMIC,
             )  # fmt: skip
         else:
             _dq_dkv_channels(
                 q_ptr, kv_ptr, idx_ptr, do_ptr, pds_ptr, dq_ptr, dkv_ptr, row, local, b, h0, DV, DR,
                 S, NH, K, sq_t, sq_h, skv_t, sdo_t, sdo_h, spds_w, spds_t, spds_h, sdkv_t,
-                BLOCK_K, BLOCK_H, BLOCK_R, False,
+                BLOCK_K, BLOCK_H, BLOCK_R, False, ATOMIC,
             )  # fmt: skip
+
+    @triton.jit
+    def _sparse_mla_dkv_sum(
+        con_ptr, order_ptr, offs_ptr, dkv_ptr, D, G, scon_g, sdkv_t, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr
+    ):
+        # "sorted" reduction: dkv[r] += the (query, slot) rows that selected kv row r, in the fixed order of a
+        # stable sort (order[offs[r]:offs[r + 1]]), over the G head groups; one program per kv row, no atomics
+        r = tl.program_id(0)
+        start = tl.load(offs_ptr + r)
+        end = tl.load(offs_ptr + r + 1)
+        if end > start:
+            d = tl.arange(0, BLOCK_D)
+            md = d < D
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for e0 in range(start, end, BLOCK_E):
+                e = e0 + tl.arange(0, BLOCK_E)
+                me = e < end
+                slot = tl.load(order_ptr + e, mask=me, other=0)
+                for g in range(G):
+                    v = tl.load(
+                        con_ptr + scon_g.to(tl.int64) * g + slot[:, None] * D + d[None, :],
+                        mask=me[:, None] & md[None, :],
+                        other=0.0,
+                    )
+                    acc += tl.sum(v, 0)
+            ptr = dkv_ptr + r.to(tl.int64) * sdkv_t + d
+            tl.store(ptr, tl.load(ptr, mask=md, other=0.0) + acc, mask=md)
 
 
 DEFAULT_BLOCK_H = 32  # fastest of 16 / 32 / 64 at DeepSeek-V3.2's shape (docs/benchmarks.md)
@@ -279,7 +317,10 @@ class SplitBackward:
     `a_block_k` selected rows per tile, `a_warps`, `a_stages`. Pass B (dq and dkv): `b_block_c` latent channels
     per program (the rope channels get a program of their own), `b_block_h` heads per program (all heads when
     >= n: each further head group adds its own atomic adds), `b_block_k` selected rows per tile, `b_warps`,
-    `b_stages`. `scratch_bytes` bounds the p / ds buffer: query rows are processed in chunks that fit it."""
+    `b_stages`. `b_reduce`: how pass B sums a row's dkv over the queries that selected it, "atomic" (fp32 atomic
+    adds) or "sorted" (each query's share stored, then summed per row in a fixed order: deterministic, no
+    atomics, at the price of a [rows, K, D] fp32 buffer per chunk). `scratch_bytes` bounds the scratch buffers:
+    query rows are processed in chunks that fit it."""
 
     a_block_h: int = 64
     a_block_k: int = 16
@@ -290,6 +331,7 @@ class SplitBackward:
     b_block_k: int = 64
     b_warps: int = 8
     b_stages: int = 2
+    b_reduce: str = "atomic"
     scratch_bytes: int = 2 << 30
 
     def validate(self) -> None:
@@ -298,6 +340,8 @@ class SplitBackward:
         for name in ("a_warps", "b_warps"):
             if getattr(self, name) not in (1, 2, 4, 8, 16):
                 raise ValueError(f"SplitBackward.{name}={getattr(self, name)} is invalid: 1, 2, 4, 8 or 16")
+        if self.b_reduce not in ("atomic", "sorted"):
+            raise ValueError(f"SplitBackward.b_reduce={self.b_reduce!r} is invalid: atomic | sorted")
         for name in ("a_stages", "b_stages", "scratch_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SplitBackward.{name}={getattr(self, name)} is invalid: >= 1")
@@ -347,14 +391,19 @@ def _backward_split(ctx, q, kv, idx, d_out, lse, delta) -> tuple[torch.Tensor, t
     dq = torch.empty_like(q)
     dkv = torch.zeros(b, s, d, dtype=torch.float32, device=q.device)
     rows = b * s
-    # p and scale * ds of `chunk` query rows: [2, chunk, n, K] in q's dtype; pass B's grid axis 1 is <= 65535
-    chunk = max(1, min(rows, 65535, cfg.scratch_bytes // (2 * nh * k * q.element_size())))
-    pds = torch.empty(2, chunk, nh, k, dtype=q.dtype, device=q.device)
     # no block wider than the heads / latent channels it covers (small models, heads split by tensor parallel)
     a_h, b_h = (min(v, max(16, next_pow2(nh))) for v in (cfg.a_block_h, cfg.b_block_h))
     b_c = min(cfg.b_block_c, max(16, next_pow2(dv)))
+    groups = triton.cdiv(nh, b_h)
+    sorted_ = cfg.b_reduce == "sorted"
+    # per query row: p and scale * ds [2, n, K] in q's dtype, and for "sorted" its dkv shares [groups, K, D] fp32
+    per_row = 2 * nh * k * q.element_size() + (groups * k * d * 4 if sorted_ else 0)
+    chunk = max(1, min(rows, 65535, cfg.scratch_bytes // per_row))  # pass B's grid axis 1 is <= 65535
+    pds = torch.empty(2, chunk, nh, k, dtype=q.dtype, device=q.device)
+    con = torch.empty(groups, chunk * k, d, dtype=torch.float32, device=q.device) if sorted_ else dkv
     a = _blocks(dv, d - dv, a_h, cfg.a_block_k)
-    n_pb = (triton.cdiv(dv, b_c) + 1) * triton.cdiv(nh, b_h)  # pass B programs per query
+    n_pb = (triton.cdiv(dv, b_c) + 1) * groups  # pass B programs per query
+    flat_idx = idx.view(rows, k)
     for row0 in range(0, rows, chunk):
         n = min(chunk, rows - row0)
         _sparse_mla_bwd_pds[(n, triton.cdiv(nh, a_h))](
@@ -363,12 +412,25 @@ def _backward_split(ctx, q, kv, idx, d_out, lse, delta) -> tuple[torch.Tensor, t
             pds.stride(0), pds.stride(1), pds.stride(2), num_warps=cfg.a_warps, num_stages=cfg.a_stages, **a,
         )  # fmt: skip
         _sparse_mla_bwd_dq_dkv[(n_pb, n)](
-            q, kv, idx, d_out, pds, dq, dkv, row0, s, nh, k, dv, d - dv,
+            q, kv, idx, d_out, pds, dq, con, row0, s, nh, k, dv, d - dv,
             q.stride(1), q.stride(2), kv.stride(1), d_out.stride(1), d_out.stride(2),
-            pds.stride(0), pds.stride(1), pds.stride(2), dkv.stride(1),
-            BLOCK_K=cfg.b_block_k, BLOCK_H=b_h, BLOCK_C=b_c, BLOCK_R=a["BLOCK_R"],
+            pds.stride(0), pds.stride(1), pds.stride(2), con.stride(-2), con.stride(0) if sorted_ else 0,
+            BLOCK_K=cfg.b_block_k, BLOCK_H=b_h, BLOCK_C=b_c, BLOCK_R=a["BLOCK_R"], ATOMIC=not sorted_,
             num_warps=cfg.b_warps, num_stages=cfg.b_stages,
         )  # fmt: skip
+        if sorted_:
+            # the chunk's (query, slot) pairs grouped by the kv row they selected (-1: past the last row), in
+            # (query, slot) order within a row: a stable sort, so the sums are the same on every run
+            base = torch.arange(row0, row0 + n, device=q.device)[:, None] // s * s
+            ids = flat_idx[row0 : row0 + n].long()
+            key = torch.where(ids >= 0, ids + base, rows).flatten()
+            order = torch.argsort(key, stable=True)
+            offs = torch.zeros(rows + 1, dtype=torch.int64, device=q.device)
+            offs[1:] = torch.bincount(key, minlength=rows + 1)[:rows].cumsum(0)
+            _sparse_mla_dkv_sum[(rows,)](
+                con, order, offs, dkv, d, groups, con.stride(0), dkv.stride(1),
+                BLOCK_E=8, BLOCK_D=max(16, next_pow2(d)),
+            )  # fmt: skip
     return dq, dkv
 
 

@@ -75,11 +75,13 @@ def test_sparse_mla_kernel_matches_reference(backend, shape, block_h, backward):
         assert rel_err(g, r) < tol, (name, rel_err(g, r))
 
 
-def test_split_backward_chunks_head_groups_and_shared_rows(backend):
+@pytest.mark.parametrize("reduce", ["atomic", "sorted"])
+def test_split_backward_chunks_head_groups_and_shared_rows(backend, reduce):
     """The split backward with every block smaller than what it covers: query rows in several scratch chunks (the
-    last one partial), heads in two groups for pass B (so each row gets one atomic add per group), three latent
+    last one partial), heads in two groups for pass B (so each row gets one share per group), three latent
     channel blocks (the last one partial) besides the rope block, several selected-row tiles (the last partial),
-    two sequences, -1 entries, and row 0 of each sequence selected by every query (its dkv sums many adds)."""
+    two sequences, -1 entries, and row 0 of each sequence selected by every query (its dkv sums many shares);
+    dkv summed by atomic adds or by the sorted per-row sums."""
     from moecore.kernels.sparse_mla import SplitBackward, sparse_mla_attention
 
     device, _ = setup(backend)
@@ -90,9 +92,11 @@ def test_split_backward_chunks_head_groups_and_shared_rows(backend):
     assert ((idx == 0).sum(-1) == 1).all() and (idx[:, 0, 1:] == -1).all() and idx.shape[-1] % 16
     grad_out = torch.randn(b, s, nh, dv, generator=torch.Generator().manual_seed(6)).to(device)
     scale = (dv + dr) ** -0.5
+    per_row = 2 * nh * k * 4 + (2 * k * (dv + dr) * 4 if reduce == "sorted" else 0)  # scratch bytes per query
     split = SplitBackward(
-        a_block_h=16, a_block_k=16, b_block_c=16, b_block_h=16, b_block_k=16, scratch_bytes=2 * nh * k * 4 * 10
-    )  # 10 query rows per chunk: 26 rows in chunks of 10, 10, 6
+        a_block_h=16, a_block_k=16, b_block_c=16, b_block_h=16, b_block_k=16, b_reduce=reduce,
+        scratch_bytes=per_row * 10,
+    )  # fmt: skip  # 10 query rows per chunk: 26 rows in chunks of 10, 10, 6
     ref = _run(sparse_mqa_attention_reference, q, kv, idx, scale, dv, grad_out)
     got = _run(lambda *a: sparse_mla_attention(*a, backward="split", split=split), q, kv, idx, scale, dv, grad_out)
     tol = 1e-5 if backend == "interpret" else 2e-3
@@ -112,6 +116,8 @@ def test_sparse_mla_rejects_bad_options():
         sparse_mla_attention(q, kv, idx, 0.1, 16, backward="dense")
     with pytest.raises(ValueError, match="SplitBackward.b_block_c=48 is invalid"):
         sparse_mla_attention(q, kv, idx, 0.1, 16, backward="split", split=SplitBackward(b_block_c=48))
+    with pytest.raises(ValueError, match="SplitBackward.b_reduce='dense' is invalid"):
+        sparse_mla_attention(q, kv, idx, 0.1, 16, backward="split", split=SplitBackward(b_reduce="dense"))
 
 
 @pytest.mark.gpu
@@ -133,6 +139,8 @@ def test_sparse_mla_kernel_deepseek_shape_bf16():
         SplitBackward(),
         SplitBackward(a_block_k=32, a_stages=1, a_warps=8, b_block_c=64, b_warps=4),
         SplitBackward(scratch_bytes=300 * nh * k * 4),  # chunks of 300 query rows, the last one partial
+        SplitBackward(b_reduce="sorted"),
+        SplitBackward(b_reduce="sorted", scratch_bytes=300 * (nh * k * 4 + k * (dv + dr) * 4)),
     ]
     for split in splits:
         got = _run(
@@ -141,6 +149,12 @@ def test_sparse_mla_kernel_deepseek_shape_bf16():
         )  # fmt: skip
         for name, r, g in zip(("out", "lse", "dq", "dkv"), ref, got):
             assert rel_err(g.float(), r) < 2e-2, (split, name, rel_err(g.float(), r))
+    # the sorted reduction sums in a fixed order and dq has no atomics: the same gradients bit for bit
+    again = _run(
+        lambda *a: sparse_mla_attention(*a, block_h=64, num_warps=8, backward="split", split=splits[-1]),
+        q, kv, idx, scale, dv, grad_out,
+    )  # fmt: skip
+    assert torch.equal(again[2], got[2]) and torch.equal(again[3], got[3])
 
 
 def _grads(layer, x):
