@@ -422,8 +422,8 @@ def _backward_split(ctx, q, kv, idx, d_out, lse, delta) -> tuple[torch.Tensor, t
             # the chunk's (query, slot) pairs grouped by the kv row they selected (-1: past the last row), in
             # (query, slot) order within a row: a stable sort, so the sums are the same on every run
             base = torch.arange(row0, row0 + n, device=q.device)[:, None] // s * s
-            ids = flat_idx[row0 : row0 + n].long()
-            key = torch.where(ids >= 0, ids + base, rows).flatten()
+            ids = flat_idx[row0 : row0 + n]
+            key = torch.where(ids >= 0, ids + base, rows).int().flatten()
             order = torch.argsort(key, stable=True)
             offs = torch.zeros(rows + 1, dtype=torch.int64, device=q.device)
             offs[1:] = torch.bincount(key, minlength=rows + 1)[:rows].cumsum(0)

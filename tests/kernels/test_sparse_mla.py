@@ -139,7 +139,6 @@ def test_sparse_mla_kernel_deepseek_shape_bf16():
         SplitBackward(),
         SplitBackward(a_block_k=32, a_stages=1, a_warps=8, b_block_c=64, b_warps=4),
         SplitBackward(scratch_bytes=300 * nh * k * 4),  # chunks of 300 query rows, the last one partial
-        SplitBackward(b_reduce="sorted"),
         SplitBackward(b_reduce="sorted", scratch_bytes=300 * (nh * k * 4 + k * (dv + dr) * 4)),
     ]
     for split in splits:
