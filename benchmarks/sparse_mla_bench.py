@@ -8,7 +8,7 @@
 Every forward configuration is timed alone and with each backward (`--bwd`; each `--split` string is one
 SplitBackward of the split backward, fields as in moecore/kernels/sparse_mla.py); one printed line per
 configuration (the backward's share is fwd+bwd minus fwd), all of them in the JSON. `--check` also compares each
-backward's dq and dkv with the atomic backward's at the benchmark's shape.
+split backward's dq and dkv with the atomic backward's at the benchmark's shape.
 
 Sparse: moecore/kernels/sparse_mla.py on the absorbed form (q [1, S, n, 512 + 64], one shared kv row
 [1, S, 576] per token, each query attending to `topk` tokens). Dense: scaled_dot_product_attention
