@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/sparse_mla_bench.py [--seq 32768] [--topk 2048] [--heads 128] --json OUT
         [--block-h 32,64] [--warps 4,8] [--block-k 16,32] [--stages 2,3]      (forward launch sizes, all products)
         [--fwd "32,4" "64,8,32,3" ...]                                        (or forward launch sizes, listed)
+        [--fwd-alone "64,8,64,2" ...]                                         (forwards timed without a backward)
         [--bwd atomic,split] [--split "" "a_stages=1" "b_block_c=64,b_warps=4" ...] [--check] [--skip dense,indexer]
 
 Every forward configuration is timed alone and with each backward (`--bwd`; each `--split` string is one
@@ -88,6 +89,9 @@ def main() -> None:
         default=None,
         help='forward configs "block_h,warps[,block_k[,stages]]" (instead of the product of the four flags above)',
     )
+    p.add_argument(
+        "--fwd-alone", nargs="*", default=[], help="further forward configs (as --fwd) timed without a backward"
+    )
     p.add_argument("--bwd", default="atomic", help="backwards to time with each forward: atomic, split (comma-sep.)")
     p.add_argument(
         "--split",
@@ -116,11 +120,13 @@ def main() -> None:
     fwd_configs = [
         (h, w, bk, st) for h in ints(a.block_h) for w in ints(a.warps) for bk in ints(a.block_k) for st in stages
     ]
+    listed = lambda specs: [tuple(ints(c) + [32, None][len(ints(c)) - 2 :]) for c in specs]  # noqa: E731
     if a.fwd:
-        fwd_configs = [tuple(ints(c) + [32, None][len(ints(c)) - 2 :]) for c in a.fwd]
+        fwd_configs = listed(a.fwd)
+    fwd_configs = [(c, True) for c in fwd_configs] + [(c, False) for c in listed(a.fwd_alone)]
     bwd_configs = [("atomic", None)] if "atomic" in a.bwd.split(",") else []
     bwd_configs += [("split", c) for c in split_configs(a.split)] if "split" in a.bwd.split(",") else []
-    for block_h, warps, block_k, st in fwd_configs:
+    for (block_h, warps, block_k, st), with_bwd in fwd_configs:
         fwd_kw = dict(block_h=block_h, num_warps=warps, block_k=block_k, num_stages=st)
         fwd_name = f"block_h {block_h}, warps {warps}, block_k {block_k}, stages {st or 'default'}"
 
@@ -129,7 +135,7 @@ def main() -> None:
                 sparse_mla_attention(q, kv, idx, scale, r, **kw)
 
         runs = [(f"sparse_mla fwd ({fwd_name})", {}, sparse_fwd)]
-        for bwd, cfg in bwd_configs:
+        for bwd, cfg in bwd_configs if with_bwd else []:
 
             def sparse_step(kw=fwd_kw, bwd=bwd, cfg=cfg):
                 out, _ = sparse_mla_attention(q, kv, idx, scale, r, **kw, backward=bwd, split=cfg)
