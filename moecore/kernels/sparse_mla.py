@@ -306,7 +306,8 @@ if triton_importable():
             tl.store(ptr, tl.load(ptr, mask=md, other=0.0) + acc, mask=md)
 
 
-DEFAULT_BLOCK_H = 32  # fastest of 16 / 32 / 64 at DeepSeek-V3.2's shape (docs/benchmarks.md)
+DEFAULT_BLOCK_H = 32  # fastest of 16 / 32 / 64 at DeepSeek-V3.2's shape with the atomic backward (docs/benchmarks.md)
+DEFAULT_NUM_WARPS = 4
 BACKWARDS = ("atomic", "split")
 DEFAULT_BACKWARD = "atomic"
 
@@ -490,7 +491,7 @@ def sparse_mla_attention(
     scale: float,
     dv: int,
     block_h: int = DEFAULT_BLOCK_H,
-    num_warps: int = 4,
+    num_warps: int = DEFAULT_NUM_WARPS,
     *,
     block_k: int = 32,
     num_stages: int | None = None,
