@@ -317,7 +317,7 @@ class SplitBackward:
     """Launch sizes of the split backward (module docstring). Pass A (p and ds): `a_block_h` heads per program,
     `a_block_k` selected rows per tile, `a_warps`, `a_stages`. Pass B (dq and dkv): `b_block_c` latent channels
     per program (the rope channels get a program of their own), `b_block_h` heads per program (all heads when
-    >= n: each further head group adds its own atomic adds), `b_block_k` selected rows per tile, `b_warps`,
+    >= n: each further head group adds its own dkv shares), `b_block_k` selected rows per tile, `b_warps`,
     `b_stages`. `b_reduce`: how pass B sums a row's dkv over the queries that selected it, "atomic" (fp32 atomic
     adds) or "sorted" (each query's share stored, then summed per row in a fixed order: deterministic, no
     atomics, at the price of a [rows, K, D] fp32 buffer per chunk). `scratch_bytes` bounds the scratch buffers:
