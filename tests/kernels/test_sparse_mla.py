@@ -56,10 +56,11 @@ def _run(fn, q, kv, idx, scale, dv, grad_out):
     return out.detach(), lse.detach(), q.grad, kv.grad
 
 
+@pytest.mark.parametrize("backward", ["atomic", "split"])
 @pytest.mark.parametrize(
     "shape,block_h", [((2, 21, 3, 24, 8, 6), 16), ((1, 40, 17, 16, 16, 33), 32)], ids=["small", "wide-k-32-heads"]
 )
-def test_sparse_mla_kernel_matches_reference(backend, shape, block_h):
+def test_sparse_mla_kernel_matches_reference(backend, shape, block_h, backward):
     from moecore.kernels.sparse_mla import sparse_mla_attention
 
     device, _ = setup(backend)
@@ -68,17 +69,62 @@ def test_sparse_mla_kernel_matches_reference(backend, shape, block_h):
     grad_out = torch.randn(b, s, nh, dv, generator=torch.Generator().manual_seed(5)).to(device)
     scale = (dv + dr) ** -0.5
     ref = _run(sparse_mqa_attention_reference, q, kv, idx, scale, dv, grad_out)
-    got = _run(lambda *a: sparse_mla_attention(*a, block_h=block_h), q, kv, idx, scale, dv, grad_out)
+    got = _run(lambda *a: sparse_mla_attention(*a, block_h=block_h, backward=backward), q, kv, idx, scale, dv, grad_out)
     tol = 1e-5 if backend == "interpret" else 2e-3  # TF32 dots on the GPU
     for name, r, g in zip(("out", "lse", "dq", "dkv"), ref, got):
         assert rel_err(g, r) < tol, (name, rel_err(g, r))
+
+
+@pytest.mark.parametrize("reduce", ["atomic", "sorted"])
+def test_split_backward_chunks_head_groups_and_shared_rows(backend, reduce):
+    """The split backward with every block smaller than what it covers: query rows in several scratch chunks (the
+    last one partial), heads in two groups for pass B (so each row gets one share per group), three latent
+    channel blocks (the last one partial) besides the rope block, several selected-row tiles (the last partial),
+    two sequences, -1 entries, and row 0 of each sequence selected by every query (its dkv sums many shares);
+    dkv summed by atomic adds or by the sorted per-row sums."""
+    from moecore.kernels.sparse_mla import SplitBackward, sparse_mla_attention
+
+    device, _ = setup(backend)
+    b, s, nh, dv, dr, k = 2, 13, 18, 40, 8, 20
+    q, kv, idx = _inputs(b, s, nh, dv, dr, k, device, torch.float32, seed=1)
+    idx = torch.where(idx == 0, idx[:, :, :1], idx)  # swap row 0 to the front of each query's list
+    idx[:, :, 0] = 0
+    assert ((idx == 0).sum(-1) == 1).all() and (idx[:, 0, 1:] == -1).all() and idx.shape[-1] % 16
+    grad_out = torch.randn(b, s, nh, dv, generator=torch.Generator().manual_seed(6)).to(device)
+    scale = (dv + dr) ** -0.5
+    per_row = 2 * nh * k * 4 + (2 * k * (dv + dr) * 4 if reduce == "sorted" else 0)  # scratch bytes per query
+    split = SplitBackward(
+        a_block_h=16, a_block_k=16, b_block_c=16, b_block_h=16, b_block_k=16, b_reduce=reduce,
+        scratch_bytes=per_row * 10,
+    )  # fmt: skip  # 10 query rows per chunk: 26 rows in chunks of 10, 10, 6
+    ref = _run(sparse_mqa_attention_reference, q, kv, idx, scale, dv, grad_out)
+    got = _run(lambda *a: sparse_mla_attention(*a, backward="split", split=split), q, kv, idx, scale, dv, grad_out)
+    tol = 1e-5 if backend == "interpret" else 2e-3
+    for name, r, g in zip(("out", "lse", "dq", "dkv"), ref, got):
+        assert rel_err(g, r) < tol, (name, rel_err(g, r))
+
+
+def test_sparse_mla_rejects_bad_options():
+    from moecore.kernels._triton import triton_importable
+
+    if not triton_importable():
+        pytest.skip("needs triton")
+    from moecore.kernels.sparse_mla import SplitBackward, sparse_mla_attention
+
+    q, kv, idx = _inputs(1, 4, 2, 16, 16, 2, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="backward='dense' is invalid"):
+        sparse_mla_attention(q, kv, idx, 0.1, 16, backward="dense")
+    with pytest.raises(ValueError, match="SplitBackward.b_block_c=48 is invalid"):
+        sparse_mla_attention(q, kv, idx, 0.1, 16, backward="split", split=SplitBackward(b_block_c=48))
+    with pytest.raises(ValueError, match="SplitBackward.b_reduce='dense' is invalid"):
+        sparse_mla_attention(q, kv, idx, 0.1, 16, backward="split", split=SplitBackward(b_reduce="dense"))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_sparse_mla_kernel_deepseek_shape_bf16():
     """DeepSeek-V3.2's head shape (128 heads, latent 512 + rope 64) in bf16, top-256 of 1024 tokens."""
-    from moecore.kernels.sparse_mla import sparse_mla_attention
+    from moecore.kernels.sparse_mla import SplitBackward, sparse_mla_attention
 
     b, s, nh, dv, dr, k = 1, 1024, 128, 512, 64, 256
     q, kv, idx = _inputs(b, s, nh, dv, dr, k, "cuda", torch.bfloat16)
@@ -89,6 +135,25 @@ def test_sparse_mla_kernel_deepseek_shape_bf16():
         got = _run(lambda *a, bh=block_h: sparse_mla_attention(*a, block_h=bh), q, kv, idx, scale, dv, grad_out)
         for name, r, g in zip(("out", "lse", "dq", "dkv"), ref, got):
             assert rel_err(g.float(), r) < 2e-2, (block_h, name, rel_err(g.float(), r))
+    splits = [
+        SplitBackward(),
+        SplitBackward(a_block_k=32, a_stages=1, a_warps=8, b_block_c=64, b_warps=4),
+        SplitBackward(scratch_bytes=300 * nh * k * 4),  # chunks of 300 query rows, the last one partial
+        SplitBackward(b_reduce="sorted", scratch_bytes=300 * (nh * k * 4 + k * (dv + dr) * 4)),
+    ]
+    for split in splits:
+        got = _run(
+            lambda *a, sp=split: sparse_mla_attention(*a, block_h=64, num_warps=8, backward="split", split=sp),
+            q, kv, idx, scale, dv, grad_out,
+        )  # fmt: skip
+        for name, r, g in zip(("out", "lse", "dq", "dkv"), ref, got):
+            assert rel_err(g.float(), r) < 2e-2, (split, name, rel_err(g.float(), r))
+    # the sorted reduction sums in a fixed order and dq has no atomics: the same gradients bit for bit
+    again = _run(
+        lambda *a: sparse_mla_attention(*a, block_h=64, num_warps=8, backward="split", split=splits[-1]),
+        q, kv, idx, scale, dv, grad_out,
+    )  # fmt: skip
+    assert torch.equal(again[2], got[2]) and torch.equal(again[3], got[3])
 
 
 def _grads(layer, x):
@@ -99,7 +164,8 @@ def _grads(layer, x):
     return [out.detach(), x.grad] + [p.grad.clone() for _, p in layer.named_parameters() if p.grad is not None]
 
 
-def test_dsa_layer_through_kernel_matches_reference(backend, monkeypatch):
+@pytest.mark.parametrize("backward", ["atomic", "split"])
+def test_dsa_layer_through_kernel_matches_reference(backend, monkeypatch, backward):
     from moecore.kernels.sparse_mla import sparse_mla_attention
 
     device, _ = setup(backend)
@@ -107,7 +173,7 @@ def test_dsa_layer_through_kernel_matches_reference(backend, monkeypatch):
     x = torch.randn(2, 19, 48).to(device)
     monkeypatch.setattr(dsa, "sparse_mqa_attention", dsa.sparse_mqa_attention_reference)
     ref = _grads(layer, x)
-    monkeypatch.setattr(dsa, "sparse_mqa_attention", sparse_mla_attention)
+    monkeypatch.setattr(dsa, "sparse_mqa_attention", lambda *a: sparse_mla_attention(*a, backward=backward))
     got = _grads(layer, x)
     tol = 1e-5 if backend == "interpret" else 2e-3
     assert len(ref) == len(got)
