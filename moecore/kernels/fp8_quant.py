@@ -144,62 +144,38 @@ if triton_importable():
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _split_rows(bounds_ptr, e, split, SPLITS: tl.constexpr, BR: tl.constexpr):
-        # Rows [lo, hi) of expert e's rows bounds[e]..bounds[e+1] handled by `split` of SPLITS (chunks of whole
-        # BR-row tiles), and the expert's first row and row count.
-        start = tl.load(bounds_ptr + e)
-        n = tl.load(bounds_ptr + e + 1) - start
-        chunk = tl.cdiv(tl.cdiv(n, SPLITS), BR) * BR
-        lo = start + split * chunk
-        hi = tl.minimum(start + n, lo + chunk)
-        return lo, hi, start, n
-
-    @triton.jit
-    def _cols_amax_kernel(
-        x_ptr, amax_ptr, bounds_ptr, C, stride_x, SPLITS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr
+    def _quant_cols_kernel(
+        x_ptr, q_ptr, s_ptr, bounds_ptr, P, C, stride_x,
+        BR: tl.constexpr, BC: tl.constexpr, FMAX: tl.constexpr, POW2: tl.constexpr, PER_GROUP_OUT: tl.constexpr,
     ):  # fmt: skip
-        # Per expert e, column block and row split: the columns' amax over the split's rows, merged into
-        # amax [E, C] (zeros before) with an atomic max (values >= 0, so the float order is the integer order).
+        # Per expert e and column block: amax over the expert's rows bounds[e]..bounds[e+1], then quantise
+        # them, writing q transposed: [C, P] (the wgrad GEMM contracts over rows), or with PER_GROUP_OUT
+        # [E, C, rows of one group] (groups of equal size: a grouped weight [E, N, K] -> [E, K, N]).
+        # Scales s [E, C]. The tile is transposed in registers so that the stores run along the rows.
         e = tl.program_id(0)
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         cm = cols < C
-        lo, hi, start, n = _split_rows(bounds_ptr, e, tl.program_id(2), SPLITS, BR)
+        start = tl.load(bounds_ptr + e)
+        end = tl.load(bounds_ptr + e + 1)
         amax = tl.zeros((BC,), dtype=tl.float32)
-        for r0 in range(lo, hi, BR):
+        for r0 in range(start, end, BR):
             rows = r0 + tl.arange(0, BR)
-            m = (rows < hi)[:, None] & cm[None, :]
+            m = (rows < end)[:, None] & cm[None, :]
             x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
-        tl.atomic_max(amax_ptr + e * C + cols, amax, mask=cm)  # an empty split adds its zeros: harmless
-
-    @triton.jit
-    def _cols_quant_kernel(
-        x_ptr, q_ptr, s_ptr, amax_ptr, bounds_ptr, P, C, stride_x,
-        SPLITS: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FMAX: tl.constexpr, POW2: tl.constexpr,
-        PER_GROUP_OUT: tl.constexpr,
-    ):  # fmt: skip
-        # The split's rows quantised with the scale of their expert and column, written transposed: [C, P] (the
-        # wgrad GEMM contracts over rows), or with PER_GROUP_OUT [E, C, rows of one group] (groups of equal size:
-        # a grouped weight [E, N, K] -> [E, K, N]). Scales s [E, C] (written by split 0). The tile is transposed
-        # in registers so that the stores run along the rows.
-        e = tl.program_id(0)
-        split = tl.program_id(2)
-        cols = tl.program_id(1) * BC + tl.arange(0, BC)
-        cm = cols < C
-        lo, hi, start, n = _split_rows(bounds_ptr, e, split, SPLITS, BR)
-        s = _scale_of(tl.load(amax_ptr + e * C + cols, mask=cm, other=0.0), FMAX, POW2)
-        if split == 0:
-            tl.store(s_ptr + e * C + cols, s, mask=cm)
-        for r0 in range(lo, hi, BR):
+        s = _scale_of(amax, FMAX, POW2)
+        tl.store(s_ptr + e * C + cols, s, mask=cm)
+        for r0 in range(start, end, BR):
             rows = r0 + tl.arange(0, BR)
-            m = (rows < hi)[:, None] & cm[None, :]
+            m = (rows < end)[:, None] & cm[None, :]
             x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
             q = _to_fp8_grid(tl.clamp(tl.div_rn(x.to(tl.float32), s[None, :]), -FMAX, FMAX), FMAX)
             if PER_GROUP_OUT:
+                n = end - start
                 dst = q_ptr + e.to(tl.int64) * C * n + cols.to(tl.int64)[:, None] * n + (rows - start)[None, :]
             else:
                 dst = q_ptr + cols.to(tl.int64)[:, None] * P + rows[None, :]
-            mt = (rows < hi)[None, :] & cm[:, None]
+            mt = (rows < end)[None, :] & cm[:, None]
             tl.store(dst, tl.trans(q).to(q_ptr.dtype.element_ty), mask=mt)
 
     @triton.jit
@@ -367,29 +343,6 @@ def quantize_128x128(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, 
     return _launch_tile(x, dtype, pow2, per_row=False)
 
 
-COLS_PROGRAMS = 4096  # programs the column quantisation aims for: each expert's rows split until there are as many
-
-
-def _launch_cols(x, q, s, bounds, P: int, C: int, E: int, dtype, pow2: bool, per_group_out: bool) -> None:
-    """The two passes of the per-(expert, column) quantisation: amax (row splits merged by atomic max), then q.
-
-    An expert's rows are split over up to `splits` programs per column block, so that few experts with many
-    rows (a grouped weight [E, N, K] has N rows per expert) still fill the GPU; the split count comes from the
-    average rows per expert (P / E: known on the host, no synchronisation), the work of each split from the
-    real bounds on the device."""
-    br, bc = (64, 64) if x.is_cuda else (16, 32)
-    col_blocks = triton.cdiv(C, bc)
-    splits = max(1, min(triton.cdiv(COLS_PROGRAMS, E * col_blocks), max(1, P // max(E, 1) // (4 * br))))
-    splits = 1 << (splits - 1).bit_length()  # a power of two: fewer compiled variants
-    amax = torch.zeros(E, C, dtype=torch.float32, device=x.device)
-    grid = (E, col_blocks, splits)
-    _cols_amax_kernel[grid](x, amax, bounds, C, x.stride(0), SPLITS=splits, BR=br, BC=bc)
-    _cols_quant_kernel[grid](
-        x, q, s, amax, bounds, P, C, x.stride(0), SPLITS=splits, BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2,
-        PER_GROUP_OUT=per_group_out,
-    )  # fmt: skip
-
-
 def quantize_grouped_cols_reference(x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype, pow2: bool = False):
     """(q^T [C, P], s [E, C]): x [P, C] quantised per expert (its rows: `counts`, consecutive) and column."""
     _check_2d(x)
@@ -418,7 +371,10 @@ def quantize_grouped_cols(
     torch.cumsum(counts, 0, out=bounds[1:])
     q = torch.empty(C, P, dtype=dtype, device=x.device)
     s = torch.empty(E, C, dtype=torch.float32, device=x.device)
-    _launch_cols(x, q, s, bounds, P, C, E, dtype, pow2, per_group_out=False)
+    br, bc = (64, 64) if x.is_cuda else (16, 32)
+    _quant_cols_kernel[(E, triton.cdiv(C, bc))](
+        x, q, s, bounds, P, C, x.stride(0), BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2, PER_GROUP_OUT=False
+    )
     return q, s
 
 
@@ -436,7 +392,10 @@ def quantize_weights_transposed(
     bounds = torch.arange(0, (E + 1) * N, N, dtype=torch.int32, device=w.device)
     q = torch.empty(E, K, N, dtype=dtype, device=w.device)
     s = torch.empty(E, K, dtype=torch.float32, device=w.device)
-    _launch_cols(w2, q, s, bounds, E * N, K, E, dtype, pow2, per_group_out=True)
+    br, bc = (64, 64) if w.is_cuda else (16, 32)
+    _quant_cols_kernel[(E, triton.cdiv(K, bc))](
+        w2, q, s, bounds, E * N, K, w2.stride(0), BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2, PER_GROUP_OUT=True
+    )
     return q, s.unsqueeze(-1)
 
 
