@@ -306,10 +306,15 @@ if triton_importable():
             tl.store(ptr, tl.load(ptr, mask=md, other=0.0) + acc, mask=md)
 
 
-DEFAULT_BLOCK_H = 32  # fastest of 16 / 32 / 64 at DeepSeek-V3.2's shape with the atomic backward (docs/benchmarks.md)
-DEFAULT_NUM_WARPS = 4
 BACKWARDS = ("atomic", "split")
-DEFAULT_BACKWARD = "atomic"
+# Defaults by the inputs' element size. 2 bytes (bf16 / fp16): the fastest measured at DeepSeek-V3.2's shape on an
+# H200 (S 32768, K 2048, 128 heads; docs/benchmarks.md): forward 64 heads x 64-row tiles, 8 warps, 2 stages;
+# the split backward. 4 bytes (fp32): tiles of half the rows (a 576-wide fp32 tile of 64 rows is 147 KB of
+# shared memory per stage) and the atomic backward, whose pass fits at 32 heads.
+LAUNCH_DEFAULTS = {
+    2: {"block_h": 64, "num_warps": 8, "block_k": 64, "num_stages": 2, "backward": "split"},
+    4: {"block_h": 32, "num_warps": 4, "block_k": 32, "num_stages": None, "backward": "atomic"},
+}
 
 
 @dataclass(frozen=True)
@@ -324,9 +329,9 @@ class SplitBackward:
     query rows are processed in chunks that fit it."""
 
     a_block_h: int = 64
-    a_block_k: int = 16
-    a_warps: int = 4
-    a_stages: int = 3
+    a_block_k: int = 64
+    a_warps: int = 8
+    a_stages: int = 1
     b_block_c: int = 128
     b_block_h: int = 128
     b_block_k: int = 64
@@ -490,12 +495,12 @@ def sparse_mla_attention(
     idx: torch.Tensor,
     scale: float,
     dv: int,
-    block_h: int = DEFAULT_BLOCK_H,
-    num_warps: int = DEFAULT_NUM_WARPS,
+    block_h: int | None = None,
+    num_warps: int | None = None,
     *,
-    block_k: int = 32,
+    block_k: int | None = None,
     num_stages: int | None = None,
-    backward: str = DEFAULT_BACKWARD,
+    backward: str | None = None,
     split: SplitBackward | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, S, n, dv], lse [B, S, n] fp32) of the module docstring; differentiable in q and kv.
@@ -504,10 +509,15 @@ def sparse_mla_attention(
     times, at the price of registers), `block_k` selected rows per tile, `num_warps`, `num_stages` (Triton's
     launch options; None: Triton's default). `backward`: "atomic" (one kernel; its heads per program follow
     `block_h`, at most 32 at a 512-wide latent, and `num_warps`) or "split" (two passes, sized by `split`).
-    benchmarks/sparse_mla_bench.py sweeps these.
+    benchmarks/sparse_mla_bench.py sweeps these. Arguments left None take `LAUNCH_DEFAULTS` for q's element size.
     """
     if not triton_importable():
         raise ValueError("the sparse MLA kernel needs the triton package, which does not import here")
+    given = {"block_h": block_h, "num_warps": num_warps, "block_k": block_k, "backward": backward}
+    defaults = LAUNCH_DEFAULTS[2 if q.element_size() <= 2 else 4]
+    block_h, num_warps, block_k, backward = (defaults[k] if v is None else v for k, v in given.items())
+    if num_stages is None and given["block_k"] is None:
+        num_stages = defaults["num_stages"]
     if backward not in BACKWARDS:
         raise ValueError(f"backward={backward!r} is invalid: allowed: {' | '.join(BACKWARDS)}")
     split = split if split is not None else SplitBackward()
