@@ -53,6 +53,24 @@ if triton_importable():
     import triton.language as tl
 
     @triton.jit
+    def _load_heads(ptr, row, h, mh, cols, mc, stride_t, stride_h):
+        # [heads, cols] of one query row (q's latent or rope channels, dO)
+        base = ptr + row.to(tl.int64) * stride_t + h[:, None].to(tl.int64) * stride_h
+        return tl.load(base + cols[None, :], mask=mh[:, None] & mc[None, :], other=0.0)
+
+    @triton.jit
+    def _gather_selected(kv_ptr, idx_ptr, row, b, S, K, k0, DV, dv, dr, mv, mr, skv_t, BLOCK_K: tl.constexpr):
+        # The tile of BLOCK_K selected rows from slot k0 of query `row`: (slots, valid, kv rows, latent, rope key)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        ids = tl.load(idx_ptr + row.to(tl.int64) * K + kk, mask=kk < K, other=-1)
+        valid = ids >= 0
+        rows = (b * S + tl.maximum(ids, 0)).to(tl.int64)
+        kvb = kv_ptr + rows[:, None] * skv_t
+        kv_lat = tl.load(kvb + dv[None, :], mask=valid[:, None] & mv[None, :], other=0.0)
+        k_rope = tl.load(kvb + DV + dr[None, :], mask=valid[:, None] & mr[None, :], other=0.0)
+        return kk, valid, rows, kv_lat, k_rope
+
+    @triton.jit
     def _sparse_mla_fwd(
         q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, S, NH, K, DV, DR, scale,
         sq_t, sq_h, skv_t, so_t, so_h,
@@ -66,20 +84,15 @@ if triton_importable():
         dr = tl.arange(0, BLOCK_R)
         mv = dv < DV
         mr = dr < DR
-        qb = q_ptr + row.to(tl.int64) * sq_t + h[:, None].to(tl.int64) * sq_h
-        q_lat = tl.load(qb + dv[None, :], mask=mh[:, None] & mv[None, :], other=0.0)
-        q_rope = tl.load(qb + DV + dr[None, :], mask=mh[:, None] & mr[None, :], other=0.0)
+        q_lat = _load_heads(q_ptr, row, h, mh, dv, mv, sq_t, sq_h)
+        q_rope = _load_heads(q_ptr + DV, row, h, mh, dr, mr, sq_t, sq_h)
         m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            ids = tl.load(idx_ptr + row.to(tl.int64) * K + kk, mask=kk < K, other=-1)
-            valid = ids >= 0
-            rows = (b * S + tl.maximum(ids, 0)).to(tl.int64)
-            kvb = kv_ptr + rows[:, None] * skv_t
-            kv_lat = tl.load(kvb + dv[None, :], mask=valid[:, None] & mv[None, :], other=0.0)
-            k_rope = tl.load(kvb + DV + dr[None, :], mask=valid[:, None] & mr[None, :], other=0.0)
+            kk, valid, rows, kv_lat, k_rope = _gather_selected(
+                kv_ptr, idx_ptr, row, b, S, K, k0, DV, dv, dr, mv, mr, skv_t, BLOCK_K
+            )
             s = tl.dot(q_lat, tl.trans(kv_lat)) + tl.dot(q_rope, tl.trans(k_rope))
             s = tl.where(valid[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -118,26 +131,17 @@ if triton_importable():
         dr = tl.arange(0, BLOCK_R)
         mv = dv < DV
         mr = dr < DR
-        qb = q_ptr + row.to(tl.int64) * sq_t + h[:, None].to(tl.int64) * sq_h
-        q_lat = tl.load(qb + dv[None, :], mask=mh[:, None] & mv[None, :], other=0.0)
-        q_rope = tl.load(qb + DV + dr[None, :], mask=mh[:, None] & mr[None, :], other=0.0)
-        do = tl.load(
-            do_ptr + row.to(tl.int64) * sdo_t + h[:, None].to(tl.int64) * sdo_h + dv[None, :],
-            mask=mh[:, None] & mv[None, :],
-            other=0.0,
-        )
+        q_lat = _load_heads(q_ptr, row, h, mh, dv, mv, sq_t, sq_h)
+        q_rope = _load_heads(q_ptr + DV, row, h, mh, dr, mr, sq_t, sq_h)
+        do = _load_heads(do_ptr, row, h, mh, dv, mv, sdo_t, sdo_h)
         lse = tl.load(lse_ptr + row.to(tl.int64) * NH + h, mask=mh, other=0.0)
         delta = tl.load(delta_ptr + row.to(tl.int64) * NH + h, mask=mh, other=0.0)
         dq_lat = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
         dq_rope = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            ids = tl.load(idx_ptr + row.to(tl.int64) * K + kk, mask=kk < K, other=-1)
-            valid = ids >= 0
-            rows = (b * S + tl.maximum(ids, 0)).to(tl.int64)
-            kvb = kv_ptr + rows[:, None] * skv_t
-            kv_lat = tl.load(kvb + dv[None, :], mask=valid[:, None] & mv[None, :], other=0.0)
-            k_rope = tl.load(kvb + DV + dr[None, :], mask=valid[:, None] & mr[None, :], other=0.0)
+            kk, valid, rows, kv_lat, k_rope = _gather_selected(
+                kv_ptr, idx_ptr, row, b, S, K, k0, DV, dv, dr, mv, mr, skv_t, BLOCK_K
+            )
             s = (tl.dot(q_lat, tl.trans(kv_lat)) + tl.dot(q_rope, tl.trans(k_rope))) * scale
             p = tl.where(valid[None, :] & mh[:, None], tl.exp(s - lse[:, None]), 0.0)
             dp = tl.dot(do, tl.trans(kv_lat))
@@ -170,25 +174,16 @@ if triton_importable():
         dr = tl.arange(0, BLOCK_R)
         mv = dv < DV
         mr = dr < DR
-        qb = q_ptr + row.to(tl.int64) * sq_t + h[:, None].to(tl.int64) * sq_h
-        q_lat = tl.load(qb + dv[None, :], mask=mh[:, None] & mv[None, :], other=0.0)
-        q_rope = tl.load(qb + DV + dr[None, :], mask=mh[:, None] & mr[None, :], other=0.0)
-        do = tl.load(
-            do_ptr + row.to(tl.int64) * sdo_t + h[:, None].to(tl.int64) * sdo_h + dv[None, :],
-            mask=mh[:, None] & mv[None, :],
-            other=0.0,
-        )
+        q_lat = _load_heads(q_ptr, row, h, mh, dv, mv, sq_t, sq_h)
+        q_rope = _load_heads(q_ptr + DV, row, h, mh, dr, mr, sq_t, sq_h)
+        do = _load_heads(do_ptr, row, h, mh, dv, mv, sdo_t, sdo_h)
         lse = tl.load(lse_ptr + row.to(tl.int64) * NH + h, mask=mh, other=0.0)
         delta = tl.load(delta_ptr + row.to(tl.int64) * NH + h, mask=mh, other=0.0)
         pb = pds_ptr + local.to(tl.int64) * spds_t + h[:, None].to(tl.int64) * spds_h
         for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            ids = tl.load(idx_ptr + row.to(tl.int64) * K + kk, mask=kk < K, other=-1)
-            valid = ids >= 0
-            rows = (b * S + tl.maximum(ids, 0)).to(tl.int64)
-            kvb = kv_ptr + rows[:, None] * skv_t
-            kv_lat = tl.load(kvb + dv[None, :], mask=valid[:, None] & mv[None, :], other=0.0)
-            k_rope = tl.load(kvb + DV + dr[None, :], mask=valid[:, None] & mr[None, :], other=0.0)
+            kk, valid, rows, kv_lat, k_rope = _gather_selected(
+                kv_ptr, idx_ptr, row, b, S, K, k0, DV, dv, dr, mv, mr, skv_t, BLOCK_K
+            )
             s = (tl.dot(q_lat, tl.trans(kv_lat)) + tl.dot(q_rope, tl.trans(k_rope))) * scale
             p = tl.where(valid[None, :] & mh[:, None], tl.exp(s - lse[:, None]), 0.0)
             dp = tl.dot(do, tl.trans(kv_lat))
