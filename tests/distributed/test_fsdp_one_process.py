@@ -21,6 +21,9 @@ TINY = [
     "log.progress=false",
     "train.eval_interval=0",
     "log.interval=1",
+    "train.seq_length=64",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
 ]
 
 
