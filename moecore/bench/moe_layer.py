@@ -125,14 +125,15 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
-def _weights(h: int, f: int, e: int, dev: torch.device, dt: torch.dtype) -> dict:
-    """The block's weights, drawn on the GPU from a fixed seed (normal, std 0.02), in transformers' names."""
+def _weights(h: int, f: int, e: int, dev: torch.device, dt: torch.dtype, experts: bool = True) -> dict:
+    """The block's weights, drawn on the GPU from a fixed seed (normal, std 0.02), in transformers' names;
+    with `experts=False` the router's alone (the same values: it is drawn first)."""
     g = torch.Generator(device=dev).manual_seed(1)
-    return {
-        "gate.weight": torch.randn(e, h, generator=g, device=dev, dtype=dt) * 0.02,
-        "experts.gate_up_proj": torch.randn(e, 2 * f, h, generator=g, device=dev, dtype=dt) * 0.02,
-        "experts.down_proj": torch.randn(e, h, f, generator=g, device=dev, dtype=dt) * 0.02,
-    }
+    out = {"gate.weight": torch.randn(e, h, generator=g, device=dev, dtype=dt) * 0.02}
+    if experts:
+        out["experts.gate_up_proj"] = torch.randn(e, 2 * f, h, generator=g, device=dev, dtype=dt) * 0.02
+        out["experts.down_proj"] = torch.randn(e, h, f, generator=g, device=dev, dtype=dt) * 0.02
+    return out
 
 
 PHASES = (  # (phase, substrings of CUDA kernel names), first match wins
@@ -196,9 +197,7 @@ def run_shape(
     torch.manual_seed(0)
     x = torch.randn(1, t, h, device=dev, dtype=dt)
     g = torch.randn(1, t, h, device=dev, dtype=dt)
-    gate = (
-        torch.randn(e, h, generator=torch.Generator(device=dev).manual_seed(1), device=dev, dtype=dt) * 0.02
-    )  # = _weights' gate
+    gate = _weights(h, f, e, dev, dt, experts=False)["gate.weight"]
     if routing == "skewed":
         x, gate = skew_routing(x, gate)
     load = {"routing": routing, "load": expert_load(x, gate, k)}

@@ -8,6 +8,16 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+import torch
+
+# The marks of a test that needs several CUDA GPUs (NCCL runs under torchrun).
+MULTI_GPU = [
+    pytest.mark.gpu,
+    pytest.mark.distributed,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
+
 # A known intermittent defect (seen once in ~15 launches of a 4-process gloo run): a rank aborts in C++ after
 # rank 0 reported the finished run. `run_cli(..., retry_dir=...)` repeats such a launch once.
 TEARDOWN_ABORT = "terminate called without an active exception"

@@ -13,12 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import MULTI_GPU
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.distributed,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
-]
+pytestmark = MULTI_GPU
 
 WORKER = Path(__file__).with_name("cp_gpu_worker.py")
 

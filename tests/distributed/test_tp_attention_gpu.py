@@ -12,14 +12,9 @@ from __future__ import annotations
 import sys
 
 import pytest
-import torch
-from cli_runs import metrics_by_step, run_cli
+from cli_runs import MULTI_GPU, metrics_by_step, run_cli
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.distributed,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
-]
+pytestmark = MULTI_GPU
 
 COMMON = [
     "train.steps=3",
