@@ -11,23 +11,13 @@ losses, grad norms and first-step gradients; gloo on CPU, world 2: dp 2 for atte
 from __future__ import annotations
 
 import pytest
+from attn_variants import oss_config
 from dist_parity import compare, make_data, reference, run_layout, tiny_config
 
 from moecore.models.transformer import MoETransformer
 from moecore.parallel.launch import run_local
 
 pytestmark = pytest.mark.distributed
-
-
-def _oss(cfg):
-    m = cfg.model
-    m.layer_types, m.sliding_window = ["sliding_attention", "full_attention", "sliding_attention"], 3
-    m.qkv_bias = m.attn_out_bias = m.attn_sinks = True
-    m.activation, m.swiglu_limit = "swiglu_clamped", 0.5
-    m.expert_linear_bias = m.router_logit_bias = True
-    cfg.moe.first_k_dense_replace, cfg.moe.shared_expert_intermediate_size = 0, None
-    cfg.moe.router_pre_softmax = False
-    return cfg
 
 
 def _dsa(cfg):
@@ -38,11 +28,11 @@ def _dsa(cfg):
     return cfg
 
 
-VARIANTS = {"oss": _oss, "dsa": _dsa}
+VARIANTS = {"oss": oss_config, "dsa": lambda: _dsa(tiny_config(token_dispatcher_type="alltoall"))}
 
 
 def _config(variant: str, ep: int):
-    cfg = VARIANTS[variant](tiny_config(token_dispatcher_type="alltoall"))
+    cfg = VARIANTS[variant]()
     cfg.parallel.ep = ep
     cfg.validate()
     return cfg
