@@ -1,7 +1,7 @@
 """Which GEMM each phase of the expert FFN should use, per shape, on the GPU at hand.
 
 Times, for random top-k routing of the benchmark's MoE-layer shapes: each GEMM kind (forward, dgrad, wgrad) with
-torch._grouped_mm, a loop of cuBLAS GEMMs and (wgrad) our Triton kernel; the fused SwiGLU and the
+torch._grouped_mm, a loop of cuBLAS GEMMs and our Triton grouped GEMM (grouped_gemm.py); the fused SwiGLU and the
 permute/unpermute gathers; and the whole expert FFN forward+backward under several plans. Prints
 one JSON line per measurement and writes them all to --json.
 
@@ -57,18 +57,18 @@ def run_shape(name: str, out: list) -> None:
         print(json.dumps(rec), flush=True)
 
     f13, f2 = 2 * M * H * 2 * Fd, 2 * M * H * Fd
-    for impl in ("grouped", "loop", "streams"):
+    for impl in ("grouped", "loop", "streams", "triton"):
         try:
-            emit(f"fwd_w13/{impl}", bench(lambda impl=impl: gemm_nt(xs, w13, bounds, host, impl)), f13)
-            emit(f"fwd_w2/{impl}", bench(lambda impl=impl: gemm_nt(a, w2, bounds, host, impl)), f2)
-            emit(f"dgrad_w2/{impl}", bench(lambda impl=impl: gemm_nn(dy, w2, bounds, host, impl)), f2)
-            emit(f"dgrad_w13/{impl}", bench(lambda impl=impl: gemm_nn(h, w13, bounds, host, impl)), f13)
+            emit(f"fwd_w13/{impl}", bench(lambda impl=impl: gemm_nt(xs, w13, bounds, host, impl, "fwd13")), f13)
+            emit(f"fwd_w2/{impl}", bench(lambda impl=impl: gemm_nt(a, w2, bounds, host, impl, "fwd2")), f2)
+            emit(f"dgrad_w2/{impl}", bench(lambda impl=impl: gemm_nn(dy, w2, bounds, host, impl, "dgrad2")), f2)
+            emit(f"dgrad_w13/{impl}", bench(lambda impl=impl: gemm_nn(h, w13, bounds, host, impl, "dgrad13")), f13)
         except Exception as ex:  # record and go on: one failing kind must not hide the others
             emit(f"fwd_dgrad/{impl}", 0.0, error=str(ex)[:300])
     for impl in ("grouped", "loop", "streams", "triton"):
         try:
-            emit(f"wgrad_w13/{impl}", bench(lambda impl=impl: gemm_tn(h, xs, bounds, host, impl, dt)), f13)
-            emit(f"wgrad_w2/{impl}", bench(lambda impl=impl: gemm_tn(dy, a, bounds, host, impl, dt)), f2)
+            emit(f"wgrad_w13/{impl}", bench(lambda impl=impl: gemm_tn(h, xs, bounds, host, impl, dt, "wgrad13")), f13)
+            emit(f"wgrad_w2/{impl}", bench(lambda impl=impl: gemm_tn(dy, a, bounds, host, impl, dt, "wgrad2")), f2)
         except Exception as ex:
             emit(f"wgrad/{impl}", 0.0, error=str(ex)[:300])
     # elementwise / movement phases

@@ -16,8 +16,8 @@ autograd through the separate ops would keep. Each GEMM kind runs one of:
   "loop":    one cuBLAS GEMM per expert on slices (needs the counts on the host: one sync);
   "streams": the loop with consecutive experts' GEMMs on two CUDA streams, so that one GEMM's last
              partial wave of tiles overlaps the next GEMM (an experiment for few large experts);
-  "triton":  (weight gradients only) the grouped GEMM kernel below, tiles of dW[e] reducing over the
-             expert's rows, one launch.
+  "triton":  moecore's Triton grouped GEMMs (`grouped_gemm.py`): one launch, tiles scheduled on the GPU
+             (no host sync), tile sizes per GEMM kind from `grouped_gemm.tiles_for`.
 `default_plan` picks per shape from the H200 measurements recorded in docs/benchmarks.md. The
 reference `expert_ffn_reference` is a loop over experts through plain autograd; `expert_ffn` uses
 the Function where the GEMMs can run (CUDA, or `impl="triton"`) and the reference elsewhere.
@@ -29,69 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from moecore.kernels._triton import triton_importable, use_triton
+from moecore.kernels._triton import use_triton
+from moecore.kernels.grouped_gemm import grouped_mm, grouped_wgrad, tiles_for
 from moecore.kernels.swiglu import swiglu, swiglu_backward, swiglu_reference
 
 GEMM_IMPLS = ("grouped", "loop", "streams", "triton")
 GEMM_KINDS = ("fwd13", "fwd2", "dgrad2", "dgrad13", "wgrad2", "wgrad13")  # the GemmPlan fields, in order
-
-if triton_importable():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _grouped_tn_kernel(
-        a_ptr,
-        b_ptr,
-        c_ptr,
-        bounds_ptr,
-        N1,
-        N2,
-        stride_a,
-        stride_b,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr,
-    ):
-        # c[e] = a[s:t]^T @ b[s:t] with s, t = bounds[e], bounds[e+1]; a [M, N1], b [M, N2], c [E, N1, N2].
-        pid = tl.program_id(0)
-        tiles_m = tl.cdiv(N1, BLOCK_M)
-        tiles_n = tl.cdiv(N2, BLOCK_N)
-        per_e = tiles_m * tiles_n
-        e = pid // per_e
-        t = pid % per_e
-        # Within an expert, visit tiles in column groups of GROUP_M so that a's and b's rows stay in L2.
-        in_group = GROUP_M * tiles_n
-        first_m = (t // in_group) * GROUP_M
-        gsz = tl.minimum(tiles_m - first_m, GROUP_M)
-        tm = first_m + (t % in_group) % gsz
-        tn = (t % in_group) // gsz
-        start = tl.load(bounds_ptr + e)
-        end = tl.load(bounds_ptr + e + 1)
-        rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        mm = rm < N1
-        mn = rn < N2
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(start, end, BLOCK_K):
-            rows = k0 + rk
-            mk = rows < end
-            rows64 = rows.to(tl.int64)
-            a = tl.load(a_ptr + rows64[:, None] * stride_a + rm[None, :], mask=mk[:, None] & mm[None, :], other=0.0)
-            b = tl.load(b_ptr + rows64[:, None] * stride_b + rn[None, :], mask=mk[:, None] & mn[None, :], other=0.0)
-            acc = tl.dot(tl.trans(a), b, acc)
-        c = c_ptr + e.to(tl.int64) * N1 * N2 + rm.to(tl.int64)[:, None] * N2 + rn[None, :]
-        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
-
-    _TN_CONFIGS = [
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
-    ]
-    _grouped_tn_tuned = triton.autotune(configs=_TN_CONFIGS, key=["N1", "N2"])(_grouped_tn_kernel)
 
 
 @dataclass(frozen=True)
@@ -99,7 +42,7 @@ class GemmPlan:
     """Which implementation each of the six GEMMs of the expert FFN uses (see the module docstring).
 
     fwd13 / fwd2: h = x @ w13^T, y = a @ w2^T; dgrad2 / dgrad13: da = dy @ w2, dx = dh @ w13;
-    wgrad2 / wgrad13: dW2 = dy^T a, dW13 = dh^T x. Values: grouped | loop | streams (| triton for wgrad*).
+    wgrad2 / wgrad13: dW2 = dy^T a, dW13 = dh^T x. Values: grouped | loop | streams | triton.
     """
 
     fwd13: str = "grouped"
@@ -112,9 +55,8 @@ class GemmPlan:
     def __post_init__(self) -> None:
         for name in GEMM_KINDS:
             v = getattr(self, name)
-            allowed = GEMM_IMPLS if name.startswith("wgrad") else GEMM_IMPLS[:3]
-            if v not in allowed:
-                raise ValueError(f"GemmPlan.{name}={v!r} is invalid: allowed: {' | '.join(allowed)}")
+            if v not in GEMM_IMPLS:
+                raise ValueError(f"GemmPlan.{name}={v!r} is invalid: allowed: {' | '.join(GEMM_IMPLS)}")
 
     @classmethod
     def uniform(cls, impl: str, wgrad: str | None = None) -> GemmPlan:
@@ -125,19 +67,29 @@ class GemmPlan:
     def needs_host_counts(self) -> bool:
         return any(getattr(self, n) in ("loop", "streams") for n in GEMM_KINDS)
 
+    def without_host_sync(self) -> GemmPlan:
+        """This plan with every "loop" / "streams" GEMM run as "grouped" (device offsets only)."""
+        return GemmPlan(
+            *("grouped" if getattr(self, n) in ("loop", "streams") else getattr(self, n) for n in GEMM_KINDS)
+        )
+
     def with_streams(self) -> GemmPlan:
         """This plan with every "loop" GEMM run as "streams"."""
         return GemmPlan(*("streams" if getattr(self, n) == "loop" else getattr(self, n) for n in GEMM_KINDS))
 
 
 def default_plan(num_experts: int, rows: int, hidden: int, ffn: int, device: torch.device) -> GemmPlan:
-    """The plan measured fastest on an H200 (torch 2.11) for shapes like this; docs/benchmarks.md.
+    """The plan measured fastest on an H200 (torch 2.11, Triton 3.6) for shapes like this; docs/benchmarks.md.
 
     torch._grouped_mm is within a few percent of cuBLAS wherever each expert's GEMM is small, and a
     Python loop of cuBLAS GEMMs is launch-bound there (Qwen3-30B-A3B: 260 vs 640 TFLOP/s). A loop
     wins where each expert's GEMM is large: few experts with thousands of rows (Mixtral: 680-697 vs
     645-664 TFLOP/s, except dx = dh @ w13 where grouped is faster), and the dx GEMM of wide experts
-    (DeepSeek-V3: 554 vs 439 TFLOP/s at 2 * 256 * 4096 * 7168 FLOP per expert).
+    (DeepSeek-V3: 554 vs 439 TFLOP/s at 2 * 256 * 4096 * 7168 FLOP per expert). With few rows per expert
+    (<= 512) moecore's Triton grouped GEMM beats torch's on the FC2 forward and the dx GEMM (Qwen3-Next:
+    380 vs 335 and 482 vs 425 TFLOP/s) and, for wide experts, on the FC1 forward and the da GEMM too
+    (DeepSeek-V3: 549 vs 467, 550 vs 488); it loses wherever an expert has ~1000 rows (Qwen3-30B-A3B: 0.84-0.95x)
+    and on every weight gradient (0.79-0.88x).
     """
     if device.type != "cuda":
         return GemmPlan()
@@ -145,7 +97,13 @@ def default_plan(num_experts: int, rows: int, hidden: int, ffn: int, device: tor
     if num_experts <= 16 and per_expert >= 2048:
         return GemmPlan("loop", "loop", "loop", "grouped", "loop", "loop")
     big_dgrad13 = 2 * per_expert * 2 * ffn * hidden >= 12e9
-    return GemmPlan(dgrad13="loop" if big_dgrad13 else "grouped")
+    few_rows, wide = per_expert <= 512, hidden >= 4096
+    return GemmPlan(
+        fwd13="triton" if few_rows and wide else "grouped",
+        fwd2="triton" if few_rows else "grouped",
+        dgrad2="triton" if few_rows and wide else "grouped",
+        dgrad13="loop" if big_dgrad13 else ("triton" if few_rows else "grouped"),
+    )
 
 
 # ---------------------------------------------------------------- GEMM primitives
@@ -180,10 +138,14 @@ def _per_expert(counts: list, impl: str, device: torch.device, gemm) -> None:
         main.wait_stream(st)
 
 
-def gemm_nt(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, counts: list | None, impl: str) -> torch.Tensor:
+def gemm_nt(
+    a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, counts: list | None, impl: str, kind: str = "fwd13"
+) -> torch.Tensor:
     """out[rows of e] = a[rows of e] @ b[e]^T; a [M, K], b [E, N, K] -> [M, N]."""
     if impl == "grouped":
         return torch._grouped_mm(a, b.transpose(-2, -1), offs=bounds[1:])
+    if impl == "triton":
+        return grouped_mm(a, b, bounds, True, tiles_for(kind, a))
     out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
 
     def gemm(e: int, s: int, n: int) -> None:
@@ -194,10 +156,14 @@ def gemm_nt(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, counts: list
     return out
 
 
-def gemm_nn(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, counts: list | None, impl: str) -> torch.Tensor:
+def gemm_nn(
+    a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, counts: list | None, impl: str, kind: str = "dgrad13"
+) -> torch.Tensor:
     """out[rows of e] = a[rows of e] @ b[e]; a [M, N], b [E, N, K] -> [M, K]."""
     if impl == "grouped":
         return torch._grouped_mm(a, b, offs=bounds[1:])
+    if impl == "triton":
+        return grouped_mm(a, b, bounds, False, tiles_for(kind, a))
     out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)
 
     def gemm(e: int, s: int, n: int) -> None:
@@ -209,7 +175,13 @@ def gemm_nn(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, counts: list
 
 
 def gemm_tn(
-    a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, counts: list | None, impl: str, out_dtype: torch.dtype
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bounds: torch.Tensor,
+    counts: list | None,
+    impl: str,
+    out_dtype: torch.dtype,
+    kind: str = "wgrad13",
 ) -> torch.Tensor:
     """out[e] = a[rows of e]^T @ b[rows of e]; a [M, N1], b [M, N2] -> [E, N1, N2] (zeros for empty experts)."""
     E = bounds.numel() - 1
@@ -217,19 +189,7 @@ def gemm_tn(
     if impl == "grouped":
         return torch._grouped_mm(a.t(), b, offs=bounds[1:]).to(out_dtype)
     if impl == "triton":
-        a, b = a.contiguous(), b.contiguous()
-        out = torch.empty(E, N1, N2, dtype=out_dtype, device=a.device)
-        if a.is_cuda:
-
-            def grid(meta):
-                return (E * triton.cdiv(N1, meta["BLOCK_M"]) * triton.cdiv(N2, meta["BLOCK_N"]),)
-
-            _grouped_tn_tuned[grid](a, b, out, bounds, N1, N2, a.stride(0), b.stride(0))
-        else:  # TRITON_INTERPRET=1 on CPU (the tests): one fixed small config
-            bm = bn = bk = 16
-            grid = (E * triton.cdiv(N1, bm) * triton.cdiv(N2, bn),)
-            _grouped_tn_kernel[grid](a, b, out, bounds, N1, N2, a.stride(0), b.stride(0), bm, bn, bk, 2)
-        return out
+        return grouped_wgrad(a, b, bounds, out_dtype, tiles_for(kind, a))
     out = torch.empty(E, N1, N2, dtype=a.dtype, device=a.device)
 
     def gemm(e: int, s: int, n: int) -> None:
@@ -263,10 +223,10 @@ class _GroupedFFN(torch.autograd.Function):
         w13c, w2c = w13.to(dt), w2.to(dt)
         bounds = _bounds(counts)
         host = counts.tolist() if plan.needs_host_counts else None
-        h = gemm_nt(x, w13c, bounds, host, plan.fwd13)
+        h = gemm_nt(x, w13c, bounds, host, plan.fwd13, "fwd13")
         with torch.no_grad():
             a = swiglu(h, probs, impl=act_impl)
-        y = gemm_nt(a, w2c, bounds, host, plan.fwd2)
+        y = gemm_nt(a, w2c, bounds, host, plan.fwd2, "fwd2")
         ctx.hooked = _saved_tensor_hooks_active()
         if ctx.hooked:  # activation checkpointing (or offloading) must see x and h to drop or move them
             ctx.save_for_backward(w13c, w2c, probs, bounds, x, h)
@@ -288,14 +248,16 @@ class _GroupedFFN(torch.autograd.Function):
             ctx.x = ctx.h = None
         plan, host = ctx.plan, ctx.host
         dy = dy.contiguous()
-        da = gemm_nn(dy, w2c, bounds, host, plan.dgrad2)
+        da = gemm_nn(dy, w2c, bounds, host, plan.dgrad2, "dgrad2")
         dh, dp, a = swiglu_backward(h, probs, da, impl=ctx.act_impl)
         del da, h
-        dw2 = gemm_tn(dy, a, bounds, host, plan.wgrad2, ctx.w_dtypes[1]) if ctx.needs_input_grad[2] else None
+        dw2 = gemm_tn(dy, a, bounds, host, plan.wgrad2, ctx.w_dtypes[1], "wgrad2") if ctx.needs_input_grad[2] else None
         del a
-        dw13 = gemm_tn(dh, x, bounds, host, plan.wgrad13, ctx.w_dtypes[0]) if ctx.needs_input_grad[1] else None
+        dw13 = (
+            gemm_tn(dh, x, bounds, host, plan.wgrad13, ctx.w_dtypes[0], "wgrad13") if ctx.needs_input_grad[1] else None
+        )
         del x
-        dx = gemm_nn(dh, w13c, bounds, host, plan.dgrad13) if ctx.needs_input_grad[0] else None
+        dx = gemm_nn(dh, w13c, bounds, host, plan.dgrad13, "dgrad13") if ctx.needs_input_grad[0] else None
         dprobs = dp.to(ctx.p_dtype) if dp is not None and ctx.needs_input_grad[4] else None
         return dx, dw13, dw2, None, dprobs, None, None
 
@@ -333,15 +295,19 @@ def expert_ffn(
     probs_M: torch.Tensor | None = None,
     plan: GemmPlan | None = None,
     impl: str = "auto",
+    sync_free: bool = False,
 ) -> torch.Tensor:
     """The expert FFN of the module docstring on rows already sorted by expert ([M, H] -> [M, H]).
 
     counts_E: rows per expert (sum = M); probs_M: the routing probability of each row, multiplied
-    inside the activation, or None. `plan`: GEMM choice per kind (default: `default_plan`).
+    inside the activation, or None. `plan`: GEMM choice per kind (default: `default_plan`, with
+    `sync_free` its GEMMs that read the counts on the host replaced by grouped ones).
     """
     if x_MH.shape[0] == 0 or not use_triton(impl, x_MH, w13_EFH, w2_EHF):
         return expert_ffn_reference(x_MH, w13_EFH, w2_EHF, counts_E, probs_M)
     if plan is None:
         plan = default_plan(w13_EFH.shape[0], x_MH.shape[0], x_MH.shape[1], w2_EHF.shape[2], x_MH.device)
+        if sync_free:
+            plan = plan.without_host_sync()
     act_impl = "triton" if impl == "triton" else "auto"
     return _GroupedFFN.apply(x_MH.contiguous(), w13_EFH, w2_EHF, counts_E, probs_M, plan, act_impl)

@@ -194,6 +194,7 @@ class GroupedExperts(nn.Module):
         self.grouped_gemm = grouped_gemm
         self.recompute_act = False
         self.gemm_plan = None  # GemmPlan for the fused expert FFN; None: default_plan per shape (benchmarks)
+        self.sync_free = False  # moe.sync_free: no GEMM that reads the counts on the host
         self.name = "experts"  # the module's name in the model, for the slow-path warning (set by the model)
         self.warned = False
         self.last_path = None  # "fused" | "grouped_mm" | "loop" | "fp8": what the last forward ran (tests, diagnostics)
@@ -239,7 +240,7 @@ class GroupedExperts(nn.Module):
             # Fused expert FFN (moecore/kernels/grouped_ffn.py): GEMM per shape, fused SwiGLU * probs.
             self.last_path = "fused"
             counts = tokens_per_expert.to(x_NH.device)
-            return expert_ffn(x_NH, self.w13, self.w2, counts, probs_N, plan=self.gemm_plan)
+            return expert_ffn(x_NH, self.w13, self.w2, counts, probs_N, plan=self.gemm_plan, sync_free=self.sync_free)
         if self.uses_grouped_mm(x_NH):
             self.last_path = "grouped_mm"
             return experts_grouped_mm(

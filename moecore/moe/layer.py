@@ -33,7 +33,6 @@ from torch.utils.checkpoint import checkpoint
 
 from moecore.config import MoEConfig
 from moecore.kernels._triton import use_triton
-from moecore.kernels.grouped_ffn import GemmPlan
 from moecore.kernels.router import FusedRouting
 from moecore.moe import expert_parallel as ep_util
 from moecore.moe import losses
@@ -117,8 +116,8 @@ class MoELayer(nn.Module):
             self.experts.w13, self.experts.w2, cfg.num_experts, cfg.ffn_hidden_size, activation == "swiglu", dims
         )
         self.experts.recompute_act = recompute_act
-        if cfg.sync_free:  # grouped GEMMs on device offsets only (the measured "loop" plans read counts on the host)
-            self.experts.gemm_plan = GemmPlan()
+        # sync-free: GEMMs on device offsets only (the measured "loop" plans read the counts on the host)
+        self.experts.sync_free = cfg.sync_free
         self.recompute_shared = recompute_shared
         self.dispatcher = ep_util.build_dispatcher(
             cfg.num_experts, cfg.apply_probs_on_input, dims, cfg.token_dispatcher_type

@@ -37,7 +37,7 @@ def test_plan_rejects_unknown_gemm():
     with pytest.raises(ValueError, match="wgrad13"):
         GemmPlan(wgrad13="magic")
     with pytest.raises(ValueError, match="fwd13"):
-        GemmPlan(fwd13="triton")
+        GemmPlan(fwd13="cutlass")
 
 
 def test_loop_and_grouped_plans_match_reference_on_cpu():
@@ -64,12 +64,13 @@ def test_loop_and_grouped_plans_match_reference_on_cpu():
     "plan",
     [
         GemmPlan.uniform("grouped", "triton"),
+        GemmPlan.uniform("triton"),
         GemmPlan.uniform("loop"),
         GemmPlan.uniform("grouped"),
         GemmPlan("grouped", "grouped", "grouped", "loop", "grouped", "grouped"),
         GemmPlan.uniform("loop").with_streams(),
     ],
-    ids=["triton-wgrad", "loop", "grouped", "mixed", "streams"],
+    ids=["triton-wgrad", "triton", "loop", "grouped", "mixed", "streams"],
 )
 def test_function_matches_reference(backend, plan):
     if backend == "interpret" and plan.fwd13 == "grouped" and plan.wgrad13 != "triton":

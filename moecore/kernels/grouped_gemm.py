@@ -1,0 +1,331 @@
+"""Triton grouped GEMMs over rows sorted by expert, scheduled on the GPU (no host synchronisation).
+
+Legend: M rows sorted by expert, E experts, bounds [E + 1] the row offsets of each expert (int32, on the GPU).
+
+    grouped_mm(a, b, bounds):          out[rows of e] = a[rows of e] @ B[e]       a [M, K] -> [M, N]
+        B[e] = b[e]^T for b [E, N, K] (trans_b=True: forward, h = x @ w13[e]^T)
+        B[e] = b[e]   for b [E, K, N] (trans_b=False: data gradient, dx = dh @ w13[e])
+    grouped_wgrad(a, b, bounds):       out[e] = a[rows of e]^T @ b[rows of e]     -> [E, N1, N2]
+
+Tile schedule. `grouped_mm` splits each expert's rows into BLOCK_M-row tiles; `tile_starts[e]` (a cumsum
+of ceil(count / BLOCK_M), two small torch ops on the GPU) numbers them consecutively, and a program finds
+the expert of m-tile t by a binary search over tile_starts — so the launch needs only an upper bound on the
+number of tiles (ceil(M / BLOCK_M) + E), never the counts on the host. With `persistent`, one program per
+SM walks the tiles with a stride of the grid size; otherwise each program takes one tile and programs past
+the real count return at once. Consecutive tiles are grouped GROUP_M m-tiles at a time so that the
+weight tile and the rows they share stay in L2. `grouped_wgrad` tiles each dW[e] and reduces over the
+expert's rows in BLOCK_K chunks (masked at the expert's end; empty experts give zeros).
+
+With `tma` the full tiles are loaded through Hopper's tensor-memory accelerator (host-made tensor
+descriptors): rows past an expert's end that a forward tile reads belong to the next expert (finite
+values, never stored); the weight-gradient kernel loads its last partial chunk with masked pointer loads.
+
+`grouped_mm_reference` / `grouped_wgrad_reference` are loops of torch matmuls; the tests compare the
+kernels with them (in Triton's interpreter on CPU, on the GPU with the benchmark's shapes).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from moecore.kernels._triton import triton_importable
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch parameters of one grouped GEMM kernel (block sizes, warps, pipeline stages, schedule)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    warps: int = 8
+    stages: int = 3
+    persistent: bool = True
+    tma: bool = False
+    flatten: bool = False  # (persistent) let Triton pipeline across tiles: next tile's loads under this epilogue
+    warp_specialize: bool = False  # (persistent) Triton's automatic warp specialisation of the tile loop
+
+    def describe(self) -> str:
+        sched = ("P" if self.persistent else "G") + ("T" if self.tma else "")
+        sched += ("F" if self.flatten else "") + ("W" if self.warp_specialize else "")
+        return f"{self.block_m}x{self.block_n}x{self.block_k}w{self.warps}s{self.stages}g{self.group_m}{sched}"
+
+
+if triton_importable():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _expert_of_tile(t, tile_starts_ptr, E, SEARCH_STEPS: tl.constexpr):
+        # the largest e with tile_starts[e] <= t (empty experts repeat a start: the largest is the owner)
+        lo = t * 0
+        hi = lo + E
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (lo + hi) // 2
+            right = tl.load(tile_starts_ptr + mid) <= t
+            lo = tl.where(right, mid, lo)
+            hi = tl.where(right, hi, mid)
+        return lo
+
+    @triton.jit
+    def _swizzle(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+        # tile -> (tm, tn), walking GROUP_M m-tiles down a column of n-tiles before moving right
+        in_group = GROUP_M * tiles_n
+        first_m = (tile // in_group) * GROUP_M
+        size = tl.minimum(tiles_m - first_m, GROUP_M)
+        return first_m + (tile % in_group) % size, (tile % in_group) // size
+
+    @triton.jit
+    def _grouped_mm_kernel(
+        a_ptr,
+        b_ptr,
+        c_ptr,
+        a_desc,
+        b_desc,
+        bounds_ptr,
+        tile_starts_ptr,
+        E,
+        N,
+        K,
+        stride_am,
+        stride_be,
+        stride_bk,
+        stride_bn,
+        stride_cm,
+        TRANS_B: tl.constexpr,
+        USE_TMA: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        NUM_PROGRAMS: tl.constexpr,
+        SEARCH_STEPS: tl.constexpr,
+        FLATTEN: tl.constexpr,
+        WARP_SPECIALIZE: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        tiles_m = tl.load(tile_starts_ptr + E)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        for tile in tl.range(pid, tiles_m * tiles_n, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+            tm, tn = _swizzle(tile, tiles_m, tiles_n, GROUP_M)
+            e = _expert_of_tile(tm, tile_starts_ptr, E, SEARCH_STEPS)
+            end = tl.load(bounds_ptr + e + 1)
+            row0 = tl.load(bounds_ptr + e) + (tm - tl.load(tile_starts_ptr + e)) * BLOCK_M
+            rm = row0 + tl.arange(0, BLOCK_M)
+            rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_m = rm < end
+            mask_n = rn < N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if USE_TMA:
+                for k0 in range(0, K, BLOCK_K):
+                    a = a_desc.load([row0, k0])
+                    if TRANS_B:
+                        b = b_desc.load([e * N + tn * BLOCK_N, k0]).T
+                    else:
+                        b = b_desc.load([e * K + k0, tn * BLOCK_N])
+                    acc = tl.dot(a, b, acc)
+            else:
+                a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
+                b_cols = b_ptr + e.to(tl.int64) * stride_be + rn[None, :] * stride_bn
+                for k0 in range(0, K, BLOCK_K):
+                    kk = k0 + rk
+                    if EVEN_K:
+                        a = tl.load(a_rows + kk[None, :], mask=mask_m[:, None], other=0.0)
+                        b = tl.load(b_cols + kk[:, None] * stride_bk, mask=mask_n[None, :], other=0.0)
+                    else:
+                        mk = kk < K
+                        a = tl.load(a_rows + kk[None, :], mask=mask_m[:, None] & mk[None, :], other=0.0)
+                        b = tl.load(b_cols + kk[:, None] * stride_bk, mask=mk[:, None] & mask_n[None, :], other=0.0)
+                    acc = tl.dot(a, b, acc)
+            c = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+            tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def _grouped_wgrad_kernel(
+        a_ptr,
+        b_ptr,
+        c_ptr,
+        a_desc,
+        b_desc,
+        bounds_ptr,
+        E,
+        N1,
+        N2,
+        stride_a,
+        stride_b,
+        USE_TMA: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        NUM_PROGRAMS: tl.constexpr,
+        FLATTEN: tl.constexpr,
+        WARP_SPECIALIZE: tl.constexpr,
+    ):
+        # c[e] = a[s:t]^T @ b[s:t] with s, t = bounds[e], bounds[e+1]; a [M, N1], b [M, N2], c [E, N1, N2]
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(N1, BLOCK_M)
+        tiles_n = tl.cdiv(N2, BLOCK_N)
+        per_e = tiles_m * tiles_n
+        rk = tl.arange(0, BLOCK_K)
+        for tile in tl.range(pid, E * per_e, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+            e = tile // per_e
+            tm, tn = _swizzle(tile % per_e, tiles_m, tiles_n, GROUP_M)
+            start = tl.load(bounds_ptr + e)
+            end = tl.load(bounds_ptr + e + 1)
+            rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+            rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+            mm = rm < N1
+            mn = rn < N2
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            tail = start
+            if USE_TMA:
+                full = (end - start) // BLOCK_K
+                for i in range(0, full):
+                    r0 = start + i * BLOCK_K
+                    a = a_desc.load([r0, tm * BLOCK_M])
+                    b = b_desc.load([r0, tn * BLOCK_N])
+                    acc = tl.dot(a.T, b, acc)
+                tail = start + full * BLOCK_K
+            for k0 in range(tail, end, BLOCK_K):
+                rows = k0 + rk
+                mk = rows < end
+                rows64 = rows.to(tl.int64)
+                a = tl.load(a_ptr + rows64[:, None] * stride_a + rm[None, :], mask=mk[:, None] & mm[None, :], other=0.0)
+                b = tl.load(b_ptr + rows64[:, None] * stride_b + rn[None, :], mask=mk[:, None] & mn[None, :], other=0.0)
+                acc = tl.dot(a.T, b, acc)
+            c = c_ptr + e.to(tl.int64) * N1 * N2 + rm.to(tl.int64)[:, None] * N2 + rn[None, :]
+            tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _programs(device: torch.device, upper_bound: int, cfg: TileConfig) -> int:
+    if not cfg.persistent:
+        return max(1, upper_bound)
+    sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
+    return max(1, min(sms, upper_bound))
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned base addresses and row strides, and unit stride along the row."""
+    for t in tensors:
+        es = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * es) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+GPU_TILES = {  # per GEMM kind of the expert FFN; the fastest of benchmarks/grouped_gemm_tiles.py on an H200
+    "fwd13": TileConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=True, flatten=True),
+    "fwd2": TileConfig(128, 256, 64, 8, 8, 4, persistent=True, tma=True, flatten=True),
+    "dgrad2": TileConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=True),
+    "dgrad13": TileConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=True, flatten=True),
+    "wgrad13": TileConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=True),
+    "wgrad2": TileConfig(128, 256, 64, 8, 8, 3, persistent=True, tma=True),
+}
+INTERPRETER_TILES = TileConfig(16, 32, 16, 2, 4, 2, persistent=True, tma=True)  # Triton's CPU interpreter (tests)
+
+
+def tiles_for(kind: str, a: torch.Tensor) -> TileConfig:
+    """The tile configuration for this GEMM kind of the expert FFN on a's device."""
+    return GPU_TILES[kind] if a.is_cuda else INTERPRETER_TILES
+
+
+def tile_starts(bounds: torch.Tensor, block_m: int) -> torch.Tensor:
+    """[E + 1] int32: the index of each expert's first m-tile of block_m rows (last entry: the total)."""
+    counts = bounds[1:] - bounds[:-1]
+    starts = torch.zeros_like(bounds)
+    torch.cumsum((counts + block_m - 1) // block_m, 0, out=starts[1:])
+    return starts
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, trans_b: bool, cfg: TileConfig) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ (b[e]^T if trans_b else b[e]); a [M, K] -> [M, N] in a's dtype."""
+    E = b.shape[0]
+    M, K = a.shape
+    N = b.shape[1] if trans_b else b.shape[2]
+    if b.shape[2 if trans_b else 1] != K:
+        raise ValueError(f"grouped_mm: a has {K} columns but b's reduction dimension is {tuple(b.shape)}")
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    b = b.contiguous()
+    out = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    if M == 0:
+        return out
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    starts = tile_starts(bounds, bm)
+    upper = (triton.cdiv(M, bm) + E) * triton.cdiv(N, bn)
+    tma = cfg.tma and K % bk == 0 and _tma_ok(a, b)
+    a_desc = b_desc = None
+    if tma:
+        a_desc = _descriptor(a, [bm, bk])
+        b2 = b.view(E * b.shape[1], b.shape[2])
+        b_desc = _descriptor(b2, [bn, bk] if trans_b else [bk, bn])
+    stride_bk, stride_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
+    programs = _programs(a.device, upper, cfg)
+    _grouped_mm_kernel[(programs,)](
+        a, b, out, a_desc, b_desc, bounds, starts, E, N, K,
+        a.stride(0), b.stride(0), stride_bk, stride_bn, out.stride(0),
+        TRANS_B=trans_b, USE_TMA=tma, EVEN_K=K % bk == 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs, SEARCH_STEPS=max(1, E.bit_length()),
+        FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+        num_warps=cfg.warps, num_stages=cfg.stages,
+    )  # fmt: skip
+    return out
+
+
+def grouped_wgrad(
+    a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, out_dtype: torch.dtype, cfg: TileConfig
+) -> torch.Tensor:
+    """out[e] = a[rows of e]^T @ b[rows of e]; a [M, N1], b [M, N2] -> [E, N1, N2] (zeros for empty experts)."""
+    E = bounds.numel() - 1
+    N1, N2 = a.shape[1], b.shape[1]
+    a, b = a.contiguous(), b.contiguous()
+    out = torch.empty(E, N1, N2, dtype=out_dtype, device=a.device)
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    tma = cfg.tma and a.shape[0] > 0 and _tma_ok(a, b)
+    a_desc = _descriptor(a, [bk, bm]) if tma else None
+    b_desc = _descriptor(b, [bk, bn]) if tma else None
+    upper = E * triton.cdiv(N1, bm) * triton.cdiv(N2, bn)
+    programs = _programs(a.device, upper, cfg)
+    _grouped_wgrad_kernel[(programs,)](
+        a, b, out, a_desc, b_desc, bounds, E, N1, N2, a.stride(0), b.stride(0),
+        USE_TMA=tma, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, NUM_PROGRAMS=programs,
+        FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.warps, num_stages=cfg.stages,
+    )  # fmt: skip
+    return out
+
+
+def grouped_mm_reference(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, trans_b: bool) -> torch.Tensor:
+    """A loop of torch matmuls computing what `grouped_mm` does."""
+    N = b.shape[1] if trans_b else b.shape[2]
+    out = a.new_empty(a.shape[0], N)
+    edges = bounds.tolist()
+    for e in range(b.shape[0]):
+        s, t = edges[e], edges[e + 1]
+        out[s:t] = a[s:t] @ (b[e].t() if trans_b else b[e])
+    return out
+
+
+def grouped_wgrad_reference(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """A loop of torch matmuls computing what `grouped_wgrad` does (in float64 for the comparisons)."""
+    edges = bounds.tolist()
+    return torch.stack(
+        [a[edges[e] : edges[e + 1]].double().t() @ b[edges[e] : edges[e + 1]].double() for e in range(len(edges) - 1)]
+    )

@@ -1,0 +1,115 @@
+"""moecore's Triton grouped GEMMs against loops of torch matmuls (float64), for every schedule and layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moecore.kernels.grouped_gemm import (
+    TileConfig,
+    grouped_mm,
+    grouped_mm_reference,
+    grouped_wgrad,
+    grouped_wgrad_reference,
+    tile_starts,
+)
+from tests.kernels.conftest import rel_err, setup
+
+# (persistent, tma): one tile per program, persistent, persistent with TMA loads, one tile per program with TMA
+SCHEDULES = [(False, False), (True, False), (True, True), (False, True)]
+SCHEDULE_IDS = ["grid", "persistent", "persistent-tma", "grid-tma"]
+
+
+def _bounds(counts: list[int], dev) -> torch.Tensor:
+    b = torch.zeros(len(counts) + 1, dtype=torch.int32)
+    b[1:] = torch.cumsum(torch.tensor(counts), 0)
+    return b.to(dev)
+
+
+def _config(backend: str, persistent: bool, tma: bool) -> TileConfig:
+    if backend == "cuda":
+        return TileConfig(64, 128, 64, 4, 4, 3, persistent, tma)
+    return TileConfig(16, 32, 16, 2, 4, 2, persistent, tma)
+
+
+def _counts(backend: str) -> list[int]:
+    # empty experts first, inside and last; groups shorter than a tile, exactly one tile, and ragged
+    small = [0, 3, 17, 40, 0, 1, 16, 33, 0]
+    return small if backend == "interpret" else [c * 13 for c in small] + [64, 0, 257]
+
+
+def test_tile_starts_number_each_experts_tiles():
+    bounds = _bounds([0, 3, 17, 0, 32, 1], "cpu")
+    assert tile_starts(bounds, 16).tolist() == [0, 0, 1, 3, 3, 5, 6]
+
+
+def test_references_match_per_row_formula():
+    g = torch.Generator().manual_seed(1)
+    counts = [2, 0, 3]
+    bounds = _bounds(counts, "cpu")
+    a = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    b = torch.randn(3, 6, 4, generator=g, dtype=torch.float64)
+    out = grouped_mm_reference(a, b, bounds, trans_b=True)
+    expert = torch.repeat_interleave(torch.arange(3), torch.tensor(counts))
+    for r in range(5):
+        assert torch.allclose(out[r], b[expert[r]] @ a[r])
+    c = torch.randn(5, 2, generator=g, dtype=torch.float64)
+    w = grouped_wgrad_reference(a, c, bounds)
+    assert torch.count_nonzero(w[1]) == 0
+    assert torch.allclose(w[2], sum(torch.outer(a[r], c[r]) for r in range(2, 5)))
+
+
+@pytest.mark.parametrize("persistent,tma", SCHEDULES, ids=SCHEDULE_IDS)
+@pytest.mark.parametrize("trans_b", [True, False], ids=["nt", "nn"])
+def test_grouped_mm_matches_reference(backend, persistent, tma, trans_b):
+    dev, dt = setup(backend)
+    g = torch.Generator().manual_seed(2)
+    counts = _counts(backend)
+    E, M = len(counts), sum(counts)
+    K, N = (48, 40) if backend == "interpret" else (192, 320)
+    a = torch.randn(M, K, generator=g).to(dev, dt)
+    b = (torch.randn(E, N, K, generator=g) if trans_b else torch.randn(E, K, N, generator=g)).to(dev, dt)
+    bounds = _bounds(counts, dev)
+    out = grouped_mm(a, b, bounds, trans_b, _config(backend, persistent, tma))
+    ref = grouped_mm_reference(a.double(), b.double(), bounds, trans_b)
+    assert out.dtype == dt and out.shape == (M, N)
+    assert rel_err(out, ref) < (1e-2 if dt == torch.bfloat16 else 1e-6)
+
+
+def test_grouped_mm_reduction_not_a_multiple_of_the_block(backend):
+    dev, dt = setup(backend)
+    g = torch.Generator().manual_seed(3)
+    counts = _counts(backend)
+    E, M = len(counts), sum(counts)
+    K, N = (40, 24) if backend == "interpret" else (200, 136)  # K % block_k != 0: the masked loads
+    a = torch.randn(M, K, generator=g).to(dev, dt)
+    b = torch.randn(E, N, K, generator=g).to(dev, dt)
+    bounds = _bounds(counts, dev)
+    out = grouped_mm(a, b, bounds, True, _config(backend, True, True))
+    ref = grouped_mm_reference(a.double(), b.double(), bounds, True)
+    assert rel_err(out, ref) < (1e-2 if dt == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("persistent,tma", SCHEDULES, ids=SCHEDULE_IDS)
+def test_grouped_wgrad_matches_reference(backend, persistent, tma):
+    dev, dt = setup(backend)
+    g = torch.Generator().manual_seed(4)
+    counts = _counts(backend)
+    M = sum(counts)
+    N1, N2 = (24, 40) if backend == "interpret" else (192, 320)
+    a = torch.randn(M, N1, generator=g).to(dev, dt)
+    b = torch.randn(M, N2, generator=g).to(dev, dt)
+    bounds = _bounds(counts, dev)
+    out = grouped_wgrad(a, b, bounds, torch.float32, _config(backend, persistent, tma))
+    ref = grouped_wgrad_reference(a, b, bounds)
+    for e, n in enumerate(counts):
+        if n == 0:
+            assert torch.count_nonzero(out[e]) == 0, e
+        else:
+            assert rel_err(out[e], ref[e]) < (1e-2 if dt == torch.bfloat16 else 1e-6), e
+
+
+def test_grouped_mm_rejects_mismatched_reduction():
+    a = torch.zeros(4, 8)
+    with pytest.raises(ValueError, match="reduction dimension"):
+        grouped_mm(a, torch.zeros(2, 5, 7), _bounds([2, 2], "cpu"), True, TileConfig())
