@@ -54,6 +54,8 @@ VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore"
     "moecore": "fused router, GEMM plan per shape (default_plan)",
     "moecore-unfused-router": "moe.router_fusion=false: routing through separate torch ops",
     "moecore-all-grouped": "every expert GEMM through torch._grouped_mm (no host sync, one launch each)",
+    "moecore-fp32-router-gemm": "the router's three GEMMs as fp32 GEMMs instead of the split-bf16 form (router_gemm.py)",
+    "moecore-all-triton": "every expert GEMM through moecore's Triton grouped GEMMs (no host sync, one launch each)",
     "moecore-streams": "default_plan with its per-expert GEMM loops on two CUDA streams",
     "moecore-minimal": "moe.activation_memory=minimal: experts, permute and combine as one Function (x, h, routing kept)",
     "moecore-sync-free": "moe.sync_free=true: no host synchronisation from routing to combine",
@@ -85,6 +87,10 @@ def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore", tok
     layer = MoELayer(cfg, h)
     if variant == "moecore-all-grouped":
         layer.experts.gemm_plan = GemmPlan.uniform("grouped")
+    if variant == "moecore-fp32-router-gemm":
+        layer.router.split_gemm = False
+    if variant == "moecore-all-triton":
+        layer.experts.gemm_plan = GemmPlan.uniform("triton")
     if variant == "moecore-streams":
         layer.experts.gemm_plan = default_plan(e, tokens * k, h, f, torch.device("cuda")).with_streams()
     if variant.startswith("moecore-fp8-"):  # train.precision=fp8 with fp8.modules=[experts]
@@ -168,8 +174,8 @@ def expert_load(x: torch.Tensor, gate: torch.Tensor, k: int) -> dict:
     }
 
 
-def profile_phases(module, x: torch.Tensor, g: torch.Tensor, steps: int = 3) -> dict:
-    """GPU milliseconds per forward + backward by phase (see `profile_gpu_ms`)."""
+def profile_phases(module, x: torch.Tensor, g: torch.Tensor, steps: int = 3, top: list | None = None) -> dict:
+    """GPU milliseconds per forward + backward by phase (see `profile_gpu_ms`; `top` gets the longest kernels)."""
 
     def step():
         x.grad = None
@@ -178,7 +184,7 @@ def profile_phases(module, x: torch.Tensor, g: torch.Tensor, steps: int = 3) -> 
         out = module(x)
         (out[0] if isinstance(out, tuple) else out).backward(g)
 
-    return profile_gpu_ms(step, PHASES, steps)
+    return profile_gpu_ms(step, PHASES, steps, top)
 
 
 def run_shape(
@@ -227,7 +233,10 @@ def run_shape(
             del state
             _free()
             ms, peak = _time_step(mod, x, g, warmup, iters)
-            extra = {"phases_ms": profile_phases(mod, x, g)} if phases else {}
+            extra = {}
+            if phases:
+                top: list = []
+                extra = {"phases_ms": profile_phases(mod, x, g, top=top), "top_kernels": top}
             records.append(record(name, impl, ms, flops, peak, **load, **extra))
         except Exception as ex:  # record and continue: one failing implementation must not hide the others
             records.append(record(name, impl, None, None, None, error=f"{type(ex).__name__}: {ex}"[:300]))

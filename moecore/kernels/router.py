@@ -477,34 +477,3 @@ def fused_router(
     bias = expert_bias_E.float().contiguous() if expert_bias_E is not None else None
     out = _FusedRouterFn.apply(logits_TE, bias, valid_T, spec, segment)
     return FusedRouting(*out)
-
-
-# ---------------------------------------------------------------- the router's linear map
-
-
-class _RouterLinearFn(torch.autograd.Function):
-    """logits = x @ W^T in `dtype` (autocast off), keeping x and W in their own dtypes for backward."""
-
-    @staticmethod
-    def forward(ctx, x, weight, dtype):
-        ctx.save_for_backward(x, weight)
-        ctx.dtype = dtype
-        with torch.autocast(x.device.type, enabled=False):
-            return torch.nn.functional.linear(x.to(dtype), weight.to(dtype))
-
-    @staticmethod
-    def backward(ctx, d_logits):
-        x, weight = ctx.saved_tensors
-        dx = dw = None
-        with torch.autocast(x.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
-                dx = (d_logits @ weight.to(ctx.dtype)).to(x.dtype)
-            if ctx.needs_input_grad[1]:
-                dw = (d_logits.t() @ x.to(ctx.dtype)).to(weight.dtype)
-        return dx, dw, None
-
-
-def router_linear(x_TH: torch.Tensor, weight_EH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Router logits in `dtype` whatever autocast is active; saves x in its own dtype (bf16 x is not
-    kept as an fp32 copy, which plain autograd through `x.to(fp32)` would keep: 2x the bytes)."""
-    return _RouterLinearFn.apply(x_TH, weight_EH, dtype)

@@ -43,8 +43,8 @@ from moecore.kernels.router import (
     fused_router,
     group_limited_mask,
     kernel_covers,
-    router_linear,
 )
+from moecore.kernels.router_gemm import router_linear
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -164,6 +164,7 @@ class TopKRouter(nn.Module):
         # Router replay (moecore/moe/router_replay.py): the run's RouterReplay store and this router's key.
         self.replay = None
         self.replay_key = ""
+        self.split_gemm = None  # router_linear's split-bf16 form: None where it applies, False never (benchmarks)
 
     def _apply(self, fn, recurse: bool = True):
         # Keep the expert bias in fp32 through `.to(dtype)` / `.bfloat16()`: its updates (1e-3) are
@@ -181,7 +182,7 @@ class TopKRouter(nn.Module):
         if self.training and eps:
             # Switch Transformer input jitter: multiply the router input by U(1 - eps, 1 + eps).
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
-        return router_linear(x, self.weight, self.router_dtype)
+        return router_linear(x, self.weight, self.router_dtype, split=self.split_gemm)
 
     def forward(self, x_TH: torch.Tensor) -> RouterOutput:
         cfg = self.cfg

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moecore.kernels.router import RouterSpec, fused_router, fused_router_reference, kernel_covers, router_linear
+from moecore.kernels.router import RouterSpec, fused_router, fused_router_reference, kernel_covers
+from moecore.kernels.router_gemm import router_linear, split3
 from moecore.moe import losses
 from moecore.moe.router import scores_for_balancing, topk_routing
 from tests.kernels.conftest import rel_err, setup
@@ -143,6 +144,61 @@ def test_router_linear_equals_autograd_through_casts():
     # autocast does not lower the router's precision
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert router_linear(x, w, torch.float32).dtype == torch.float32
+
+
+def test_split3_represents_fp32_values():
+    torch.manual_seed(1)
+    v = torch.randn(4096) * torch.logspace(-6, 6, 4096)
+    parts = split3(v)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (3, 4096)
+    back = parts[0].double() + parts[1].double() + parts[2].double()
+    assert ((back - v.double()).abs() / v.double().abs()).max() < 2**-22
+
+
+def _router_problem(dev, seed=2, T=64, H=96, E=24):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    w = (torch.randn(E, H, generator=g) * 0.05).to(dev)
+    gl = torch.randn(T, E, generator=g).to(dev)
+    return x, w, gl
+
+
+def _grads(x, w, gl, **kw):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = router_linear(x, w, torch.float32, **kw)
+    out.backward(gl)
+    return out.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32-w", "bf16-w"])
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_split_router_linear_matches_float64(dev, w_dtype):
+    # the split-bf16 form (CPU: its maths in fp32 matmuls; CUDA: bf16 GEMMs with fp32 output) against float64
+    if dev == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x, w, gl = _router_problem(dev)
+    w = w.to(w_dtype)
+    out, dx, dw = _grads(x, w, gl, split=True)
+    ref = x.double() @ w.double().t()
+    ref_dx = gl.double() @ w.double()
+    ref_dw = gl.double().t() @ x.double()
+    fp32_out, fp32_dx, fp32_dw = _grads(x, w, gl, split=False)
+    assert out.dtype == torch.float32 and dx.dtype == torch.bfloat16 and dw.dtype == w_dtype
+    # logits and dW to fp32 accuracy: no further from float64 than the fp32 GEMM (plus one fp32 rounding)
+    for got, fp32, exact in ((out, fp32_out, ref), (dw, fp32_dw, ref_dw)):
+        bound = (fp32.double() - exact).abs().max().item() + 2**-23 * exact.abs().max().item()
+        assert (got.double() - exact).abs().max().item() <= 2 * bound
+    # dx is bf16: one bf16 rounding of float64 (2^-8 relative), plus (split) the dropped terms, which are
+    # below 2^-16 of the sum of |g| |W| (the fp32 path's own sums err by less than 2^-20 of it)
+    scale = gl.double().abs() @ w.double().abs()
+    for got in (dx, fp32_dx):
+        assert ((got.double() - ref_dx).abs() <= 2**-8 * ref_dx.abs() + 2**-16 * scale).all()
+
+
+def test_split_router_linear_refuses_other_dtypes():
+    x, w, _ = _router_problem("cpu")
+    with pytest.raises(ValueError, match="bf16 activations and fp32 logits"):
+        router_linear(x.float(), w, torch.float32, split=True)
 
 
 def test_empty_batch_gives_empty_sums():

@@ -1,0 +1,144 @@
+"""The router's linear map, logits = x @ W^T, in fp32 precision on the tensor cores.
+
+The router keeps fp32 logits (`moe.router_dtype`): routing decisions flip on small logit differences.
+Computed as an fp32 GEMM they run on the GPU's fp32 SIMT units, ~50 TFLOP/s on an H200 against ~600
+for bf16 on the tensor cores; at Qwen3-Next's shape (16384 tokens, hidden 2048, 512 experts) the three
+router GEMMs (logits, dx, dW) took 2.0 ms of an 11.5 ms MoE layer.
+
+Split form. Any fp32 value v is, to its last bit in all but denormal corner cases, the sum of three bf16
+numbers: hi = bf16(v), mid = bf16(v - hi), lo = bf16(v - hi - mid) (8 + 8 + 8 significant bits, fp32 has 24).
+A bf16 x bf16 product is exact in fp32, and the tensor cores accumulate in fp32, so with bf16 activations x
+
+    logits = x @ W^T = x @ W_hi^T + x @ W_mid^T + x @ W_lo^T        (one GEMM against [W_hi; W_mid; W_lo])
+
+is the fp32 GEMM up to the order of the fp32 additions (a bf16 W, as under bf16 parameters, is its own single
+piece: one GEMM of E columns). The backward splits the fp32 gradient g = dlogits:
+
+    dW = g^T x = (g_hi + g_mid + g_lo)^T x                          (one GEMM, three E-row blocks summed)
+    dx = g W  ~= g_hi W_hi + g_hi W_mid + g_mid W_hi                 (one GEMM over 3E; dx is rounded to
+                                                                      bf16, the dropped terms are < 2^-16)
+
+Each is a single bf16 GEMM with three times the FLOPs of the fp32 one, on units ten times faster. It runs on
+CUDA for bf16 x and fp32 logits (where torch.mm can write fp32 from bf16 inputs); elsewhere, and for
+fp64 logits, the plain cast-and-multiply path runs. `router_linear(..., split=True)` on CPU evaluates the
+split form with fp32 matmuls (exact products, fp32 sums: what the tensor cores compute), for the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def split3(v: torch.Tensor) -> torch.Tensor:
+    """[3, *v.shape] bf16 with hi + mid + lo = v (fp32) to fp32 precision."""
+    v = v.float()
+    hi = v.to(torch.bfloat16)
+    r = v - hi.float()
+    mid = r.to(torch.bfloat16)
+    lo = (r - mid.float()).to(torch.bfloat16)
+    return torch.stack([hi, mid, lo])
+
+
+@functools.cache
+def _mm_fp32_out_supported(device_index: int) -> bool:
+    """Whether torch.mm(bf16, bf16, out_dtype=fp32) runs on this GPU with this torch."""
+    try:
+        a = torch.zeros(16, 16, dtype=torch.bfloat16, device=f"cuda:{device_index}")
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError):
+        return False
+
+
+def split_path_applies(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether `router_linear` takes the split form for these inputs (module docstring)."""
+    return (
+        dtype == torch.float32
+        and x.dtype == torch.bfloat16
+        and x.is_cuda
+        and _mm_fp32_out_supported(x.device.index or 0)
+    )
+
+
+def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with fp32 output: bf16 inputs on the tensor cores (CUDA), fp32 matmul of the same values elsewhere."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def _pieces(w: torch.Tensor) -> torch.Tensor:
+    """[n, *w.shape] bf16 pieces summing to w: the three of `split3` for fp32, w itself for bf16."""
+    return w[None] if w.dtype == torch.bfloat16 else split3(w)
+
+
+def _split_forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    ws = _pieces(w)
+    n, E = ws.shape[0], w.shape[0]
+    parts = _mm32(x, ws.reshape(n * E, -1).t())  # [T, nE]: x W_hi^T | x W_mid^T | x W_lo^T
+    if n == 1:
+        return parts
+    return parts[:, :E] + (parts[:, E : 2 * E] + parts[:, 2 * E :])
+
+
+def _split_dw(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    E = g.shape[1]
+    gs = split3(g)  # [3, T, E]
+    parts = _mm32(gs.permute(0, 2, 1).reshape(3 * E, -1), x)  # [3E, H]
+    return parts[:E] + (parts[E : 2 * E] + parts[2 * E :])
+
+
+def _split_dx(g: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    gs, ws = split3(g), _pieces(w)
+    if ws.shape[0] == 1:  # bf16 W: g_hi W + g_mid W
+        a, b = torch.cat([gs[0], gs[1]], dim=1), torch.cat([ws[0], ws[0]], dim=0)
+    else:
+        a = torch.cat([gs[0], gs[0], gs[1]], dim=1)  # [T, 3E]
+        b = torch.cat([ws[0], ws[1], ws[0]], dim=0)  # [3E, H]
+    return _mm32(a, b).to(out_dtype)
+
+
+class _RouterLinearFn(torch.autograd.Function):
+    """logits = x @ W^T in `dtype` (autocast off), keeping x and W in their own dtypes for backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dtype, split):
+        ctx.save_for_backward(x, weight)
+        ctx.dtype, ctx.split = dtype, split
+        with torch.autocast(x.device.type, enabled=False):
+            if split:
+                return _split_forward(x, weight)
+            return torch.nn.functional.linear(x.to(dtype), weight.to(dtype))
+
+    @staticmethod
+    def backward(ctx, d_logits):
+        x, weight = ctx.saved_tensors
+        dx = dw = None
+        with torch.autocast(x.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                if ctx.split:
+                    dx = _split_dx(d_logits, weight, x.dtype)
+                else:
+                    dx = (d_logits @ weight.to(ctx.dtype)).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                if ctx.split:
+                    dw = _split_dw(d_logits, x).to(weight.dtype)
+                else:
+                    dw = (d_logits.t() @ x.to(ctx.dtype)).to(weight.dtype)
+        return dx, dw, None, None
+
+
+def router_linear(
+    x_TH: torch.Tensor, weight_EH: torch.Tensor, dtype: torch.dtype, split: bool | None = None
+) -> torch.Tensor:
+    """Router logits in `dtype` whatever autocast is active; saves x in its own dtype (bf16 x is not
+    kept as an fp32 copy, which plain autograd through `x.to(fp32)` would keep: 2x the bytes).
+
+    `split`: the split-bf16 form of the module docstring (None: where `split_path_applies`; True on CPU
+    evaluates the same split maths with fp32 matmuls, for the tests)."""
+    if split is None:
+        split = split_path_applies(x_TH, dtype)
+    if split and (dtype != torch.float32 or x_TH.dtype != torch.bfloat16):
+        raise ValueError("router_linear: the split form needs bf16 activations and fp32 logits")
+    return _RouterLinearFn.apply(x_TH, weight_EH, dtype, split)
