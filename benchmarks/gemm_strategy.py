@@ -16,38 +16,20 @@ import time
 
 import torch
 
+from moecore.bench.common import FFN_SHAPES as SHAPES
 from moecore.bench.common import cuda_time_ms as bench
-from moecore.kernels.grouped_ffn import GemmPlan, _bounds, default_plan, expert_ffn, gemm_nn, gemm_nt, gemm_tn
+from moecore.bench.common import expert_ffn_problem
+from moecore.kernels.grouped_ffn import GemmPlan, default_plan, expert_ffn, gemm_nn, gemm_nt, gemm_tn
 from moecore.kernels.permute import make_permutation, permute, unpermute
 from moecore.kernels.swiglu import swiglu, swiglu_backward
 
-SHAPES = {  # hidden, ffn, experts, top-k, tokens
-    "qwen3_30b_a3b": (2048, 768, 128, 8, 16384),
-    "mixtral_8x7b": (4096, 14336, 8, 2, 16384),
-    "deepseek_v3": (7168, 2048, 256, 8, 8192),
-    "qwen3_next_80b": (2048, 512, 512, 10, 16384),
-}
-
 
 def run_shape(name: str, out: list) -> None:
-    H, Fd, E, K, T = SHAPES[name]
     dev, dt = torch.device("cuda"), torch.bfloat16
-    torch.manual_seed(0)
-    logits = torch.randn(T, E, device=dev)
-    idx = logits.topk(K, dim=-1).indices
-    perm = make_permutation(idx, E)
-    counts = perm.counts_E
-    host = counts.tolist()
-    bounds = _bounds(counts)
-    M = T * K
-    x = torch.randn(T, H, device=dev, dtype=dt)
-    xs = torch.randn(M, H, device=dev, dtype=dt)
-    w13 = torch.randn(E, 2 * Fd, H, device=dev, dtype=dt) * 0.02
-    w2 = torch.randn(E, H, Fd, device=dev, dtype=dt) * 0.02
-    h = torch.randn(M, 2 * Fd, device=dev, dtype=dt)
-    a = torch.randn(M, Fd, device=dev, dtype=dt)
-    dy = torch.randn(M, H, device=dev, dtype=dt)
-    p = torch.rand(M, device=dev)
+    pb = expert_ffn_problem(name, dev, dt)
+    H, Fd, E, K, T, M = pb.H, pb.F, pb.E, pb.K, pb.T, pb.M
+    idx, perm, counts, bounds, host = pb.idx, pb.perm, pb.counts, pb.bounds, pb.counts.tolist()
+    x, xs, w13, w2, h, a, dy, p = pb.x, pb.xs, pb.w13, pb.w2, pb.h, pb.a, pb.dy, pb.p
 
     def emit(what, ms, flops=None, **kw):
         rec = dict(shape=name, what=what, ms=round(ms, 4), **kw)

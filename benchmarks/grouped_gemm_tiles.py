@@ -19,17 +19,9 @@ import time
 
 import torch
 
-from moecore.bench.common import cuda_time_ms
-from moecore.kernels.grouped_ffn import _bounds
+from moecore.bench.common import FFN_SHAPES as SHAPES
+from moecore.bench.common import cuda_time_ms, expert_ffn_problem
 from moecore.kernels.grouped_gemm import TileConfig, grouped_mm, grouped_wgrad
-from moecore.kernels.permute import make_permutation
-
-SHAPES = {  # hidden, ffn, experts, top-k, tokens
-    "qwen3_30b_a3b": (2048, 768, 128, 8, 16384),
-    "mixtral_8x7b": (4096, 14336, 8, 2, 16384),
-    "deepseek_v3": (7168, 2048, 256, 8, 8192),
-    "qwen3_next_80b": (2048, 512, 512, 10, 16384),
-}
 
 MM_TILES = "128x128x64w4s4g8,128x128x64w8s3g8,128x256x64w8s3g8,64x128x64w4s4g8,64x256x64w8s3g8"
 WGRAD_TILES = "128x128x64w8s3g8,128x128x64w4s4g8,128x256x64w8s3g8,256x128x64w8s3g8,64x128x64w4s4g8"
@@ -60,18 +52,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_shape(name: str, mm_cfgs: list, wgrad_cfgs: list, kinds: set | None, emit) -> None:
-    H, Fd, E, K, T = SHAPES[name]
     dev, dt = torch.device("cuda"), torch.bfloat16
-    torch.manual_seed(0)
-    idx = torch.randn(T, E, device=dev).topk(K, dim=-1).indices
-    bounds = _bounds(make_permutation(idx, E).counts_E)
-    M = T * K
-    xs = torch.randn(M, H, device=dev, dtype=dt)
-    w13 = torch.randn(E, 2 * Fd, H, device=dev, dtype=dt) * 0.02
-    w2 = torch.randn(E, H, Fd, device=dev, dtype=dt) * 0.02
-    h = torch.randn(M, 2 * Fd, device=dev, dtype=dt)
-    a = torch.randn(M, Fd, device=dev, dtype=dt)
-    dy = torch.randn(M, H, device=dev, dtype=dt)
+    pb = expert_ffn_problem(name, dev, dt)
+    M, H, Fd, bounds = pb.M, pb.H, pb.F, pb.bounds
+    xs, w13, w2, h, a, dy = pb.xs, pb.w13, pb.w2, pb.h, pb.a, pb.dy
     offs = bounds[1:]
     f13, f2 = 2 * M * H * 2 * Fd, 2 * M * H * Fd
     mm_kinds = {  # name: (torch call, our call given a config, flops)

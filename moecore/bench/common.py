@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import statistics
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 
@@ -155,3 +156,37 @@ def print_table(records: list[dict]) -> None:
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for row in rows:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+FFN_SHAPES = {  # expert-FFN benchmarks (benchmarks/gemm_strategy.py, grouped_gemm_tiles.py): H, F, E, top-k, tokens
+    "qwen3_30b_a3b": (2048, 768, 128, 8, 16384),
+    "mixtral_8x7b": (4096, 14336, 8, 2, 16384),
+    "deepseek_v3": (7168, 2048, 256, 8, 8192),
+    "qwen3_next_80b": (2048, 512, 512, 10, 16384),
+}
+
+
+def expert_ffn_problem(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> SimpleNamespace:
+    """Random top-k routing at an `FFN_SHAPES` shape and random operands of each expert-FFN GEMM.
+
+    Fields: H, F, E, K, T, M (= T * K routed rows), idx [T, K], perm (the permutation), counts [E],
+    bounds [E + 1] (int32 row offsets), x [T, H] tokens, xs [M, H] expert-sorted rows, w13 [E, 2F, H],
+    w2 [E, H, F], h [M, 2F] (FC1 output, or its gradient), a [M, F] (activation), dy [M, H], p [M].
+    """
+    from moecore.kernels.grouped_ffn import _bounds
+    from moecore.kernels.permute import make_permutation
+
+    H, F, E, K, T = FFN_SHAPES[name]
+    torch.manual_seed(0)
+    idx = torch.randn(T, E, device=device).topk(K, dim=-1).indices
+    perm = make_permutation(idx, E)
+    M = T * K
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, device=device, dtype=dtype) * scale
+
+    return SimpleNamespace(
+        H=H, F=F, E=E, K=K, T=T, M=M, idx=idx, perm=perm, counts=perm.counts_E, bounds=_bounds(perm.counts_E),
+        x=rand(T, H), xs=rand(M, H), w13=rand(E, 2 * F, H, scale=0.02), w2=rand(E, H, F, scale=0.02),
+        h=rand(M, 2 * F), a=rand(M, F), dy=rand(M, H), p=torch.rand(M, device=device),
+    )  # fmt: skip
