@@ -1,7 +1,8 @@
 """FP8 training accuracy: a ~100M-parameter MoE trained N steps on the embedded corpus in bf16 and in each FP8 recipe.
 
 Usage (GPU): PYTHONPATH=. python benchmarks/fp8_accuracy.py OUT.json [--steps 1000] [--recipes rowwise,blockwise]
-[--concurrent] (a CPU smoke run of the script itself: ... --steps 2 --small --emulate)
+[--concurrent] (a CPU smoke run of the script itself: ... --steps 2 --small --emulate). A recipe written
+`rowwise+bf16wgrad` runs that recipe with `fp8.wgrad=bf16` (weight gradients in bf16).
 
 `--plot PNG` draws the loss curves (20-step mean) and each FP8 run's difference from bf16; with an existing
 OUT.json and `--plot` alone (`... OUT.json --plot PNG --replot`) it draws them from that file without training.
@@ -85,9 +86,14 @@ def main() -> None:
         return
     base = MODEL + (SMALL if args.small else [])
     configs = {"bf16": [*base, "train.precision=bf16"]}
-    for recipe in args.recipes.split(","):
+    for entry in args.recipes.split(","):
+        recipe, _, option = entry.partition("+")  # rowwise+bf16wgrad: fp8.wgrad=bf16
+        if option not in ("", "bf16wgrad"):
+            raise SystemExit(f"--recipes: {entry!r}: the only option after '+' is bf16wgrad")
         fp8 = ["train.precision=fp8", f"fp8.recipe={recipe}", f"fp8.format={args.format}"]
-        configs[f"fp8-{recipe}"] = [*base, *fp8, *(["fp8.emulate=true"] if args.emulate else [])]
+        fp8 += ["fp8.wgrad=bf16"] if option else []
+        name = f"fp8-{recipe}" + ("-bf16wgrad" if option else "")
+        configs[name] = [*base, *fp8, *(["fp8.emulate=true"] if args.emulate else [])]
     if args.only:
         Path(args.out).write_text(json.dumps(run_one(args.only, configs[args.only], args.steps)))
         return

@@ -62,6 +62,7 @@ VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore"
     "moecore-fp8-tensorwise": "experts' GEMMs in FP8, one scale per tensor (fp8.recipe=tensorwise)",
     "moecore-fp8-rowwise": "experts' GEMMs in FP8, a scale per row (fp8.recipe=rowwise)",
     "moecore-fp8-blockwise": "experts' GEMMs in FP8, 1x128 activation / 128x128 weight blocks (fp8.recipe=blockwise)",
+    "moecore-fp8-rowwise-bf16wgrad": "fp8.recipe=rowwise with the weight gradients in bf16 (fp8.wgrad=bf16)",
 }
 
 
@@ -97,7 +98,8 @@ def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore", tok
         from moecore.kernels.fp8_gemm import Fp8Recipe
         from moecore.models.fp8 import apply_fp8
 
-        apply_fp8(layer, Fp8Recipe(variant.rsplit("-", 1)[1]), ["experts"])
+        scaling = variant.split("-")[2]  # moecore-fp8-<recipe>[-bf16wgrad]
+        apply_fp8(layer, Fp8Recipe(scaling, wgrad_fp8=not variant.endswith("-bf16wgrad")), ["experts"])
     return layer
 
 

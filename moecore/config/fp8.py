@@ -29,6 +29,7 @@ class FP8Config:
     pow2_scales: bool = False  # round every scale up to a power of two (exact rescaling; off as in DeepSeek-V3)
     emulate: bool = False  # quantise-dequantise then ordinary matmuls: FP8 numerics without FP8 GEMMs (CPU, debugging)
     fprop_fast_accum: bool = True  # forward GEMMs use Hopper's fast FP8 accumulation (Transformer Engine's default)
+    wgrad: str = "fp8"  # fp8 | bf16: the weight-gradient GEMMs in FP8, or in bf16 from the unquantised operands
 
     RECIPES = ("tensorwise", "rowwise", "blockwise")
 
@@ -40,6 +41,7 @@ class FP8Config:
     def validate(self) -> None:
         _check_choice("fp8.recipe", self.recipe, self.RECIPES)
         _check_choice("fp8.format", self.format, ("e4m3", "hybrid"))
+        _check_choice("fp8.wgrad", self.wgrad, ("fp8", "bf16"))
         if not isinstance(self.modules, list) or not self.modules:
             _fail("fp8.modules", self.modules, "a non-empty list of " + " | ".join(FP8_MODULES))
         for m in self.modules:

@@ -52,6 +52,7 @@ class Fp8Recipe:
     pow2: bool = False
     emulate: bool = False  # quantise-dequantise + fp32 matmul instead of FP8 tensor-core GEMMs
     fprop_fast_accum: bool = True  # forward GEMMs in the tensor cores' fast accumulation (backward: never)
+    wgrad_fp8: bool = True  # False: weight gradients as bf16 GEMMs of the unquantised operands (fp8.wgrad=bf16)
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -66,7 +67,14 @@ class Fp8Recipe:
     def from_config(cls, fp8cfg) -> Fp8Recipe:
         """From an `FP8Config` (moecore/config/fp8.py)."""
         grad = E5M2 if fp8cfg.format == "hybrid" else E4M3
-        return cls(fp8cfg.recipe, grad, bool(fp8cfg.pow2_scales), bool(fp8cfg.emulate), bool(fp8cfg.fprop_fast_accum))
+        return cls(
+            fp8cfg.recipe,
+            grad,
+            bool(fp8cfg.pow2_scales),
+            bool(fp8cfg.emulate),
+            bool(fp8cfg.fprop_fast_accum),
+            fp8cfg.wgrad == "fp8",
+        )
 
 
 @dataclass
@@ -220,7 +228,10 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             wt = transposed(wq, wc, recipe, E4M3, weight=True)
             dx = mm(dyq, wt, dy.dtype, recipe)[:m]
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and not recipe.wgrad_fp8:  # bf16 GEMM (fp32 accumulation) of dy^T x
+            with torch.autocast(dyp.device.type, enabled=False):
+                dw = (dyp.t() @ xp).to(ctx.w_dtype)
+        elif ctx.needs_input_grad[1]:
             a = transposed(dyq, dyp, recipe, gd)  # dy^T along the tokens
             b = transposed(xq, xp, recipe, E4M3)
             dw = mm(a, b, dy.dtype, recipe).to(ctx.w_dtype)

@@ -30,6 +30,7 @@ from moecore.kernels import fp8_quant as fq
 from moecore.kernels._triton import use_triton
 from moecore.kernels.fp8_block_gemm import block_gemm_nt, block_gemm_tn
 from moecore.kernels.fp8_gemm import E4M3, Fp8Recipe, QOperand, mm, quant_rows
+from moecore.kernels.grouped_ffn import _bounds, gemm_tn
 from moecore.kernels.swiglu import swiglu, swiglu_backward
 
 # ---------------------------------------------------------------- padding
@@ -199,6 +200,16 @@ def gmm_tn(a: GroupedCols, b: GroupedCols, counts: torch.Tensor, host: list | No
     return out
 
 
+def _bf16_wgrad(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, host: list | None) -> torch.Tensor:
+    """dW[e] = a[rows of e]^T @ b[rows of e] in a's dtype with fp32 accumulation (fp8.wgrad=bf16): torch's
+    grouped GEMM on CUDA (device offsets), a loop of matmuls elsewhere."""
+    impl = "grouped" if a.is_cuda else "loop"
+    if impl == "loop" and host is None:
+        host = counts.tolist()
+    with torch.autocast(a.device.type, enabled=False):
+        return gemm_tn(a, b, _bounds(counts), host, impl, a.dtype)
+
+
 # ---------------------------------------------------------------- the FP8 expert FFN
 
 
@@ -254,15 +265,23 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         del da, h
         dw2 = dw13 = dx = None
         if ctx.needs_input_grad[2]:
-            dy_cols = quant_cols(dy, counts, recipe, gd, rows_q=dyq)
-            dw2 = gmm_tn(dy_cols, quant_cols(a, counts, recipe, E4M3), counts, host, recipe, dt).to(ctx.w_dtypes[1])
+            if recipe.wgrad_fp8:
+                dy_cols = quant_cols(dy, counts, recipe, gd, rows_q=dyq)
+                dw2 = gmm_tn(dy_cols, quant_cols(a, counts, recipe, E4M3), counts, host, recipe, dt)
+            else:
+                dw2 = _bf16_wgrad(dy, a, counts, host)
+            dw2 = dw2.to(ctx.w_dtypes[1])
         del a
         dh = dh.to(dt)
         dhq = quant_rows(dh, recipe, gd)
         if ctx.needs_input_grad[1]:
-            x_cols = quant_cols(x, counts, recipe, E4M3, rows_q=xq)
-            dh_cols = quant_cols(dh, counts, recipe, gd, rows_q=dhq)
-            dw13 = gmm_tn(dh_cols, x_cols, counts, host, recipe, dt).to(ctx.w_dtypes[0])
+            if recipe.wgrad_fp8:
+                x_cols = quant_cols(x, counts, recipe, E4M3, rows_q=xq)
+                dh_cols = quant_cols(dh, counts, recipe, gd, rows_q=dhq)
+                dw13 = gmm_tn(dh_cols, x_cols, counts, host, recipe, dt)
+            else:
+                dw13 = _bf16_wgrad(dh, x, counts, host)
+            dw13 = dw13.to(ctx.w_dtypes[0])
         if ctx.needs_input_grad[0]:
             w13t = (
                 transposed_weights(w13q, w13c, recipe) if w13q is not None else transposed_rowwise_weights(w13c, recipe)

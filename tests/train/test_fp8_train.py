@@ -83,10 +83,17 @@ def test_fp8_run_tracks_the_bf16_run_and_checkpoints_stay_fp32(tmp_path):
 
 
 def test_fp8_trainer_runs_each_recipe_in_fp8(tmp_path):
-    for recipe, fmt in (("rowwise", "hybrid"), ("tensorwise", "e4m3")):
+    for recipe, fmt, wgrad in (
+        ("rowwise", "hybrid", "fp8"),
+        ("tensorwise", "e4m3", "fp8"),
+        ("rowwise", "e4m3", "bf16"),
+    ):
+        run_dir = tmp_path / f"{recipe}-{fmt}-{wgrad}"
         cfg = load_config(
             "tiny-moe",
-            TINY + FP8 + [f"fp8.recipe={recipe}", f"fp8.format={fmt}", f"train.run_dir={tmp_path / recipe}"],
+            TINY
+            + FP8
+            + [f"fp8.recipe={recipe}", f"fp8.format={fmt}", f"fp8.wgrad={wgrad}", f"train.run_dir={run_dir}"],
         )
         trainer = Trainer(cfg)
         out = trainer.train_step()
@@ -102,6 +109,7 @@ BAD = [
     (TINY + FP8 + ["fp8.recipe=blockwise"], "model.hidden_size"),  # 32 is not a multiple of the 128 block
     (TINY + FP8 + ["fp8.recipe=delayed"], "fp8.recipe"),
     (TINY + FP8 + ["fp8.format=e5m2"], "fp8.format"),
+    (TINY + FP8 + ["fp8.wgrad=fp16"], "fp8.wgrad"),
     (TINY + FP8 + ["fp8.modules=[router]"], "fp8.modules"),
     (TINY + FP8 + ["model.ffn_hidden_size=72"], "model.ffn_hidden_size"),
     (TINY + FP8 + ["fp8.format=hybrid", "moe.sync_free=true"], "moe.sync_free"),
