@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moecore.kernels.grouped_ffn import GemmPlan, expert_ffn, expert_ffn_reference, gemm_tn
+from moecore.kernels.grouped_ffn import GemmPlan, default_plan, expert_ffn, expert_ffn_reference, gemm_tn
 from tests.kernels.conftest import rel_err, setup
 
 
@@ -38,6 +38,27 @@ def test_plan_rejects_unknown_gemm():
         GemmPlan(wgrad13="magic")
     with pytest.raises(ValueError, match="fwd13"):
         GemmPlan(fwd13="cutlass")
+
+
+def test_plan_without_host_sync_keeps_device_only_gemms():
+    plan = GemmPlan("loop", "streams", "triton", "grouped", "loop", "triton")
+    assert plan.needs_host_counts
+    free = plan.without_host_sync()
+    assert free == GemmPlan("grouped", "grouped", "triton", "grouped", "grouped", "triton")
+    assert not free.needs_host_counts
+
+
+def test_default_plan_on_cuda_takes_the_measured_gemms():
+    cuda = torch.device("cuda")
+    # Mixtral-like: few large experts, cuBLAS loops (and grouped dx)
+    assert default_plan(8, 32768, 4096, 14336, cuda) == GemmPlan("loop", "loop", "loop", "grouped", "loop", "loop")
+    # Qwen3-Next-like: <= 512 rows per expert, hidden 2048: Triton FC2 forward and dx
+    assert default_plan(512, 163840, 2048, 512, cuda) == GemmPlan(fwd2="triton", dgrad13="triton")
+    # DeepSeek-V3-like: wide experts, few rows: Triton FC1 / FC2 forward and da, the cuBLAS loop for dx
+    assert default_plan(256, 65536, 7168, 2048, cuda) == GemmPlan("triton", "triton", "triton", "loop")
+    # Qwen3-30B-A3B-like: ~1000 rows per expert: torch's grouped GEMM throughout
+    assert default_plan(128, 131072, 2048, 768, cuda) == GemmPlan()
+    assert default_plan(512, 163840, 2048, 512, torch.device("cpu")) == GemmPlan()
 
 
 def test_loop_and_grouped_plans_match_reference_on_cpu():
