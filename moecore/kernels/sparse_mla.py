@@ -59,6 +59,18 @@ if triton_importable():
         return tl.load(base + cols[None, :], mask=mh[:, None] & mc[None, :], other=0.0)
 
     @triton.jit
+    def _backward_inputs(
+        q_ptr, do_ptr, lse_ptr, delta_ptr, row, h, mh, dv, mv, dr, mr, NH, DV, sq_t, sq_h, sdo_t, sdo_h
+    ):
+        # what both backward kernels read per query row and head block: q (latent, rope), dO, lse, delta = dO . O
+        q_lat = _load_heads(q_ptr, row, h, mh, dv, mv, sq_t, sq_h)
+        q_rope = _load_heads(q_ptr + DV, row, h, mh, dr, mr, sq_t, sq_h)
+        do = _load_heads(do_ptr, row, h, mh, dv, mv, sdo_t, sdo_h)
+        lse = tl.load(lse_ptr + row.to(tl.int64) * NH + h, mask=mh, other=0.0)
+        delta = tl.load(delta_ptr + row.to(tl.int64) * NH + h, mask=mh, other=0.0)
+        return q_lat, q_rope, do, lse, delta
+
+    @triton.jit
     def _gather_selected(kv_ptr, idx_ptr, row, b, S, K, k0, DV, dv, dr, mv, mr, skv_t, BLOCK_K: tl.constexpr):
         # The tile of BLOCK_K selected rows from slot k0 of query `row`: (slots, valid, kv rows, latent, rope key)
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -131,11 +143,9 @@ if triton_importable():
         dr = tl.arange(0, BLOCK_R)
         mv = dv < DV
         mr = dr < DR
-        q_lat = _load_heads(q_ptr, row, h, mh, dv, mv, sq_t, sq_h)
-        q_rope = _load_heads(q_ptr + DV, row, h, mh, dr, mr, sq_t, sq_h)
-        do = _load_heads(do_ptr, row, h, mh, dv, mv, sdo_t, sdo_h)
-        lse = tl.load(lse_ptr + row.to(tl.int64) * NH + h, mask=mh, other=0.0)
-        delta = tl.load(delta_ptr + row.to(tl.int64) * NH + h, mask=mh, other=0.0)
+        q_lat, q_rope, do, lse, delta = _backward_inputs(
+            q_ptr, do_ptr, lse_ptr, delta_ptr, row, h, mh, dv, mv, dr, mr, NH, DV, sq_t, sq_h, sdo_t, sdo_h
+        )
         dq_lat = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
         dq_rope = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -174,11 +184,9 @@ if triton_importable():
         dr = tl.arange(0, BLOCK_R)
         mv = dv < DV
         mr = dr < DR
-        q_lat = _load_heads(q_ptr, row, h, mh, dv, mv, sq_t, sq_h)
-        q_rope = _load_heads(q_ptr + DV, row, h, mh, dr, mr, sq_t, sq_h)
-        do = _load_heads(do_ptr, row, h, mh, dv, mv, sdo_t, sdo_h)
-        lse = tl.load(lse_ptr + row.to(tl.int64) * NH + h, mask=mh, other=0.0)
-        delta = tl.load(delta_ptr + row.to(tl.int64) * NH + h, mask=mh, other=0.0)
+        q_lat, q_rope, do, lse, delta = _backward_inputs(
+            q_ptr, do_ptr, lse_ptr, delta_ptr, row, h, mh, dv, mv, dr, mr, NH, DV, sq_t, sq_h, sdo_t, sdo_h
+        )
         pb = pds_ptr + local.to(tl.int64) * spds_t + h[:, None].to(tl.int64) * spds_h
         for k0 in range(0, K, BLOCK_K):
             kk, valid, rows, kv_lat, k_rope = _gather_selected(
