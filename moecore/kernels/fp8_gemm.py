@@ -143,9 +143,11 @@ def transposed(
         return QOperand(op.q.t().contiguous(), op.s, "tensorwise")
     if op is not None and op.gran == "128x128" and op.q.dtype == dtype:
         return QOperand(op.q.t().contiguous(), op.s.t().contiguous(), "128x128")
-    # rowwise: a transposed bf16 copy, then the row kernel (one program per few rows: the whole GPU works;
-    # the grouped-column kernel would give a single group only C / 64 programs)
-    return quant_rows(x.t() if recipe.scaling != "rowwise" else x.t().contiguous(), recipe, dtype, weight=weight)
+    if recipe.scaling == "rowwise":  # the grouped column kernel, one group: x^T without a bf16 transposed copy
+        counts = torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)
+        q, s = fq.quantize_grouped_cols(x, counts, dtype, recipe.pow2)
+        return QOperand(q, s.view(-1, 1), "rowwise")
+    return quant_rows(x.t(), recipe, dtype, weight=weight)
 
 
 def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -205,9 +207,11 @@ class _Fp8Linear(torch.autograd.Function):
         if wq is None:
             wq = quant_rows(wc, recipe, E4M3, weight=True)
         y = mm(xq, wq, x.dtype, recipe, fast=recipe.fprop_fast_accum)[:m]
-        # keep the FP8 copies only where backward reuses them (tensorwise x^T; tensorwise / 128x128 W^T), as
-        # saved tensors so that activation checkpointing and offloading hooks see them
-        ctx.keep_x, ctx.keep_w = xq.gran == "tensorwise", wq.gran in ("tensorwise", "128x128")
+        # keep the FP8 copies only where backward reuses them (tensorwise x^T; tensorwise / 128x128 W^T; a rowwise
+        # primary weight's own W^T), as saved tensors so that activation checkpointing and offloading hooks see them
+        wt = getattr(w, "fp8_primary_t", None)
+        ctx.keep_x, ctx.keep_w = xq.gran == "tensorwise", wq.gran in ("tensorwise", "128x128") or wt is not None
+        wq = wt if wt is not None else wq
         keep = ([xq] if ctx.keep_x else []) + ([wq] if ctx.keep_w else [])
         ctx.save_for_backward(xp, wc, *(t for op in keep for t in (op.q, op.s)))
         ctx.grans = [op.gran for op in keep]
@@ -226,7 +230,7 @@ class _Fp8Linear(torch.autograd.Function):
         dyq = quant_rows(dyp, recipe, gd)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            wt = transposed(wq, wc, recipe, E4M3, weight=True)
+            wt = wq if wq is not None and wq.gran == "rowwise" else transposed(wq, wc, recipe, E4M3, weight=True)
             dx = mm(dyq, wt, dy.dtype, recipe)[:m]
         if ctx.needs_input_grad[1] and not recipe.wgrad_fp8:  # bf16 GEMM (fp32 accumulation) of dy^T x
             with torch.autocast(dyp.device.type, enabled=False):

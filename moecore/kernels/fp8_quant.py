@@ -17,8 +17,8 @@ between layouts exact. Groups ("granularities"):
 
 Two more layouts serve the expert GEMMs (moecore/kernels/fp8_grouped.py): `quantize_grouped_cols` (a
 [P, C] operand quantised along each expert's rows, one scale per expert and column, written transposed for
-the weight-gradient GEMM) and `quantize_weights_transposed` (expert weights [E, N, K] -> [E, K, N]
-quantised along N). `swiglu_quantize` fuses the experts' SwiGLU (* routing probabilities) with rowwise or
+the weight-gradient GEMM) and `quantize_weight_layouts` (expert weights [E, N, K] rowwise along K and/or
+transposed to [E, K, N] along N, the two GEMM layouts of rowwise scaling). `swiglu_quantize` fuses the experts' SwiGLU (* routing probabilities) with rowwise or
 1x128 quantisation.
 
 Each function takes `impl` (moecore/kernels/_triton.py): the Triton kernel on CUDA, the reference
@@ -144,39 +144,54 @@ if triton_importable():
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _quant_cols_kernel(
-        x_ptr, q_ptr, s_ptr, bounds_ptr, P, C, stride_x,
-        BR: tl.constexpr, BC: tl.constexpr, FMAX: tl.constexpr, POW2: tl.constexpr, PER_GROUP_OUT: tl.constexpr,
-    ):  # fmt: skip
-        # Per expert e and column block: amax over the expert's rows bounds[e]..bounds[e+1], then quantise
-        # them, writing q transposed: [C, P] (the wgrad GEMM contracts over rows), or with PER_GROUP_OUT
-        # [E, C, rows of one group] (groups of equal size: a grouped weight [E, N, K] -> [E, K, N]).
-        # Scales s [E, C]. The tile is transposed in registers so that the stores run along the rows.
-        e = tl.program_id(0)
-        cols = tl.program_id(1) * BC + tl.arange(0, BC)
-        cm = cols < C
+    def _cols_chunk(bounds_ptr, e, z, SPLIT: tl.constexpr, BR: tl.constexpr):
+        # rows [lo, hi) of group e's z-th of SPLIT chunks (each a multiple of BR rows; the last ones may be empty)
         start = tl.load(bounds_ptr + e)
         end = tl.load(bounds_ptr + e + 1)
-        amax = tl.zeros((BC,), dtype=tl.float32)
-        for r0 in range(start, end, BR):
+        chunk = tl.cdiv(tl.cdiv(end - start, SPLIT), BR) * BR
+        lo = tl.minimum(start + z * chunk, end)
+        return lo, tl.minimum(lo + chunk, end)
+
+    @triton.jit
+    def _cols_amax_kernel(
+        x_ptr, part_ptr, bounds_ptr, C, stride_x, SPLIT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    ):  # fmt: skip
+        # Program (group e, column block, chunk z): the column maxima of |x| over the chunk's rows -> part[e, z, :]
+        e, z = tl.program_id(0), tl.program_id(2)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        cm = cols < C
+        lo, hi = _cols_chunk(bounds_ptr, e, z, SPLIT, BR)
+        # an elementwise running max over the tiles, reduced across rows (across warps) once at the end
+        acc = tl.zeros((BR, BC), dtype=tl.float32)
+        for r0 in range(lo, hi, BR):
             rows = r0 + tl.arange(0, BR)
-            m = (rows < end)[:, None] & cm[None, :]
+            m = (rows < hi)[:, None] & cm[None, :]
             x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
-        s = _scale_of(amax, FMAX, POW2)
-        tl.store(s_ptr + e * C + cols, s, mask=cm)
-        for r0 in range(start, end, BR):
+            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+        tl.store(part_ptr + (e * SPLIT + z) * C + cols, tl.max(acc, axis=0), mask=cm)
+
+    @triton.jit
+    def _cols_quant_kernel(
+        x_ptr, q_ptr, s_ptr, bounds_ptr, C, stride_x, stride_qe, stride_qc, rows_per_group,
+        SPLIT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FMAX: tl.constexpr,
+    ):  # fmt: skip
+        # The chunk's rows divided by the group's column scales s[e, :], written transposed: row r, column c of
+        # group e lands at q[e * stride_qe + c * stride_qc + r - e * rows_per_group] ([C, P] for activations:
+        # stride_qe = rows_per_group = 0; [E, C, N] for weights of N rows each). The tile is cast to fp8 (its
+        # values are on the fp8 grid already) and transposed in registers so that the stores run along the rows.
+        e, z = tl.program_id(0), tl.program_id(2)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        cm = cols < C
+        lo, hi = _cols_chunk(bounds_ptr, e, z, SPLIT, BR)
+        s = tl.load(s_ptr + e * C + cols, mask=cm, other=1.0)
+        base = q_ptr + e.to(tl.int64) * stride_qe + cols.to(tl.int64)[:, None] * stride_qc - e * rows_per_group
+        for r0 in range(lo, hi, BR):
             rows = r0 + tl.arange(0, BR)
-            m = (rows < end)[:, None] & cm[None, :]
+            m = (rows < hi)[:, None] & cm[None, :]
             x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
             q = _to_fp8_grid(tl.clamp(tl.div_rn(x.to(tl.float32), s[None, :]), -FMAX, FMAX), FMAX)
-            if PER_GROUP_OUT:
-                n = end - start
-                dst = q_ptr + e.to(tl.int64) * C * n + cols.to(tl.int64)[:, None] * n + (rows - start)[None, :]
-            else:
-                dst = q_ptr + cols.to(tl.int64)[:, None] * P + rows[None, :]
-            mt = (rows < end)[None, :] & cm[:, None]
-            tl.store(dst, tl.trans(q).to(q_ptr.dtype.element_ty), mask=mt)
+            mt = (rows < hi)[None, :] & cm[:, None]
+            tl.store(base + rows[None, :], tl.trans(q.to(q_ptr.dtype.element_ty)), mask=mt)
 
     @triton.jit
     def _swiglu_quant_kernel(
@@ -356,6 +371,32 @@ def quantize_grouped_cols_reference(x: torch.Tensor, counts: torch.Tensor, dtype
     return _cast(x, s[eid], dtype).t().contiguous(), s
 
 
+# The grouped column kernels' GPU tile ((rows, columns, warps) per program) and the rows a program aims to cover
+# (a group's rows are split into up to 64 chunks of about that many). Measured best of 14 tiles x {256, 1024} rows
+# on an H200 (docs/benchmarks.md, "FP8"): small tiles; the transposing store bounds these kernels.
+COLS_TILES = ((32, 64, 4), 1024)
+
+
+def _grouped_cols(x: torch.Tensor, bounds: torch.Tensor, q: torch.Tensor, dtype, pow2: bool, rows_per_group: int):
+    """Quantise x [P, C] along the rows of each group bounds[e]..bounds[e+1] (scales [E, C]) into q, transposed
+    per group (_cols_quant_kernel). Two passes over x: column maxima of row chunks (enough programs for
+    8 large groups or 512 small ones), their max per group on the host side of torch, then the quantisation."""
+    P, C = x.shape
+    E = bounds.numel() - 1
+    (br, bc, warps), rows_per_program = COLS_TILES if x.is_cuda else ((16, 32, 1), 16)
+    split = max(1, min(64, P // max(E, 1) // rows_per_program))
+    grid = (E, triton.cdiv(C, bc), split)
+    part = torch.empty(E, split, C, dtype=torch.float32, device=x.device)
+    _cols_amax_kernel[grid](x, part, bounds, C, x.stride(0), SPLIT=split, BR=br, BC=bc, num_warps=warps)
+    s = scale_from_amax(part.amax(dim=1), dtype, pow2)
+    stride_qe = q.stride(0) if q.dim() == 3 else 0
+    _cols_quant_kernel[grid](
+        x, q, s, bounds, C, x.stride(0), stride_qe, q.stride(-2), rows_per_group,
+        SPLIT=split, BR=br, BC=bc, FMAX=FP8_MAX[dtype], num_warps=warps,
+    )  # fmt: skip
+    return s
+
+
 def quantize_grouped_cols(
     x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2: bool = False, impl="auto"
 ):
@@ -366,37 +407,62 @@ def quantize_grouped_cols(
         return quantize_grouped_cols_reference(x, counts, dtype, pow2)
     P, C = x.shape
     x = x if x.stride(1) == 1 else x.contiguous()
-    E = counts.numel()
-    bounds = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
+    bounds = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=x.device)
     torch.cumsum(counts, 0, out=bounds[1:])
     q = torch.empty(C, P, dtype=dtype, device=x.device)
-    s = torch.empty(E, C, dtype=torch.float32, device=x.device)
-    br, bc = (64, 64) if x.is_cuda else (16, 32)
-    _quant_cols_kernel[(E, triton.cdiv(C, bc))](
-        x, q, s, bounds, P, C, x.stride(0), BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2, PER_GROUP_OUT=False
-    )
-    return q, s
+    return q, _grouped_cols(x, bounds, q, dtype, pow2, 0)
 
 
-def quantize_weights_transposed(
-    w: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2: bool = False, impl="auto"
-):
-    """(q [E, K, N], s [E, K, 1]): grouped weights w [E, N, K] transposed per expert and quantised rowwise
-    (one scale per row of w[e]^T, i.e. per column of w[e]) in one pass, without a bf16 transposed copy."""
-    E, N, K = w.shape
+Quantised = tuple[torch.Tensor, torch.Tensor]
+
+
+def quantize_weight_layouts_reference(
+    w: torch.Tensor, dtype: torch.dtype, pow2: bool = False, rows: bool = True, cols: bool = True
+) -> tuple[Quantised | None, Quantised | None]:
+    """((q [E, N, K], s [E, N, 1]) or None, (q^T [E, K, N], s^T [E, K, 1]) or None) of w [E, N, K]."""
+    wf = w.detach().float()
+    out_rows = out_cols = None
+    if rows:
+        s = scale_from_amax(wf.abs().amax(dim=2, keepdim=True), dtype, pow2)
+        out_rows = (_cast(wf, s, dtype), s)
+    if cols:
+        wt = wf.transpose(1, 2)
+        st = scale_from_amax(wt.abs().amax(dim=2, keepdim=True), dtype, pow2)
+        out_cols = (_cast(wt, st, dtype).contiguous(), st)
+    return out_rows, out_cols
+
+
+def quantize_weight_layouts(
+    w: torch.Tensor,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    pow2: bool = False,
+    rows: bool = True,
+    cols: bool = True,
+    impl: str = "auto",
+) -> tuple[Quantised | None, Quantised | None]:
+    """Expert weights w [E, N, K] in the layouts of their two GEMMs: rowwise along K (`rows`: the forward's
+    operand) and transposed, rowwise along N (`cols`: the input gradient's, w[e]^T [K, N] with one scale per
+    column of w[e]); rowwise scales do not survive a transpose, so each is quantised from w. `rows` is the
+    row kernel over [E * N, K]; `cols` the grouped column kernel with E groups of N rows, written per expert
+    transposed (no bf16 transposed copy). Bit for bit the reference; no host synchronisation."""
+    if w.dim() != 3:
+        raise ValueError(f"expected expert weights [E, N, K], got shape {tuple(w.shape)}")
+    if not (rows or cols):
+        raise ValueError("quantize_weight_layouts: ask for rows, cols or both")
     if not use_triton(impl, w):
-        wt = w.transpose(1, 2)
-        s = scale_from_amax(wt.detach().abs().amax(dim=2, keepdim=True), dtype, pow2)
-        return _cast(wt, s, dtype).contiguous(), s
-    w2 = w.reshape(E * N, K)
-    bounds = torch.arange(0, (E + 1) * N, N, dtype=torch.int32, device=w.device)
-    q = torch.empty(E, K, N, dtype=dtype, device=w.device)
-    s = torch.empty(E, K, dtype=torch.float32, device=w.device)
-    br, bc = (64, 64) if w.is_cuda else (16, 32)
-    _quant_cols_kernel[(E, triton.cdiv(K, bc))](
-        w2, q, s, bounds, E * N, K, w2.stride(0), BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2, PER_GROUP_OUT=True
-    )
-    return q, s.unsqueeze(-1)
+        return quantize_weight_layouts_reference(w, dtype, pow2, rows, cols)
+    E, N, K = w.shape
+    w2 = w.detach().reshape(E * N, K)
+    out_rows = out_cols = None
+    if rows:
+        q, s = quantize_rowwise(w2, dtype, pow2)
+        out_rows = (q.view(E, N, K), s.view(E, N, 1))
+    if cols:
+        bounds = torch.arange(0, (E + 1) * N, N, dtype=torch.int32, device=w.device)
+        qt = torch.empty(E, K, N, dtype=dtype, device=w.device)
+        st = _grouped_cols(w2.contiguous(), bounds, qt, dtype, pow2, N)
+        out_cols = (qt, st.unsqueeze(-1))
+    return out_rows, out_cols
 
 
 def dequantize(q: torch.Tensor, s: torch.Tensor, granularity: str) -> torch.Tensor:
