@@ -46,9 +46,3 @@ class FP8Config:
             _fail("fp8.modules", self.modules, "a non-empty list of " + " | ".join(FP8_MODULES))
         for m in self.modules:
             _check_choice("fp8.modules", m, FP8_MODULES)
-        if self.primary_weights and self.recipe == "rowwise":
-            _fail(
-                "fp8.primary_weights",
-                True,
-                "needs fp8.recipe=tensorwise | blockwise (their weight scales also serve the transposed weight)",
-            )

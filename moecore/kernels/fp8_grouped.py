@@ -63,6 +63,22 @@ def pad_rows(x: torch.Tensor, dst: torch.Tensor, P: int) -> torch.Tensor:
     return x.new_zeros(P, *x.shape[1:]).index_copy(0, dst, x)
 
 
+class _Unpad(torch.autograd.Function):
+    """y[dst] ([P, ...] -> [N, ...]) whose backward scatters by copy: dst holds distinct rows, so the
+    gradient needs no atomic adds (autograd's index_select backward is an index_add)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(dst)
+        ctx.rows = y.shape[0]
+        return y.index_select(0, dst)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (dst,) = ctx.saved_tensors
+        return pad_rows(grad.contiguous(), dst, ctx.rows), None
+
+
 # ---------------------------------------------------------------- grouped operands
 
 
@@ -99,9 +115,15 @@ def transposed_weights(wq: GroupedWeight, w: torch.Tensor, recipe: Fp8Recipe) ->
 
 
 def transposed_rowwise_weights(w: torch.Tensor, recipe: Fp8Recipe) -> GroupedWeight:
-    """w [E, N, K] -> w^T [E, K, N] quantised rowwise (along N), in one pass (fp8_quant.quantize_weights_transposed)."""
-    q, s = fq.quantize_weights_transposed(w, E4M3, recipe.pow2)
+    """w [E, N, K] -> w^T [E, K, N] quantised rowwise (along N), without a bf16 transposed copy."""
+    _, (q, s) = fq.quantize_weight_layouts(w, E4M3, recipe.pow2, rows=False)
     return GroupedWeight(q, s, "rowwise")
+
+
+def rowwise_weight_pair(w: torch.Tensor, recipe: Fp8Recipe) -> tuple[GroupedWeight, GroupedWeight]:
+    """w [E, N, K] quantised rowwise in both layouts (forward along K, w^T along N) from two reads of w."""
+    (q, s), (qt, st) = fq.quantize_weight_layouts(w, E4M3, recipe.pow2)
+    return GroupedWeight(q, s, "rowwise"), GroupedWeight(qt, st, "rowwise")
 
 
 @dataclass
@@ -223,12 +245,21 @@ def _activation_quantized(h: torch.Tensor, probs: torch.Tensor | None, recipe: F
     return quant_rows(swiglu(h, probs), recipe, E4M3)
 
 
+def _transposed(kept: GroupedWeight | None, w: torch.Tensor, recipe: Fp8Recipe) -> GroupedWeight:
+    """w^T for the input-gradient GEMM: a primary weight's own (rowwise, `kept` already transposed), from the
+    kept forward copy (tensorwise, 128x128), or quantised again from w (rowwise)."""
+    if kept is None:
+        return transposed_rowwise_weights(w, recipe)
+    return kept if kept.gran == "rowwise" else transposed_weights(kept, w, recipe)
+
+
 class _Fp8GroupedFFN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w13, w2, counts, probs, recipe: Fp8Recipe, host):
         dt = x.dtype
-        # FP8 primary weights (moecore/models/fp8.py) arrive quantised; others are quantised here
+        # FP8 primary weights (moecore/models/fp8.py) arrive quantised (rowwise: w^T too); others are quantised here
         w13q, w2q = getattr(w13, "fp8_primary", None), getattr(w2, "fp8_primary", None)
+        w13t, w2t = getattr(w13, "fp8_primary_t", None), getattr(w2, "fp8_primary_t", None)
         w13c = w13 if w13q is not None else w13.to(dt)
         w2c = w2 if w2q is not None else w2.to(dt)
         xq = quant_rows(x, recipe, E4M3)
@@ -240,7 +271,10 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         y = gmm_nt(aq, w2q, counts, host, recipe, dt, recipe.fprop_fast_accum)
         # backward reuses tensorwise / 128x128 weights transposed, and tensorwise x: saved tensors, so that
         # activation checkpointing and offloading hooks see them
-        ctx.keep_x, ctx.keep_w = xq.gran == "tensorwise", w13q.gran != "rowwise"
+        # (or the primary weights' own w^T, rowwise)
+        ctx.keep_x, ctx.keep_w = xq.gran == "tensorwise", w13q.gran != "rowwise" or w13t is not None
+        if w13t is not None:
+            w13q, w2q = w13t, w2t
         keep = ([xq.q, xq.s] if ctx.keep_x else []) + ([w13q.q, w13q.s, w2q.q, w2q.s] if ctx.keep_w else [])
         ctx.save_for_backward(x, h, probs, counts, w13c, w2c, *keep)
         ctx.grans = (xq.gran, w13q.gran)
@@ -258,7 +292,7 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         recipe, host, gd, dt = ctx.recipe, ctx.host, ctx.recipe.grad_dtype, dy.dtype
         dy = dy.contiguous()
         dyq = quant_rows(dy, recipe, gd)
-        w2t = transposed_weights(w2q, w2c, recipe) if w2q is not None else transposed_rowwise_weights(w2c, recipe)
+        w2t = _transposed(w2q, w2c, recipe)
         da = gmm_nt(dyq, w2t, counts, host, recipe, dt)
         del w2t
         dh, dp, a = swiglu_backward(h, probs, da)
@@ -283,10 +317,7 @@ class _Fp8GroupedFFN(torch.autograd.Function):
                 dw13 = _bf16_wgrad(dh, x, counts, host)
             dw13 = dw13.to(ctx.w_dtypes[0])
         if ctx.needs_input_grad[0]:
-            w13t = (
-                transposed_weights(w13q, w13c, recipe) if w13q is not None else transposed_rowwise_weights(w13c, recipe)
-            )
-            dx = gmm_nt(dhq, w13t, counts, host, recipe, dt)
+            dx = gmm_nt(dhq, _transposed(w13q, w13c, recipe), counts, host, recipe, dt)
         dprobs = dp.to(ctx.p_dtype) if dp is not None and ctx.needs_input_grad[4] else None
         return dx, dw13, dw2, None, dprobs, None, None
 
@@ -311,4 +342,4 @@ def fp8_expert_ffn(
     xp = pad_rows(x_NH.contiguous(), dst, P)
     pp = None if probs_N is None else pad_rows(probs_N, dst, P)
     y = _Fp8GroupedFFN.apply(xp, w13_EFH, w2_EHF, padded, pp, recipe, host)
-    return y.index_select(0, dst)
+    return _Unpad.apply(y, dst)

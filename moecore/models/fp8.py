@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from moecore.kernels import fp8_quant as fq
-from moecore.kernels.fp8_gemm import E4M3, Fp8Recipe, fp8_linear, quant_rows
-from moecore.kernels.fp8_grouped import quant_weights
+from moecore.kernels.fp8_gemm import E4M3, Fp8Recipe, QOperand, fp8_linear, quant_rows
+from moecore.kernels.fp8_grouped import GroupedWeight, quant_weights
 from moecore.parallel import comm
 from moecore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, tp_region_output, tp_size
 
@@ -93,15 +93,26 @@ def _fp8_weights(model: nn.Module) -> list[tuple[torch.Tensor, Fp8Recipe, bool]]
     return out
 
 
+def quantize_primary(p: torch.Tensor, w: torch.Tensor, recipe: Fp8Recipe, grouped: bool) -> None:
+    """Set the FP8 values parameter p computes with from w (p's values, or its fp32 master: rounded to p's
+    dtype first): `p.fp8_primary` for the forward GEMM and, rowwise, `p.fp8_primary_t` (w^T along the other
+    dim, for the input-gradient GEMM; tensorwise and 128x128 scales serve both layouts)."""
+    w = w.to(p.dtype)
+    if recipe.scaling != "rowwise":
+        p.fp8_primary = quant_weights(w, recipe) if grouped else quant_rows(w, recipe, E4M3, True)
+        return
+    (q, s), (qt, st) = fq.quantize_weight_layouts(w if grouped else w.unsqueeze(0), E4M3, recipe.pow2)
+    if grouped:
+        p.fp8_primary, p.fp8_primary_t = GroupedWeight(q, s, "rowwise"), GroupedWeight(qt, st, "rowwise")
+    else:
+        p.fp8_primary, p.fp8_primary_t = QOperand(q[0], s[0], "rowwise"), QOperand(qt[0], st[0], "rowwise")
+
+
 def enable_primary_weights(model: nn.Module, mixed) -> int:
     """Keep every FP8 GEMM weight in FP8 between steps (module docstring); `mixed` is the run's MixedPrecision,
     whose fp32 masters the FP8 copies are quantised from. Returns the number of parameters turned."""
     n = 0
     for p, recipe, grouped in _fp8_weights(model):
-        if recipe.scaling == "rowwise":
-            raise ValueError(
-                "FP8 primary weights need fp8.recipe=tensorwise | blockwise (rowwise: see moecore/models/fp8.py)"
-            )
         if p not in mixed.masters:
             raise ValueError("FP8 primary weights need fp32 master weights (optim.master_weights=fp32)")
 
@@ -109,8 +120,7 @@ def enable_primary_weights(model: nn.Module, mixed) -> int:
             # from the bf16 rounding of the master, as the weights are quantised without primary weights
             # (so both modes compute the same); the bf16 copy lives only for this call
             with torch.no_grad():
-                w = master.to(p.dtype)
-                p.fp8_primary = quant_weights(w, recipe) if grouped else quant_rows(w, recipe, E4M3, True)
+                quantize_primary(p, master, recipe, grouped)
 
         rebuild(mixed.masters[p])
         p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)  # shape and dtype only

@@ -3,7 +3,7 @@
 `tensor_bytes(model, optimizer, mixed)` walks what this rank holds now:
 
 - params: the model's parameters (bf16 under `train.precision=bf16`; FP8 primary weights: their FP8
-  values and scales, `param.fp8_primary`, instead of the placeholder the parameter holds);
+  values and scales, `param.fp8_primary` (rowwise also `param.fp8_primary_t`), instead of the placeholder);
 - grads: `.grad` and fp32 `main_grad` of every parameter, plus the reduced gradient shards a
   distributed optimizer holds (`memory_tensors()["grads"]`);
 - optim: every tensor in the optimizers' `state` (moments, step counters), the fp32 master weights
@@ -43,10 +43,16 @@ def _optimizers(optimizer) -> list:
     return list(getattr(optimizer, "optimizers", [optimizer]))
 
 
+def _fp8_held(p: torch.Tensor) -> list[torch.Tensor]:
+    """An FP8 primary weight's values and scales (and, rowwise, those of its transposed copy)."""
+    ops = [p.fp8_primary, getattr(p, "fp8_primary_t", None)]
+    return [t for op in ops if op is not None for t in (op.q, op.s)]
+
+
 def tensor_bytes(model: torch.nn.Module, optimizer=None, mixed=None) -> dict[str, int]:
     """Bytes this rank holds now in parameters, gradients and optimizer state; see the module docstring."""
     params = list(model.parameters())
-    held = [t for p in params for t in ((p.fp8_primary.q, p.fp8_primary.s) if hasattr(p, "fp8_primary") else (p,))]
+    held = [t for p in params for t in (_fp8_held(p) if hasattr(p, "fp8_primary") else (p,))]
     own = getattr(optimizer, "memory_tensors", None)
     extra = own() if callable(own) else {"grads": [], "optim": []}
     grads = [t for p in params for t in (p.grad, getattr(p, "main_grad", None))] + list(extra["grads"])

@@ -220,7 +220,7 @@ def test_fp8_training_tracks_bf16_on_gpu(tmp_path, scaling):
         assert abs(a - b) / b < 1e-2, (got, ref)
 
 
-@pytest.mark.parametrize("scaling", ["blockwise"])  # tensorwise: refused on GPUs (test above)
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])  # tensorwise: refused on GPUs (test above)
 def test_fp8_primary_weights_on_gpu(tmp_path, scaling):
     """FP8 primary weights compute exactly what the run without them computes (same quantised weights)."""
     _skip_unless_fp8(scaling)

@@ -11,6 +11,7 @@ import torch
 from moecore.cli import main
 from moecore.config import ConfigError, load_config
 from moecore.kernels.fp8_gemm import Fp8Recipe
+from moecore.kernels.fp8_quant import quantize_rowwise_reference
 from moecore.models.fp8 import Fp8ColumnParallelLinear, Fp8Linear, Fp8RowParallelLinear, apply_fp8
 from moecore.models.transformer import MoETransformer
 from moecore.train.loop import Trainer, train
@@ -131,11 +132,11 @@ def test_config_names_the_misaligned_field():
     cfg.validate()  # the experts stay bf16: their width does not matter
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 def test_primary_weights_hold_fp8_and_follow_the_masters(tmp_path, recipe):
     """With fp8.primary_weights the FP8 GEMM weights exist only as FP8 values + scales between steps, quantised
-    from the fp32 masters after every update; the run computes exactly what the run without them computes
-    (the same quantised weights either way) and the checkpoint holds the fp32 masters."""
+    from the fp32 masters after every update (rowwise: in both GEMM layouts); the run computes exactly what the
+    run without them computes (the same quantised weights either way) and the checkpoint holds the fp32 masters."""
     dims = ["model.hidden_size=128", "model.ffn_hidden_size=128", "moe.ffn_hidden_size=128"]
     dims += ["moe.shared_expert_intermediate_size=128", "model.num_attention_heads=2", "model.num_kv_heads=2"]
     dims += (
@@ -163,15 +164,22 @@ def test_primary_weights_hold_fp8_and_follow_the_masters(tmp_path, recipe):
     assert (state[name].float() - mixed.masters[p]).abs().max() <= mixed.masters[p].abs().max() / 8
     from moecore.train.memory import tensor_bytes
 
-    held = tensor_bytes(trainer.model)["params"]  # the FP8 weights count 1 byte per element (+ scales)
+    held = tensor_bytes(trainer.model)["params"]  # the FP8 weights: 1 byte per element and layout (+ scales)
+    layouts = 2 if recipe == "rowwise" else 1
     fp8_elems = sum(p.numel() for p in mixed.recast)
     bf16_all = sum(2 * p.numel() for p in trainer.model.parameters())
-    assert bf16_all - fp8_elems <= held < bf16_all - fp8_elems + 4 * fp8_elems // 100
+    fp8_bytes = bf16_all - (2 - layouts) * fp8_elems
+    assert fp8_bytes <= held < fp8_bytes + 4 * layouts * fp8_elems // 100
+    if recipe == "rowwise":  # the transposed copy is the rowwise quantisation of the transposed weight
+        p = next(iter(mixed.recast))
+        w = mixed.masters[p].to(p.dtype)
+        wt = w.transpose(-2, -1).reshape(-1, w.shape[-2]) if w.dim() == 3 else w.t()
+        q, s = quantize_rowwise_reference(wt.contiguous(), torch.float8_e4m3fn)
+        assert torch.equal(p.fp8_primary_t.q.reshape(q.shape).view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(p.fp8_primary_t.s.reshape(s.shape), s)
 
 
 def test_primary_weights_refusals():
-    with pytest.raises(ConfigError, match="fp8.primary_weights"):
-        load_config("tiny-moe", TINY + ["train.precision=fp8", "fp8.primary_weights=true"]).validate()  # rowwise
     cfg = load_config(
         "tiny-moe",
         TINY
