@@ -63,6 +63,8 @@ VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore"
     "moecore-fp8-rowwise": "experts' GEMMs in FP8, a scale per row (fp8.recipe=rowwise)",
     "moecore-fp8-blockwise": "experts' GEMMs in FP8, 1x128 activation / 128x128 weight blocks (fp8.recipe=blockwise)",
     "moecore-fp8-rowwise-bf16wgrad": "fp8.recipe=rowwise with the weight gradients in bf16 (fp8.wgrad=bf16)",
+    "moecore-fp8-rowwise-primary": "fp8.recipe=rowwise with FP8 primary weights: both weight layouts quantised "
+    "once per optimizer step (timed apart: primary_requant_ms), not in forward + backward",
 }
 
 
@@ -101,6 +103,25 @@ def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore", tok
         scaling = variant.split("-")[2]  # moecore-fp8-<recipe>[-bf16wgrad]
         apply_fp8(layer, Fp8Recipe(scaling, wgrad_fp8=not variant.endswith("-bf16wgrad")), ["experts"])
     return layer
+
+
+def _fp8_primary_weights(layer) -> float:
+    """FP8 primary weights for the layer's experts (fp8.primary_weights=true): quantise w13 and w2 into their FP8
+    layouts, as every optimizer step does, and keep only those (the bf16 values become placeholders).
+    Returns the median GPU ms of that quantisation, the per-step cost the forward + backward time leaves out."""
+    from moecore.models.fp8 import quantize_primary
+
+    ex = layer.experts
+    weights = [ex.w13, ex.w2]
+
+    def requant():
+        for p in weights:
+            quantize_primary(p, p.detach(), ex.fp8_recipe, grouped=True)
+
+    ms = cuda_time_ms(requant, 1, 3)
+    for p in weights:
+        p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+    return round(ms, 3)
 
 
 def _copy_hf_to_moecore(hf_state: dict, layer) -> None:
@@ -233,12 +254,14 @@ def run_shape(
             else:
                 _copy_hf_to_moecore(state, mod)
             del state
+            extra = {}
+            if impl.endswith("-primary"):
+                extra["primary_requant_ms"] = _fp8_primary_weights(mod)
             _free()
             ms, peak = _time_step(mod, x, g, warmup, iters)
-            extra = {}
             if phases:
                 top: list = []
-                extra = {"phases_ms": profile_phases(mod, x, g, top=top), "top_kernels": top}
+                extra.update(phases_ms=profile_phases(mod, x, g, top=top), top_kernels=top)
             records.append(record(name, impl, ms, flops, peak, **load, **extra))
         except Exception as ex:  # record and continue: one failing implementation must not hide the others
             records.append(record(name, impl, None, None, None, error=f"{type(ex).__name__}: {ex}"[:300]))
