@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         default="moecore",
         help="comma-separated moecore variants to time: moecore, moecore-unfused-router (both benches), "
-        "moecore-all-grouped, moecore-all-triton, moecore-fp32-router-gemm, moecore-minimal, moecore-sync-free (moe-layer)",
+        "moecore-all-grouped, moecore-all-triton, moecore-fp32-router-gemm, moecore-minimal, moecore-sync-free, "
+        "moecore-fp8-<tensorwise|rowwise|blockwise>, moecore-fp8-rowwise-bf16wgrad, moecore-fp8-rowwise-primary (moe-layer)",
     )
     p.add_argument(
         "--routing", default="random", help="moe-layer: comma-separated: random (near-uniform) and/or skewed (a few "
