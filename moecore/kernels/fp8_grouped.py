@@ -105,13 +105,17 @@ def quant_weights(w: torch.Tensor, recipe: Fp8Recipe) -> GroupedWeight:
     return GroupedWeight(op.q.view(E, N, K), op.s.view(E, -1, op.s.shape[-1]), op.gran)
 
 
-def transposed_weights(wq: GroupedWeight, w: torch.Tensor, recipe: Fp8Recipe) -> GroupedWeight:
-    """w^T [E, K, N] along N: tensorwise and 128x128 reuse the quantised values; rowwise quantises again."""
-    if wq.gran == "tensorwise":
-        return GroupedWeight(wq.q.transpose(1, 2).contiguous(), wq.s, "tensorwise")
-    if wq.gran == "128x128":
-        return GroupedWeight(wq.q.transpose(1, 2).contiguous(), wq.s.transpose(1, 2).contiguous(), "128x128")
-    return transposed_rowwise_weights(w, recipe)
+def transposed_weights(kept: GroupedWeight | None, w: torch.Tensor, recipe: Fp8Recipe) -> GroupedWeight:
+    """w^T [E, K, N] along N for the input-gradient GEMM, from what the forward kept: tensorwise and 128x128
+    copies transposed (their scales serve both layouts); a rowwise primary weight's own w^T (`kept` is already
+    transposed); nothing (rowwise): w quantised again along N."""
+    if kept is None:
+        return transposed_rowwise_weights(w, recipe)
+    if kept.gran == "tensorwise":
+        return GroupedWeight(kept.q.transpose(1, 2).contiguous(), kept.s, "tensorwise")
+    if kept.gran == "128x128":
+        return GroupedWeight(kept.q.transpose(1, 2).contiguous(), kept.s.transpose(1, 2).contiguous(), "128x128")
+    return kept
 
 
 def transposed_rowwise_weights(w: torch.Tensor, recipe: Fp8Recipe) -> GroupedWeight:
@@ -245,14 +249,6 @@ def _activation_quantized(h: torch.Tensor, probs: torch.Tensor | None, recipe: F
     return quant_rows(swiglu(h, probs), recipe, E4M3)
 
 
-def _transposed(kept: GroupedWeight | None, w: torch.Tensor, recipe: Fp8Recipe) -> GroupedWeight:
-    """w^T for the input-gradient GEMM: a primary weight's own (rowwise, `kept` already transposed), from the
-    kept forward copy (tensorwise, 128x128), or quantised again from w (rowwise)."""
-    if kept is None:
-        return transposed_rowwise_weights(w, recipe)
-    return kept if kept.gran == "rowwise" else transposed_weights(kept, w, recipe)
-
-
 class _Fp8GroupedFFN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w13, w2, counts, probs, recipe: Fp8Recipe, host):
@@ -292,7 +288,7 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         recipe, host, gd, dt = ctx.recipe, ctx.host, ctx.recipe.grad_dtype, dy.dtype
         dy = dy.contiguous()
         dyq = quant_rows(dy, recipe, gd)
-        w2t = _transposed(w2q, w2c, recipe)
+        w2t = transposed_weights(w2q, w2c, recipe)
         da = gmm_nt(dyq, w2t, counts, host, recipe, dt)
         del w2t
         dh, dp, a = swiglu_backward(h, probs, da)
@@ -317,7 +313,7 @@ class _Fp8GroupedFFN(torch.autograd.Function):
                 dw13 = _bf16_wgrad(dh, x, counts, host)
             dw13 = dw13.to(ctx.w_dtypes[0])
         if ctx.needs_input_grad[0]:
-            dx = gmm_nt(dhq, _transposed(w13q, w13c, recipe), counts, host, recipe, dt)
+            dx = gmm_nt(dhq, transposed_weights(w13q, w13c, recipe), counts, host, recipe, dt)
         dprobs = dp.to(ctx.p_dtype) if dp is not None and ctx.needs_input_grad[4] else None
         return dx, dw13, dw2, None, dprobs, None, None
 

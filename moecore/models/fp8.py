@@ -22,7 +22,7 @@ from torch import nn
 
 from moecore.kernels import fp8_quant as fq
 from moecore.kernels.fp8_gemm import E4M3, Fp8Recipe, QOperand, fp8_linear, quant_rows
-from moecore.kernels.fp8_grouped import GroupedWeight, quant_weights
+from moecore.kernels.fp8_grouped import quant_weights, rowwise_weight_pair
 from moecore.parallel import comm
 from moecore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, tp_region_output, tp_size
 
@@ -101,11 +101,11 @@ def quantize_primary(p: torch.Tensor, w: torch.Tensor, recipe: Fp8Recipe, groupe
     if recipe.scaling != "rowwise":
         p.fp8_primary = quant_weights(w, recipe) if grouped else quant_rows(w, recipe, E4M3, True)
         return
-    (q, s), (qt, st) = fq.quantize_weight_layouts(w if grouped else w.unsqueeze(0), E4M3, recipe.pow2)
     if grouped:
-        p.fp8_primary, p.fp8_primary_t = GroupedWeight(q, s, "rowwise"), GroupedWeight(qt, st, "rowwise")
-    else:
-        p.fp8_primary, p.fp8_primary_t = QOperand(q[0], s[0], "rowwise"), QOperand(qt[0], st[0], "rowwise")
+        p.fp8_primary, p.fp8_primary_t = rowwise_weight_pair(w, recipe)
+        return
+    (q, s), (qt, st) = fq.quantize_weight_layouts(w.unsqueeze(0), E4M3, recipe.pow2)
+    p.fp8_primary, p.fp8_primary_t = QOperand(q[0], s[0], "rowwise"), QOperand(qt[0], st[0], "rowwise")
 
 
 def enable_primary_weights(model: nn.Module, mixed) -> int:
