@@ -18,8 +18,8 @@ between layouts exact. Groups ("granularities"):
 Two more layouts serve the expert GEMMs (moecore/kernels/fp8_grouped.py): `quantize_grouped_cols` (a
 [P, C] operand quantised along each expert's rows, one scale per expert and column, written transposed for
 the weight-gradient GEMM) and `quantize_weight_layouts` (expert weights [E, N, K] rowwise along K and/or
-transposed to [E, K, N] along N, the two GEMM layouts of rowwise scaling). `swiglu_quantize` fuses the experts' SwiGLU (* routing probabilities) with rowwise or
-1x128 quantisation.
+transposed to [E, K, N] along N, the two GEMM layouts of rowwise scaling). `swiglu_quantize` fuses the
+experts' SwiGLU (* routing probabilities) with rowwise or 1x128 quantisation.
 
 Each function takes `impl` (moecore/kernels/_triton.py): the Triton kernel on CUDA, the reference
 elsewhere; both divide with IEEE round-to-nearest (`tl.div_rn`) and round to the FP8 grid in fp32 before
