@@ -339,8 +339,6 @@ def check_fp8_runtime(cfg: Config, device: torch.device, world_size: int = 1) ->
                 "fp8.recipe='tensorwise' is not supported on GPUs yet (its training went non-finite in the H200 "
                 "accuracy run); use rowwise or blockwise"
             )
-    if f.primary_weights and world_size > 1:
-        raise ConfigError(f"fp8.primary_weights=true is single-process for now (world size {world_size}); use false")
     if f.primary_weights and (cfg.parallel.fsdp or cfg.parallel.distributed_optimizer):
         raise ConfigError(
             "fp8.primary_weights=true is not supported with parallel.fsdp / parallel.distributed_optimizer yet; "

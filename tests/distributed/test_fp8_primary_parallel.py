@@ -1,0 +1,56 @@
+"""FP8 primary weights under data, expert and tensor parallelism (`moecore train` under torchrun, 2 gloo
+processes, emulated rowwise FP8): each rank rebuilds the FP8 copies of the weights it holds from its own fp32
+masters after every step, so the run must compute exactly what the same layout computes without primary
+weights (the same quantised weights either way: losses and gradient norms equal bit for bit), and its
+checkpoint is written (from the masters, as always)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from cli_runs import read_metrics, run_cli
+
+pytestmark = pytest.mark.distributed
+
+RUN = [  # every GEMM dimension a multiple of 16
+    "tiny-moe",
+    "train.steps=3",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    "train.seq_length=16",
+    "train.eval_interval=0",
+    "train.device=cpu",
+    "log.interval=1",
+    "log.progress=false",
+    "log.tensorboard=false",
+    "checkpoint.interval=3",
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_attention_heads=2",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "moe.num_experts=4",
+    "moe.ffn_hidden_size=32",
+    "moe.shared_expert_intermediate_size=32",
+    "moe.first_k_dense_replace=1",
+    "train.precision=fp8",
+    "fp8.emulate=true",
+    "fp8.recipe=rowwise",
+]
+
+
+@pytest.mark.parametrize("layout", [["parallel.ep=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]])
+def test_primary_weights_equal_the_run_without_them(tmp_path, layout):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moecore", "train"]
+    runs = {}
+    for name, extra in (("plain", []), ("primary", ["fp8.primary_weights=true"])):
+        run_dir = tmp_path / name
+        run_cli([*torchrun, *RUN, *layout, *extra, f"train.run_dir={run_dir}"], retry_dir=run_dir)
+        runs[name] = read_metrics(run_dir)
+    assert [m["step"] for m in runs["primary"]] == [1, 2, 3]
+    for ref, got in zip(runs["plain"], runs["primary"]):
+        assert got["loss"] == ref["loss"] and got["grad_norm"] == ref["grad_norm"], (ref, got)
+        # the primary weights are in use: both FP8 layouts, their scales and the placeholders outweigh bf16
+        assert got["memory/params_gb"] > ref["memory/params_gb"], (ref, got)
+    assert (tmp_path / "primary" / "checkpoints" / "step-3" / "complete").exists()  # saved from the fp32 masters
