@@ -93,11 +93,13 @@ def _fp8_weights(model: nn.Module) -> list[tuple[torch.Tensor, Fp8Recipe, bool]]
     return out
 
 
-def quantize_primary(p: torch.Tensor, w: torch.Tensor, recipe: Fp8Recipe, grouped: bool) -> None:
-    """Set the FP8 values parameter p computes with from w (p's values, or its fp32 master: rounded to p's
-    dtype first): `p.fp8_primary` for the forward GEMM and, rowwise, `p.fp8_primary_t` (w^T along the other
-    dim, for the input-gradient GEMM; tensorwise and 128x128 scales serve both layouts)."""
-    w = w.to(p.dtype)
+def quantize_primary(
+    p: torch.Tensor, w: torch.Tensor, recipe: Fp8Recipe, grouped: bool, dtype: torch.dtype | None = None
+) -> None:
+    """Set the FP8 values parameter p computes with from w (p's values, or its fp32 master: rounded to `dtype`,
+    p's compute dtype, first): `p.fp8_primary` for the forward GEMM and, rowwise, `p.fp8_primary_t` (w^T along
+    the other dim, for the input-gradient GEMM; tensorwise and 128x128 scales serve both layouts)."""
+    w = w.to(dtype or p.dtype)
     if recipe.scaling != "rowwise":
         p.fp8_primary = quant_weights(w, recipe) if grouped else quant_rows(w, recipe, E4M3, True)
         return
@@ -116,11 +118,12 @@ def enable_primary_weights(model: nn.Module, mixed) -> int:
         if p not in mixed.masters:
             raise ValueError("FP8 primary weights need fp32 master weights (optim.master_weights=fp32)")
 
-        def rebuild(master: torch.Tensor, p=p, recipe=recipe, grouped=grouped) -> None:
+        def rebuild(master: torch.Tensor, p=p, recipe=recipe, grouped=grouped, dtype=p.dtype) -> None:
             # from the bf16 rounding of the master, as the weights are quantised without primary weights
-            # (so both modes compute the same); the bf16 copy lives only for this call
+            # (so both modes compute the same; the dtype is fixed here, not read from p, which may be lending
+            # its fp32 master when this runs); the bf16 copy lives only for this call
             with torch.no_grad():
-                quantize_primary(p, master, recipe, grouped)
+                quantize_primary(p, master, recipe, grouped, dtype)
 
         rebuild(mixed.masters[p])
         p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)  # shape and dtype only

@@ -16,7 +16,9 @@ shards of the gradient buckets of `GradSync` (moecore.parallel.data_parallel), s
   forward pre-hooks (each decoder layer waits for its own buckets), so they overlap the next
   forward; `wait_for_params()` finishes them all for anything that reads the weights otherwise
   (the checkpoint path calls it). With bf16 the full fp32 masters of `MixedPrecision` are dropped once the
-  shards are cut from them: the master shard is the only fp32 copy of a weight.
+  shards are cut from them: the master shard is the only fp32 copy of a weight. FP8 primary weights
+  (`fp8.primary_weights`) hold no bf16 values: the gathered fp32 masters are quantised into their FP8
+  copies instead of written into them (the gather itself stays fp32).
 - Per rank this keeps 12 / g bytes of optimizer state per parameter (fp32 master + two fp32 moments)
   instead of 8 (fp32 training: moments only) or 12 (bf16: master + moments); with
   `optim.state_dtype=bf16` the moments are bf16 (8 / g bytes) and the update is `FusedAdamW`'s
@@ -183,7 +185,17 @@ class DistributedOptimizer:
             if work is not None:
                 work.wait()
             pairs = list(self._per_param(self.buckets[i], full))
-            torch._foreach_copy_([p.data for p, _ in pairs], [t for _, t in pairs])
+            recast = self._recast()
+            for p, t in pairs:  # FP8 primary weights: quantised from the gathered fp32 master, no bf16 copy kept
+                if p in recast:
+                    recast[p](t)
+            pairs = [(p, t) for p, t in pairs if p not in recast]
+            if pairs:
+                torch._foreach_copy_([p.data for p, _ in pairs], [t for _, t in pairs])
+
+    def _recast(self) -> dict:
+        """MixedPrecision.recast: the FP8 primary weights' rebuild functions (moecore/models/fp8.py), or {}."""
+        return self.mixed.recast if self.mixed is not None else {}
 
     def wait_for_params(self) -> None:
         """Make every parameter hold its updated value (before reading the weights outside a forward)."""
@@ -326,9 +338,13 @@ class DistributedOptimizer:
         finally:
             with torch.no_grad():
                 self._refresh_all()
+                recast = self._recast()
                 for p, data in lent.items():
-                    data.copy_(p.data)
-                    p.data = data
+                    full, p.data = p.data, data  # the parameter's own tensor back first: rebuilds round to its dtype
+                    if p in recast:  # an FP8 primary weight: re-quantised from the fp32 values
+                        recast[p](full)
+                    else:
+                        data.copy_(full)
 
     def _refresh_all(self) -> None:
         for i, b in enumerate(self.buckets):

@@ -339,8 +339,7 @@ def check_fp8_runtime(cfg: Config, device: torch.device, world_size: int = 1) ->
                 "fp8.recipe='tensorwise' is not supported on GPUs yet (its training went non-finite in the H200 "
                 "accuracy run); use rowwise or blockwise"
             )
-    if f.primary_weights and (cfg.parallel.fsdp or cfg.parallel.distributed_optimizer):
+    if f.primary_weights and cfg.parallel.fsdp:
         raise ConfigError(
-            "fp8.primary_weights=true is not supported with parallel.fsdp / parallel.distributed_optimizer yet; "
-            "use false (FP8 GEMMs on bf16 weights)"
+            "fp8.primary_weights=true is not supported with parallel.fsdp yet; use false (FP8 GEMMs on bf16 weights)"
         )

@@ -1,11 +1,12 @@
-"""FP8 primary weights under data, expert and tensor parallelism (`moecore train` under torchrun, 2 gloo
-processes, emulated rowwise FP8): each rank rebuilds the FP8 copies of the weights it holds from its own fp32
-masters after every step, so the run must compute exactly what the same layout computes without primary
-weights (the same quantised weights either way: losses and gradient norms equal bit for bit), and its
-checkpoint is written (from the masters, as always)."""
+"""FP8 primary weights under data, expert and tensor parallelism and the distributed optimizer (`moecore train`
+under torchrun, 2 gloo processes, emulated rowwise FP8): each rank rebuilds the FP8 copies of the weights it
+holds from its fp32 masters after every step (the distributed optimizer: from the gathered master shards), so the run must compute exactly what the same layout computes without primary
+weights (the same quantised weights either way: losses and gradient norms equal bit for bit), and resuming
+its checkpoint (fp32 masters, as always) reproduces its next step."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 
 import pytest
@@ -24,7 +25,7 @@ RUN = [  # every GEMM dimension a multiple of 16
     "log.interval=1",
     "log.progress=false",
     "log.tensorboard=false",
-    "checkpoint.interval=3",
+    "checkpoint.interval=2",
     "model.hidden_size=32",
     "model.num_layers=2",
     "model.num_attention_heads=2",
@@ -40,7 +41,10 @@ RUN = [  # every GEMM dimension a multiple of 16
 ]
 
 
-@pytest.mark.parametrize("layout", [["parallel.ep=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]])
+@pytest.mark.parametrize(
+    "layout",
+    [["parallel.ep=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.distributed_optimizer=true"]],
+)
 def test_primary_weights_equal_the_run_without_them(tmp_path, layout):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moecore", "train"]
     runs = {}
@@ -53,4 +57,13 @@ def test_primary_weights_equal_the_run_without_them(tmp_path, layout):
         assert got["loss"] == ref["loss"] and got["grad_norm"] == ref["grad_norm"], (ref, got)
         # the primary weights are in use: both FP8 layouts, their scales and the placeholders outweigh bf16
         assert got["memory/params_gb"] > ref["memory/params_gb"], (ref, got)
-    assert (tmp_path / "primary" / "checkpoints" / "step-3" / "complete").exists()  # saved from the fp32 masters
+    # resumed from the step-2 checkpoint (fp32 masters, quantised again on load): step 3 as before
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "primary", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-3", ignore_errors=True)
+    (resumed / "metrics.jsonl").unlink()
+    primary = [*RUN, *layout, "fp8.primary_weights=true", f"train.run_dir={resumed}", "checkpoint.resume=true"]
+    run_cli([*torchrun, *primary], retry_dir=None)
+    got = read_metrics(resumed)
+    assert [m["step"] for m in got] == [3]
+    assert got[0]["loss"] == runs["primary"][2]["loss"], (got, runs["primary"][2])

@@ -191,9 +191,9 @@ def test_primary_weights_refusals():
 
     cfg = load_config("tiny-moe", TINY + FP8 + ["fp8.primary_weights=true", "fp8.recipe=tensorwise"])
     check_fp8_runtime(cfg, torch.device("cpu"), 1)
-    check_fp8_runtime(cfg, torch.device("cpu"), 2)  # data / tensor / expert parallel: see tests/distributed
-    cfg = load_config("tiny-moe", TINY + FP8 + ["fp8.primary_weights=true", "parallel.distributed_optimizer=true"])
-    with pytest.raises(ConfigError, match="distributed_optimizer"):
+    check_fp8_runtime(cfg, torch.device("cpu"), 2)  # data / tensor / expert parallel, distributed optimizer
+    cfg = load_config("tiny-moe", TINY + FP8 + ["fp8.primary_weights=true", "parallel.fsdp=true"])
+    with pytest.raises(ConfigError, match="parallel.fsdp"):
         check_fp8_runtime(cfg, torch.device("cpu"), 2)
 
 
