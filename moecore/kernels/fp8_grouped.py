@@ -125,7 +125,7 @@ def transposed_rowwise_weights(w: torch.Tensor, recipe: Fp8Recipe) -> GroupedWei
 
 
 def rowwise_weight_pair(w: torch.Tensor, recipe: Fp8Recipe) -> tuple[GroupedWeight, GroupedWeight]:
-    """w [E, N, K] quantised rowwise in both layouts (forward along K, w^T along N) from two reads of w."""
+    """w [E, N, K] quantised rowwise in both layouts (forward along K, w^T along N): fp8_quant.quantize_weight_layouts."""
     (q, s), (qt, st) = fq.quantize_weight_layouts(w, E4M3, recipe.pow2)
     return GroupedWeight(q, s, "rowwise"), GroupedWeight(qt, st, "rowwise")
 
