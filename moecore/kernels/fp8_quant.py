@@ -380,7 +380,7 @@ COLS_TILES = ((32, 64, 4), 1024)
 def _grouped_cols(x: torch.Tensor, bounds: torch.Tensor, q: torch.Tensor, dtype, pow2: bool, rows_per_group: int):
     """Quantise x [P, C] along the rows of each group bounds[e]..bounds[e+1] (scales [E, C]) into q, transposed
     per group (_cols_quant_kernel). Two passes over x: column maxima of row chunks (enough programs for
-    8 large groups or 512 small ones), their max per group on the host side of torch, then the quantisation."""
+    8 large groups or 512 small ones), their max per group (a torch reduction), then the quantisation."""
     P, C = x.shape
     E = bounds.numel() - 1
     (br, bc, warps), rows_per_program = COLS_TILES if x.is_cuda else ((16, 32, 1), 16)
