@@ -18,8 +18,9 @@ it; `record_stream` keeps its GPU block from being reused before the copy has re
 tensor is dropped. Unpack (backward): the tensors a module saved come back as one group on the side
 stream, and the group saved just before it (the next one backward reaches) is prefetched at the same
 time, so its copy overlaps this module's backward; the compute stream waits for the copy's event
-before it uses a tensor. The bytes come back unchanged, so gradients are bit-identical to a run
-without offloading. On CPU the "host" copy is a clone (same mechanics, no memory saved).
+before it uses a tensor. The bytes come back unchanged and with their strides (a view's whole span is
+copied), so backward runs the same kernels and gradients are bit-identical to a run without offloading.
+On CPU the "host" copy is a copy in place (same mechanics, no memory saved).
 
 Forwards that run without gradients, in eval mode, or again inside backward (recomputation of a
 checkpointed module) are not offloaded. With pipeline parallelism every in-flight micro-batch's
@@ -41,6 +42,20 @@ MIN_BYTES = 1 << 16  # smaller saved tensors (indices of tiny batches, statistic
 def _in_backward() -> bool:
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
+
+
+def _copy_like(t: torch.Tensor, device: torch.device, pin_memory: bool = False) -> torch.Tensor:
+    """A copy of t on `device` (asynchronous where the devices allow) with t's sizes and strides, so that backward
+    runs the same kernels on it: a contiguous copy of a strided view (a column slice, say) can take another BLAS
+    path and change the last bits of the gradients. A dense tensor is copied as it is; any other view with the
+    whole stretch of storage it spans (gaps included, at most a few times its size for the slices saved here)."""
+    if t.numel() == 0 or torch.empty_like(t, device="meta").stride() == t.stride():  # dense, non-overlapping
+        out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device, pin_memory=pin_memory)
+        return out.copy_(t, non_blocking=True)
+    span = 1 + sum((n - 1) * st for n, st in zip(t.size(), t.stride()))
+    buf = torch.empty(span, dtype=t.dtype, device=device, pin_memory=pin_memory)
+    buf.copy_(t.as_strided((span,), (1,), t.storage_offset()), non_blocking=True)
+    return buf.as_strided(t.size(), t.stride(), 0)
 
 
 def _is_param_like(t: torch.Tensor) -> bool:
@@ -98,14 +113,11 @@ class ActivationOffloader:
             side = self._side(t.device)
             side.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(side):
-                # t's strides when they are dense and non-overlapping, else contiguous (an expanded view)
-                stride = torch.empty_like(t, device="meta").stride()
-                host = torch.empty_strided(t.size(), stride, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
+                host = _copy_like(t, torch.device("cpu"), pin_memory=True)
             t.record_stream(side)
             group.event = side.record_event()
         else:
-            host = t.detach().clone()
+            host = _copy_like(t.detach(), t.device)
         self.stats["packed"] += 1
         self.stats["bytes"] += t.numel() * t.element_size()
         item = _Saved(gi, host, t.device)
@@ -126,7 +138,7 @@ class ActivationOffloader:
                 continue
             side = self._side(item.device)
             with torch.cuda.stream(side):
-                item.back = item.host.to(item.device, non_blocking=True)
+                item.back = _copy_like(item.host, item.device)
         cuda = [i for i in items if i.device.type == "cuda"]
         if cuda:
             group.event = self._side(cuda[0].device).record_event()

@@ -126,3 +126,15 @@ def test_a_dropped_graph_leaves_nothing_behind() -> None:
     model(ids, labels=ids).loss.backward()
     model(ids, labels=ids)
     assert len(off.groups) == first  # only the last forward's groups: the dropped ones were released
+
+
+def test_host_copies_keep_the_saved_views_strides() -> None:
+    """A saved column slice, transpose or expanded view comes back with its own strides (backward's kernels, and
+    so the gradients' last bits, can depend on them), the copy holding its own memory."""
+    from moecore.models.offload import _copy_like
+
+    x = torch.randn(6, 8)
+    for view in (x, x[:, :3], x.t(), x[::2], torch.randn(3, 1).expand(3, 5), x[:0]):
+        c = _copy_like(view, torch.device("cpu"))
+        assert c.shape == view.shape and c.stride() == view.stride() and torch.equal(c, view)
+        assert view.numel() == 0 or c.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
