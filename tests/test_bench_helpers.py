@@ -101,3 +101,15 @@ def test_skewed_routing_concentrates_tokens_and_random_does_not():
 def test_unknown_routing_is_one_line(capsys):
     assert main(["moe-layer", "--routing", "zipf"]) == 2
     assert "--routing 'zipf' is unknown" in capsys.readouterr().err
+
+
+def test_moe_layer_variants_build_on_cpu():
+    """Every moe-layer variant builds (tiny shape, CPU); the FP8 ones carry the recipe their name spells."""
+    for name in moe_layer.VARIANTS:
+        layer = moe_layer._moecore_layer(32, 32, 4, 2, name, tokens=64)
+        recipe = getattr(layer.experts, "fp8_recipe", None)
+        assert (recipe is not None) == name.startswith("moecore-fp8-")
+        if recipe is not None:
+            assert recipe.scaling == name.split("-")[2]
+            assert recipe.padding == ("wgrad" if name.endswith("-wgradpad") else "all")
+            assert recipe.wgrad_fp8 == (not name.endswith("-bf16wgrad"))

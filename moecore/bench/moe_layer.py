@@ -65,6 +65,9 @@ VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore"
     "moecore-fp8-rowwise-bf16wgrad": "fp8.recipe=rowwise with the weight gradients in bf16 (fp8.wgrad=bf16)",
     "moecore-fp8-rowwise-primary": "fp8.recipe=rowwise with FP8 primary weights: both weight layouts quantised "
     "once per optimizer step (timed apart: primary_requant_ms), not in forward + backward",
+    "moecore-fp8-rowwise-wgradpad": "fp8.recipe=rowwise with only the weight-gradient operands padded per expert "
+    "(Fp8Recipe.padding=wgrad: no padded copies of x and dy, no un-padding of y and dx)",
+    "moecore-fp8-rowwise-primary-wgradpad": "the two variants above together",
 }
 
 
@@ -100,8 +103,11 @@ def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore", tok
         from moecore.kernels.fp8_gemm import Fp8Recipe
         from moecore.models.fp8 import apply_fp8
 
-        scaling = variant.split("-")[2]  # moecore-fp8-<recipe>[-bf16wgrad]
-        apply_fp8(layer, Fp8Recipe(scaling, wgrad_fp8=not variant.endswith("-bf16wgrad")), ["experts"])
+        scaling, *options = variant.split("-")[2:]  # moecore-fp8-<recipe>[-primary][-bf16wgrad | -wgradpad]
+        recipe = Fp8Recipe(
+            scaling, wgrad_fp8="bf16wgrad" not in options, padding="wgrad" if "wgradpad" in options else "all"
+        )
+        apply_fp8(layer, recipe, ["experts"])
     return layer
 
 
@@ -255,7 +261,7 @@ def run_shape(
                 _copy_hf_to_moecore(state, mod)
             del state
             extra = {}
-            if impl.endswith("-primary"):
+            if impl.startswith("moecore-fp8-") and "primary" in impl.split("-"):
                 extra["primary_requant_ms"] = _fp8_primary_weights(mod)
             _free()
             ms, peak = _time_step(mod, x, g, warmup, iters)

@@ -53,10 +53,16 @@ class Fp8Recipe:
     emulate: bool = False  # quantise-dequantise + fp32 matmul instead of FP8 tensor-core GEMMs
     fprop_fast_accum: bool = True  # forward GEMMs in the tensor cores' fast accumulation (backward: never)
     wgrad_fp8: bool = True  # False: weight gradients as bf16 GEMMs of the unquantised operands (fp8.wgrad=bf16)
+    # Which expert-GEMM operands get their experts' rows padded to `alignment` (fp8_grouped.py): "all" (the rows
+    # are padded on entry, every GEMM runs on padded rows) or "wgrad" (rowwise only: only the weight-gradient
+    # operands, whose contracted dim is the rows, are written padded, by the kernel that quantises them)
+    padding: str = "all"
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
             raise ValueError(f"scaling={self.scaling!r} is invalid: allowed: {' | '.join(SCALINGS)}")
+        if self.padding not in ("all", "wgrad") or (self.padding == "wgrad" and self.scaling != "rowwise"):
+            raise ValueError(f"padding={self.padding!r} is invalid: 'all', or 'wgrad' with rowwise scaling")
 
     @property
     def alignment(self) -> int:

@@ -18,6 +18,12 @@ buffer has a fixed bound of rows (N + E * (alignment - 1), rounded up) and the s
 expert as zero rows, so nothing waits for the GPU. The router, the aux losses and the expert-load
 statistics are computed before and see only the real tokens; padding rows contribute exact zeros to
 every output and gradient.
+
+Only the weight-gradient GEMMs contract over the rows, so only their operands need the experts' rows
+aligned. `Fp8Recipe.padding="wgrad"` (rowwise) keeps x, h, y and their gradients unpadded: the forward and
+input-gradient GEMMs run on the real rows, and the four weight-gradient operands are written into the padded
+layout by the kernel that quantises them (zero columns in the gaps), so the padded bf16 copies of x and dy
+and the un-padding copies of y and dx are never made. Both give the same values.
 """
 
 from __future__ import annotations
@@ -44,7 +50,6 @@ def pad_plan(counts: torch.Tensor, n_rows: int, align: int, exact: bool) -> tupl
     """
     counts = counts.to(torch.int64)
     E = counts.numel()
-    eid = torch.repeat_interleave(torch.arange(E, device=counts.device), counts, output_size=n_rows)
     padded = (counts + align - 1) // align * align
     if exact:
         P = int(padded.sum())
@@ -52,10 +57,7 @@ def pad_plan(counts: torch.Tensor, n_rows: int, align: int, exact: bool) -> tupl
         P = -(-(n_rows + E * (align - 1)) // align) * align
         padded = padded.clone()
         padded[-1] += P - padded.sum()
-    starts = torch.cumsum(counts, 0) - counts
-    pstarts = torch.cumsum(padded, 0) - padded
-    dst = torch.arange(n_rows, device=counts.device) - starts[eid] + pstarts[eid]
-    return dst, padded, P
+    return fq.padded_positions(counts, padded, n_rows), padded, P
 
 
 def pad_rows(x: torch.Tensor, dst: torch.Tensor, P: int) -> torch.Tensor:
@@ -149,9 +151,20 @@ class GroupedCols:
 
 
 def quant_cols(
-    x: torch.Tensor, counts: torch.Tensor, recipe: Fp8Recipe, dtype: torch.dtype, rows_q: QOperand | None = None
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    recipe: Fp8Recipe,
+    dtype: torch.dtype,
+    rows_q: QOperand | None = None,
+    pad_to: fq.PadTo | None = None,
 ) -> GroupedCols:
-    """x [P, C] (experts' rows padded to the alignment) quantised along the rows of each expert."""
+    """x [P, C] (experts' rows padded to the alignment) quantised along the rows of each expert; or, with
+    `pad_to` (rowwise), x [N, C] unpadded, written into the padded layout (fq.quantize_grouped_cols)."""
+    if pad_to is not None:
+        if recipe.scaling != "rowwise":
+            raise ValueError("quant_cols: pad_to is for rowwise scaling only")
+        q, s = fq.quantize_grouped_cols(x, counts, dtype, recipe.pow2, pad_to=pad_to)
+        return GroupedCols(q, s, "rowwise")
     if recipe.scaling == "tensorwise":
         if rows_q is not None and rows_q.q.dtype == dtype:  # the same groups: one scale
             return GroupedCols(rows_q.q.t().contiguous(), rows_q.s, "tensorwise")
@@ -250,8 +263,12 @@ def _activation_quantized(h: torch.Tensor, probs: torch.Tensor | None, recipe: F
 
 
 class _Fp8GroupedFFN(torch.autograd.Function):
+    """The six GEMMs on rows sorted by expert: x [P, H] padded per expert (counts padded), or, with `pad_to`
+    (recipe.padding="wgrad"), x [N, H] unpadded with the real counts, and only the weight-gradient operands
+    written padded (pad_to: their padded counts and rows)."""
+
     @staticmethod
-    def forward(ctx, x, w13, w2, counts, probs, recipe: Fp8Recipe, host):
+    def forward(ctx, x, w13, w2, counts, probs, recipe: Fp8Recipe, host, pad_to=None):
         dt = x.dtype
         # FP8 primary weights (moecore/models/fp8.py) arrive quantised (rowwise: w^T too); others are quantised here
         w13q, w2q = getattr(w13, "fp8_primary", None), getattr(w2, "fp8_primary", None)
@@ -275,6 +292,9 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         ctx.save_for_backward(x, h, probs, counts, w13c, w2c, *keep)
         ctx.grans = (xq.gran, w13q.gran)
         ctx.recipe, ctx.host = recipe, host
+        ctx.pad_rows = None if pad_to is None else pad_to[1]
+        if pad_to is not None:
+            ctx.pad_counts = pad_to[0]
         ctx.w_dtypes = (w13.dtype, w2.dtype)
         ctx.p_dtype = None if probs is None else probs.dtype
         return y
@@ -294,10 +314,14 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         dh, dp, a = swiglu_backward(h, probs, da)
         del da, h
         dw2 = dw13 = dx = None
+        # the weight-gradient GEMMs' operands: padded as x was, or written padded from unpadded rows (pad_to)
+        pad_to = None if ctx.pad_rows is None else (ctx.pad_counts, ctx.pad_rows)
+        wcounts, whost = (counts, host) if pad_to is None else (pad_to[0], None)
         if ctx.needs_input_grad[2]:
             if recipe.wgrad_fp8:
-                dy_cols = quant_cols(dy, counts, recipe, gd, rows_q=dyq)
-                dw2 = gmm_tn(dy_cols, quant_cols(a, counts, recipe, E4M3), counts, host, recipe, dt)
+                dy_cols = quant_cols(dy, counts, recipe, gd, rows_q=dyq, pad_to=pad_to)
+                a_cols = quant_cols(a, counts, recipe, E4M3, pad_to=pad_to)
+                dw2 = gmm_tn(dy_cols, a_cols, wcounts, whost, recipe, dt)
             else:
                 dw2 = _bf16_wgrad(dy, a, counts, host)
             dw2 = dw2.to(ctx.w_dtypes[1])
@@ -306,16 +330,16 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         dhq = quant_rows(dh, recipe, gd)
         if ctx.needs_input_grad[1]:
             if recipe.wgrad_fp8:
-                x_cols = quant_cols(x, counts, recipe, E4M3, rows_q=xq)
-                dh_cols = quant_cols(dh, counts, recipe, gd, rows_q=dhq)
-                dw13 = gmm_tn(dh_cols, x_cols, counts, host, recipe, dt)
+                x_cols = quant_cols(x, counts, recipe, E4M3, rows_q=xq, pad_to=pad_to)
+                dh_cols = quant_cols(dh, counts, recipe, gd, rows_q=dhq, pad_to=pad_to)
+                dw13 = gmm_tn(dh_cols, x_cols, wcounts, whost, recipe, dt)
             else:
                 dw13 = _bf16_wgrad(dh, x, counts, host)
             dw13 = dw13.to(ctx.w_dtypes[0])
         if ctx.needs_input_grad[0]:
             dx = gmm_nt(dhq, transposed_weights(w13q, w13c, recipe), counts, host, recipe, dt)
         dprobs = dp.to(ctx.p_dtype) if dp is not None and ctx.needs_input_grad[4] else None
-        return dx, dw13, dw2, None, dprobs, None, None
+        return dx, dw13, dw2, None, dprobs, None, None, None
 
 
 def fp8_expert_ffn(
@@ -327,13 +351,17 @@ def fp8_expert_ffn(
     recipe: Fp8Recipe,
 ) -> torch.Tensor:
     """The SwiGLU expert FFN on rows sorted by expert ([N, H] -> [N, H]) with FP8 GEMMs; rows padded per
-    expert to the recipe's alignment inside (module docstring) and un-padded on the way out."""
+    expert to the recipe's alignment (module docstring): on the way in and out (recipe.padding="all"), or only
+    in the weight-gradient operands, as they are quantised ("wgrad")."""
     N = x_NH.shape[0]
     if N == 0:
         return x_NH.new_zeros(0, w2_EHF.shape[1])
     grouped = _uses_grouped_kernel(recipe, x_NH.device, E4M3, recipe.grad_dtype)
     counts = counts_E.to(x_NH.device)
     dst, padded, P = pad_plan(counts, N, recipe.alignment, exact=not grouped)
+    if recipe.padding == "wgrad":
+        host = None if grouped else counts.tolist()
+        return _Fp8GroupedFFN.apply(x_NH.contiguous(), w13_EFH, w2_EHF, counts, probs_N, recipe, host, (padded, P))
     host = None if grouped else padded.tolist()
     xp = pad_rows(x_NH.contiguous(), dst, P)
     pp = None if probs_N is None else pad_rows(probs_N, dst, P)

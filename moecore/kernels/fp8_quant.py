@@ -172,19 +172,24 @@ if triton_importable():
 
     @triton.jit
     def _cols_quant_kernel(
-        x_ptr, q_ptr, s_ptr, bounds_ptr, C, stride_x, stride_qe, stride_qc, rows_per_group,
-        SPLIT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FMAX: tl.constexpr,
+        x_ptr, q_ptr, s_ptr, bounds_ptr, dst_ptr, C, stride_x, stride_qe, stride_qc,
+        SPLIT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FMAX: tl.constexpr, PAD: tl.constexpr,
     ):  # fmt: skip
         # The chunk's rows divided by the group's column scales s[e, :], written transposed: row r, column c of
-        # group e lands at q[e * stride_qe + c * stride_qc + r - e * rows_per_group] ([C, P] for activations:
-        # stride_qe = rows_per_group = 0; [E, C, N] for weights of N rows each). The tile is cast to fp8 (its
-        # values are on the fp8 grid already) and transposed in registers so that the stores run along the rows.
+        # group e lands at q[e * stride_qe + c * stride_qc + dst[e] + r - bounds[e]] ([C, P] for activations:
+        # stride_qe = 0, dst = bounds, or the padded groups' starts; [E, C, N] for weights of N rows each:
+        # dst = 0). With PAD the positions dst[e] + rows .. dst[e + 1] after group e's rows are written with
+        # zeros (the padding of a weight-gradient operand), by the group's last chunk. The tile is cast to fp8
+        # (its values are on the fp8 grid already) and transposed in registers so that the stores run along
+        # the rows.
         e, z = tl.program_id(0), tl.program_id(2)
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         cm = cols < C
         lo, hi = _cols_chunk(bounds_ptr, e, z, SPLIT, BR)
         s = tl.load(s_ptr + e * C + cols, mask=cm, other=1.0)
-        base = q_ptr + e.to(tl.int64) * stride_qe + cols.to(tl.int64)[:, None] * stride_qc - e * rows_per_group
+        start, dst0 = tl.load(bounds_ptr + e), tl.load(dst_ptr + e)
+        group = q_ptr + e.to(tl.int64) * stride_qe + cols.to(tl.int64)[:, None] * stride_qc
+        base = group + (dst0 - start)
         for r0 in range(lo, hi, BR):
             rows = r0 + tl.arange(0, BR)
             m = (rows < hi)[:, None] & cm[None, :]
@@ -192,6 +197,13 @@ if triton_importable():
             q = _to_fp8_grid(tl.clamp(tl.div_rn(x.to(tl.float32), s[None, :]), -FMAX, FMAX), FMAX)
             mt = (rows < hi)[None, :] & cm[:, None]
             tl.store(base + rows[None, :], tl.trans(q.to(q_ptr.dtype.element_ty)), mask=mt)
+        if PAD:
+            if z == SPLIT - 1:
+                gap_hi = tl.load(dst_ptr + e + 1)
+                for r0 in range(dst0 + tl.load(bounds_ptr + e + 1) - start, gap_hi, BR):
+                    rows = r0 + tl.arange(0, BR)
+                    mt = (rows < gap_hi)[None, :] & cm[:, None]
+                    tl.store(group + rows[None, :], tl.zeros((BC, BR), dtype=q_ptr.dtype.element_ty), mask=mt)
 
     @triton.jit
     def _swiglu_quant_kernel(
@@ -358,17 +370,38 @@ def quantize_128x128(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, 
     return _launch_tile(x, dtype, pow2, per_row=False)
 
 
-def quantize_grouped_cols_reference(x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype, pow2: bool = False):
-    """(q^T [C, P], s [E, C]): x [P, C] quantised per expert (its rows: `counts`, consecutive) and column."""
+def padded_positions(counts: torch.Tensor, padded: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """[n_rows]: where each row lands when consecutive groups of `counts` rows start at the starts of groups of
+    `padded` rows (padded >= counts), the groups' order and the rows' order within them kept."""
+    counts, padded = counts.to(torch.int64), padded.to(torch.int64)
+    eid = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=n_rows)
+    shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(counts, 0) - counts)
+    return torch.arange(n_rows, device=counts.device) + shift[eid]
+
+
+PadTo = tuple[torch.Tensor, int]  # (rows per group once padded, their sum): where a weight-gradient operand's
+# groups start when the GEMM needs aligned groups and the rows it is quantised from are not padded
+
+
+def quantize_grouped_cols_reference(
+    x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype, pow2: bool = False, pad_to: PadTo | None = None
+):
+    """(q^T [C, P], s [E, C]): x [N, C] quantised per expert (its rows: `counts`, consecutive) and column; with
+    `pad_to` each expert's columns of q^T start at its padded start and the gaps are zeros (P = pad_to[1])."""
     _check_2d(x)
-    P, C = x.shape
+    N, C = x.shape
     E = counts.numel()
-    eid = torch.repeat_interleave(torch.arange(E, device=x.device), counts.to(torch.int64), output_size=P)
+    eid = torch.repeat_interleave(torch.arange(E, device=x.device), counts.to(torch.int64), output_size=N)
     amax = torch.zeros(E, C, device=x.device).scatter_reduce(
         0, eid[:, None].expand(-1, C), x.detach().abs().float(), "amax"
     )
     s = scale_from_amax(amax, dtype, pow2)
-    return _cast(x, s[eid], dtype).t().contiguous(), s
+    q = _cast(x, s[eid], dtype)
+    if pad_to is not None:  # index_copy on the bytes: fp8 has no CPU index_copy
+        dst = padded_positions(counts, pad_to[0], N)
+        q = torch.zeros(pad_to[1], C, dtype=torch.uint8, device=x.device).index_copy(0, dst, q.view(torch.uint8))
+        q = q.view(dtype)
+    return q.t().contiguous(), s
 
 
 # The grouped column kernels' GPU tile ((rows, columns, warps) per program) and the rows a program aims to cover
@@ -377,40 +410,57 @@ def quantize_grouped_cols_reference(x: torch.Tensor, counts: torch.Tensor, dtype
 COLS_TILES = ((32, 64, 4), 1024)
 
 
-def _grouped_cols(x: torch.Tensor, bounds: torch.Tensor, q: torch.Tensor, dtype, pow2: bool, rows_per_group: int):
-    """Quantise x [P, C] along the rows of each group bounds[e]..bounds[e+1] (scales [E, C]) into q, transposed
-    per group (_cols_quant_kernel). Two passes over x: column maxima of row chunks (enough programs for
-    8 large groups or 512 small ones), their max per group (a torch reduction), then the quantisation."""
-    P, C = x.shape
+def _group_bounds(counts: torch.Tensor) -> torch.Tensor:
+    """[E + 1] int32: 0, then the running sum of counts."""
+    bounds = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
+    torch.cumsum(counts, 0, out=bounds[1:])
+    return bounds
+
+
+def _grouped_cols(
+    x: torch.Tensor, bounds: torch.Tensor, q: torch.Tensor, dtype, pow2: bool, dst: torch.Tensor, pad: bool = False
+):
+    """Quantise x [N, C] along the rows of each group bounds[e]..bounds[e+1] (scales [E, C]) into q, transposed
+    per group from dst[e] on (_cols_quant_kernel; `pad`: zeros up to dst[e+1]). Two passes over x: column maxima
+    of row chunks (enough programs for 8 large groups or 512 small ones), their max per group (a torch
+    reduction), then the quantisation."""
+    N, C = x.shape
     E = bounds.numel() - 1
     (br, bc, warps), rows_per_program = COLS_TILES if x.is_cuda else ((16, 32, 1), 16)
-    split = max(1, min(64, P // max(E, 1) // rows_per_program))
+    split = max(1, min(64, N // max(E, 1) // rows_per_program))
     grid = (E, triton.cdiv(C, bc), split)
     part = torch.empty(E, split, C, dtype=torch.float32, device=x.device)
     _cols_amax_kernel[grid](x, part, bounds, C, x.stride(0), SPLIT=split, BR=br, BC=bc, num_warps=warps)
     s = scale_from_amax(part.amax(dim=1), dtype, pow2)
     stride_qe = q.stride(0) if q.dim() == 3 else 0
     _cols_quant_kernel[grid](
-        x, q, s, bounds, C, x.stride(0), stride_qe, q.stride(-2), rows_per_group,
-        SPLIT=split, BR=br, BC=bc, FMAX=FP8_MAX[dtype], num_warps=warps,
+        x, q, s, bounds, dst, C, x.stride(0), stride_qe, q.stride(-2),
+        SPLIT=split, BR=br, BC=bc, FMAX=FP8_MAX[dtype], PAD=pad, num_warps=warps,
     )  # fmt: skip
     return s
 
 
 def quantize_grouped_cols(
-    x: torch.Tensor, counts: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2: bool = False, impl="auto"
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    pow2: bool = False,
+    impl: str = "auto",
+    pad_to: PadTo | None = None,
 ):
     """(q^T [C, P], s [E, C]): the operand of a grouped weight-gradient GEMM, quantised along each expert's rows
-    (the contracted dim) with one scale per expert and column, stored transposed. No host synchronisation."""
+    (the contracted dim) with one scale per expert and column, stored transposed. `pad_to`: x's rows are not
+    padded, q^T's groups are (zero columns after each expert's rows), so that no padded copy of x is made.
+    No host synchronisation."""
     _check_2d(x)
     if not use_triton(impl, x, counts):
-        return quantize_grouped_cols_reference(x, counts, dtype, pow2)
-    P, C = x.shape
+        return quantize_grouped_cols_reference(x, counts, dtype, pow2, pad_to)
+    N, C = x.shape
     x = x if x.stride(1) == 1 else x.contiguous()
-    bounds = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=x.device)
-    torch.cumsum(counts, 0, out=bounds[1:])
-    q = torch.empty(C, P, dtype=dtype, device=x.device)
-    return q, _grouped_cols(x, bounds, q, dtype, pow2, 0)
+    bounds = _group_bounds(counts)
+    dst = bounds if pad_to is None else _group_bounds(pad_to[0])
+    q = torch.empty(C, N if pad_to is None else pad_to[1], dtype=dtype, device=x.device)
+    return q, _grouped_cols(x, bounds, q, dtype, pow2, dst, pad=pad_to is not None)
 
 
 Quantised = tuple[torch.Tensor, torch.Tensor]
@@ -460,7 +510,7 @@ def quantize_weight_layouts(
     if cols:
         bounds = torch.arange(0, (E + 1) * N, N, dtype=torch.int32, device=w.device)
         qt = torch.empty(E, K, N, dtype=dtype, device=w.device)
-        st = _grouped_cols(w2.contiguous(), bounds, qt, dtype, pow2, N)
+        st = _grouped_cols(w2.contiguous(), bounds, qt, dtype, pow2, torch.zeros_like(bounds))
         out_cols = (qt, st.unsqueeze(-1))
     return out_rows, out_cols
 

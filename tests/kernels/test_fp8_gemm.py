@@ -196,6 +196,51 @@ def test_expert_ffn_padding_is_invisible():
     assert torch.equal(cols.s, want)
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_padding_only_the_weight_gradient_operands_changes_nothing(exact):
+    """padding="wgrad": unpadded rows through the forward and input-gradient GEMMs, the weight-gradient operands
+    written padded as they are quantised; the results of padding every operand (exact padding and the fixed
+    bound with its slack on the last expert). The FP8 operands are the same bit for bit (test_fp8_quant.py);
+    the emulation's fp32 matmuls over 7 rows or 16 padded ones sum in different orders on the CPU (measured:
+    up to 1 ulp, 2.4e-7 at magnitudes 2-4), hence the fp32 rounding bar."""
+    torch.manual_seed(8)
+    E, H, Fh, counts = 4, 32, 48, torch.tensor([7, 0, 16, 3])
+    n = int(counts.sum())
+    x, p = torch.randn(n, H), torch.rand(n)
+    w13, w2 = torch.randn(E, 2 * Fh, H) * 0.1, torch.randn(E, H, Fh) * 0.1
+    g = torch.randn(n, H)
+    outs = []
+    for padding in ("all", "wgrad"):
+        recipe = Fp8Recipe("rowwise", emulate=True, padding=padding)
+        ts = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
+        dst, padded, P = pad_plan(counts, n, 16, exact)
+        if padding == "all":
+            y = _Fp8GroupedFFN.apply(pad_rows(ts[0], dst, P), *ts[1:3], padded, pad_rows(ts[3], dst, P), recipe, None)
+            y = y.index_select(0, dst)
+        else:
+            y = _Fp8GroupedFFN.apply(*ts[:3], counts, ts[3], recipe, None, (padded, P))
+        y.backward(g)
+        outs.append([y] + [t.grad for t in ts])
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, rtol=2.5e-7, atol=1e-7)
+    with pytest.raises(ValueError, match="padding"):
+        Fp8Recipe("blockwise", padding="wgrad")
+
+
+def test_expert_ffn_with_wgrad_padding_matches_default():
+    torch.manual_seed(9)
+    E, H, Fh, counts = 3, 64, 32, torch.tensor([9, 0, 21])
+    x, w13, w2 = torch.randn(30, H), torch.randn(E, 2 * Fh, H) * 0.1, torch.randn(E, H, Fh) * 0.1
+    res = []
+    for padding in ("all", "wgrad"):
+        xx, a13, a2 = (t.clone().requires_grad_() for t in (x, w13, w2))
+        y = fp8_expert_ffn(xx, a13, a2, counts, None, Fp8Recipe("rowwise", emulate=True, padding=padding))
+        y.backward(torch.ones_like(y))
+        res.append((y, xx.grad, a13.grad, a2.grad))
+    for a, b in zip(*res):  # fp32 rounding of the emulation's matmuls (previous test)
+        assert torch.allclose(a, b, rtol=2.5e-7, atol=1e-7)
+
+
 @NEEDS_CPU_ROWWISE
 def test_loop_backend_matches_emulation_on_cpu():
     """With emulate=False on CPU the experts run the loop of torch._scaled_mm (rowwise runs on CPU)."""

@@ -123,6 +123,38 @@ def test_fp8_expert_ffn_matches_emulation(scaling, grad_dtype):
         assert rel(got, emu) < 1e-2
 
 
+@pytest.mark.parametrize("primary", [False, True], ids=["bf16-weights", "primary-weights"])
+def test_fp8_expert_ffn_padding_only_wgrad_operands(primary):
+    """Fp8Recipe(padding="wgrad"): torch's grouped FP8 GEMMs for the forward and input gradient on expert row
+    offsets that are not multiples of 16 (only the weight-gradient operands padded) give what padding every
+    operand gives. The outputs and dx can differ only by the GEMMs' own per-row rounding, and the weight
+    gradients see the same padded operands."""
+    _skip_unless_fp8("rowwise")
+    from moecore.models.fp8 import quantize_primary
+
+    torch.manual_seed(4)
+    E, H, Fh = 8, 256, 384
+    counts = torch.tensor([100, 0, 37, 260, 1, 128, 50, 24], device="cuda")
+    n = int(counts.sum())
+    x = torch.randn(n, H, device="cuda", dtype=torch.bfloat16)
+    w13 = torch.randn(E, 2 * Fh, H, device="cuda", dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, H, Fh, device="cuda", dtype=torch.bfloat16) * 0.02
+    p = torch.rand(n, device="cuda")
+    g = torch.randn(n, H, device="cuda", dtype=torch.bfloat16)
+    res = []
+    for padding in ("all", "wgrad"):
+        recipe = Fp8Recipe("rowwise", padding=padding)
+        ts = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
+        if primary:
+            for w in ts[1:3]:
+                quantize_primary(w, w.detach(), recipe, grouped=True)
+        y = fp8_expert_ffn(ts[0], ts[1], ts[2], counts, ts[3], recipe)
+        y.backward(g)
+        res.append([y] + [t.grad for t in ts])
+    for got, want in zip(*res):
+        assert rel(got, want) < 1e-3
+
+
 def _moe_layer(scaling: str | None, grad_dtype=E4M3):
     from moecore.config import MoEConfig
     from moecore.models.fp8 import apply_fp8

@@ -119,6 +119,36 @@ def test_grouped_cols_kernel_matches_reference(backend, pow2):
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
 
 
+def test_grouped_cols_padded_output_equals_padding_first():
+    """pad_to: the unpadded rows quantised straight into the padded layout equal padding the rows first."""
+    torch.manual_seed(5)
+    counts, padded = torch.tensor([5, 0, 16, 17]), torch.tensor([16, 0, 16, 48])  # slack on the last group
+    x = torch.randn(38, 24)
+    dst = fq.padded_positions(counts, padded, 38)
+    assert dst.tolist() == list(range(5)) + list(range(16, 32)) + list(range(32, 49))
+    xp = torch.zeros(80, 24).index_copy(0, dst, x)
+    q, s = fq.quantize_grouped_cols_reference(x, counts, E4M3, pad_to=(padded, 80))
+    qp, sp = fq.quantize_grouped_cols_reference(xp, padded, E4M3)
+    assert torch.equal(s[[0, 2, 3]], sp[[0, 2, 3]])  # an empty group's scale is the floor either way
+    assert torch.equal(q.view(torch.uint8), qp.view(torch.uint8))
+
+
+@pytest.mark.parametrize("slack", [0, 37])
+def test_grouped_cols_kernel_pads_like_reference(backend, slack):
+    dev, _ = setup(backend)
+    torch.manual_seed(6)
+    counts = torch.tensor([19, 0, 32, 5], device=dev)
+    padded = (counts + 15) // 16 * 16
+    padded[-1] += slack  # the fixed-bound padding of the sync-free path gives the slack to the last group
+    P = int(padded.sum())
+    x = (torch.randn(56, 72) * torch.logspace(-2, 1, 72)).to(dev)
+    if backend == "cuda":
+        x = x.bfloat16()
+    q = fq.quantize_grouped_cols(x, counts, E4M3, impl="triton", pad_to=(padded, P))[0]
+    qr, _ = fq.quantize_grouped_cols_reference(x, counts, E4M3, pad_to=(padded, P))
+    assert q.shape == (72, P) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+
+
 def test_grouped_cols_kernel_splits_long_groups(backend):
     """Groups long enough that the GPU launch splits each one's rows into chunks (their maxima merged after)."""
     if backend != "cuda":
