@@ -4,9 +4,15 @@ For each MoE-layer shape (random top-k routing, bf16): the six GEMMs of the expe
 gradients through w2 / w13, weight gradients of w13 / w2) with torch._grouped_mm and with
 `moecore.kernels.grouped_gemm` under every TileConfig of the sweep; each kernel output is checked against
 torch's (relative Frobenius error). Prints one JSON line per measurement and writes them all to --json.
-The best configuration per shape and GEMM is what `moecore.kernels.grouped_ffn.TRITON_TILES` records.
+The best configuration per shape and GEMM is what `moecore.kernels.grouped_gemm.GPU_TILES` records.
+
+With --fp8 the four forward / data-gradient GEMMs are timed instead with FP8 operands quantised rowwise along
+the contracted dim (as `train.precision=fp8` with fp8.recipe=rowwise runs them): torch._scaled_grouped_mm
+against `grouped_mm_scaled` under every --fp8-tiles configuration, on the same unpadded expert rows, both in
+the backward's full fp32 accumulation and (`fwd_*_fast`) in the forward's fast accumulation.
 
     python benchmarks/grouped_gemm_tiles.py --json OUT.json [--shapes qwen3_next_80b,...] [--mm-tiles ...] [--schedules G,P,PT]
+    python benchmarks/grouped_gemm_tiles.py --fp8 --json OUT.json [--fp8-tiles ...] [--schedules PTF]
 """
 
 from __future__ import annotations
@@ -21,10 +27,16 @@ import torch
 
 from moecore.bench.common import FFN_SHAPES as SHAPES
 from moecore.bench.common import cuda_time_ms, expert_ffn_problem
+from moecore.kernels.fp8_quant import quantize_grouped_cols, quantize_rowwise
 from moecore.kernels.grouped_gemm import TileConfig, grouped_mm, grouped_wgrad
+from moecore.kernels.grouped_gemm_fp8 import grouped_mm_scaled, grouped_wgrad_scaled
 
 MM_TILES = "128x128x64w4s4g8,128x128x64w8s3g8,128x256x64w8s3g8,64x128x64w4s4g8,64x256x64w8s3g8"
 WGRAD_TILES = "128x128x64w8s3g8,128x128x64w4s4g8,128x256x64w8s3g8,256x128x64w8s3g8,64x128x64w4s4g8"
+FP8_TILES = "128x256x128w8s3g8,128x128x128w8s4g8,128x128x128w4s4g8,64x256x128w8s3g8,128x256x64w8s4g8,256x128x128w8s3g8"
+FP8_WGRAD_TILES = (
+    "128x128x128w8s4g8,128x128x64w8s4g8,128x128x128w8s3g8,64x128x128w4s4g8,128x64x128w4s4g8,64x64x128w4s4g8"
+)
 SCHEDULES = "G,P,PT,GT"  # G one tile per program, P persistent; T TMA loads, F flattened loop, W warp-specialised
 
 
@@ -94,12 +106,94 @@ def run_shape(name: str, mm_cfgs: list, wgrad_cfgs: list, kinds: set | None, emi
         del ref
 
 
+def run_shape_fp8(name: str, cfgs: list, wgrad_cfgs: list, kinds: set | None, emit) -> None:
+    """The forward and data-gradient GEMMs with rowwise FP8 operands: torch._scaled_grouped_mm against ours."""
+    dev, e4m3 = torch.device("cuda"), torch.float8_e4m3fn
+    pb = expert_ffn_problem(name, dev, torch.bfloat16)
+    M, H, Fd, bounds = pb.M, pb.H, pb.F, pb.bounds
+
+    def rows(t):  # [R, K] along K -> (q, s [R])
+        q, s = quantize_rowwise(t, e4m3)
+        return q, s.reshape(-1)
+
+    def weights(w):  # [E, N, K] along K -> (q [E, N, K], s [E, N])
+        q, s = quantize_rowwise(w.reshape(-1, w.shape[-1]), e4m3)
+        return q.view(w.shape), s.view(w.shape[0], w.shape[1])
+
+    f13, f2 = 2 * M * H * 2 * Fd, 2 * M * H * Fd
+    problems = {  # name: (lhs rows, weights [E, N, K], flops, fast accumulation)
+        "fwd_w13": (pb.xs, pb.w13, f13, False),
+        "fwd_w13_fast": (pb.xs, pb.w13, f13, True),
+        "fwd_w2": (pb.a, pb.w2, f2, False),
+        "fwd_w2_fast": (pb.a, pb.w2, f2, True),
+        "dgrad_w2": (pb.dy, pb.w2.transpose(1, 2).contiguous(), f2, False),
+        "dgrad_w13": (pb.h, pb.w13.transpose(1, 2).contiguous(), f13, False),
+    }
+    for kind, (lhs, w, flops, fast) in problems.items():
+        if kinds is None or kind.removesuffix("_fast") in kinds:
+            _time_fp8(name, kind, rows(lhs), weights(w), bounds, flops, fast, cfgs, emit)
+    # weight gradients: both operands quantised along each expert's rows, written transposed with the experts'
+    # rows padded to 16 (as the FP8 expert FFN does), scales per expert and column
+    padded = (pb.counts + 15) // 16 * 16
+    pad_to = (padded, int(padded.sum()))
+    pbounds = torch.zeros_like(bounds)
+    pbounds[1:] = torch.cumsum(padded, 0)
+
+    def cols(t):
+        return quantize_grouped_cols(t, pb.counts, e4m3, pad_to=pad_to)
+
+    for kind, (lhs, rhs, flops) in {"wgrad_w13": (pb.h, pb.xs, f13), "wgrad_w2": (pb.dy, pb.a, f2)}.items():
+        if kinds is None or kind in kinds:
+            _time_fp8_wgrad(name, kind, cols(lhs), cols(rhs), pbounds, flops, wgrad_cfgs, emit)
+
+
+def _time_fp8_wgrad(name: str, kind: str, a, b, bounds, flops: int, cfgs: list, emit) -> None:
+    (aq, sa), (bq, sb) = a, b
+    out = torch.bfloat16
+
+    def torch_fp8():
+        return torch._scaled_grouped_mm(aq, bq.t(), sa.reshape(-1), sb.reshape(-1), offs=bounds[1:], out_dtype=out)
+
+    ref = torch_fp8()
+    emit(name, kind, "torch-fp8", cuda_time_ms(torch_fp8), flops)
+    for cfg in cfgs:
+        try:
+            err = rel(grouped_wgrad_scaled(aq, bq, sa, sb, bounds, out, cfg), ref)
+            ms = cuda_time_ms(lambda c=cfg: grouped_wgrad_scaled(aq, bq, sa, sb, bounds, out, c))
+            emit(name, kind, cfg.describe(), ms, flops, err=err)
+        except Exception as ex:  # one config that does not compile must not hide the others
+            emit(name, kind, cfg.describe(), 0.0, flops, error=str(ex)[:200])
+
+
+def _time_fp8(name: str, kind: str, a, b, bounds, flops: int, fast: bool, cfgs: list, emit) -> None:
+    (aq, sa), (bq, sb) = a, b
+    out = torch.bfloat16
+
+    def torch_fp8():
+        return torch._scaled_grouped_mm(
+            aq, bq.transpose(-2, -1), sa, sb, offs=bounds[1:], out_dtype=out, use_fast_accum=fast
+        )
+
+    ref = torch_fp8()
+    emit(name, kind, "torch-fp8", cuda_time_ms(torch_fp8), flops)
+    for cfg in cfgs:
+        try:
+            err = rel(grouped_mm_scaled(aq, bq, sa, sb, bounds, out, cfg, fast_accum=fast), ref)
+            ms = cuda_time_ms(lambda c=cfg: grouped_mm_scaled(aq, bq, sa, sb, bounds, out, c, fast_accum=fast))
+            emit(name, kind, cfg.describe(), ms, flops, err=err)
+        except Exception as ex:  # one config that does not compile must not hide the others
+            emit(name, kind, cfg.describe(), 0.0, flops, error=str(ex)[:200])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--mm-tiles", default=MM_TILES, help="forward / data-gradient tiles, comma-separated")
     ap.add_argument("--wgrad-tiles", default=WGRAD_TILES, help="weight-gradient tiles, comma-separated")
+    ap.add_argument("--fp8", action="store_true", help="the forward / data-gradient GEMMs with rowwise FP8 operands")
+    ap.add_argument("--fp8-tiles", default=FP8_TILES, help="tiles of the FP8 GEMMs, comma-separated")
+    ap.add_argument("--fp8-wgrad-tiles", default=FP8_WGRAD_TILES, help="tiles of the FP8 weight-gradient GEMMs")
     ap.add_argument("--schedules", default=SCHEDULES, help="schedule letter strings, comma-separated")
     ap.add_argument(
         "--kinds", default=None, help="only these GEMMs (fwd_w13,fwd_w2,dgrad_w2,dgrad_w13,wgrad_w13,wgrad_w2)"
@@ -117,6 +211,11 @@ def main() -> None:
 
     for name in args.shapes.split(","):
         kinds = set(args.kinds.split(",")) if args.kinds else None
+        if args.fp8:
+            fp8_cfgs = configs(args.fp8_tiles, args.schedules)
+            run_shape_fp8(name, fp8_cfgs, configs(args.fp8_wgrad_tiles, args.schedules), kinds, emit)
+            torch.cuda.empty_cache()
+            continue
         run_shape(name, configs(args.mm_tiles, args.schedules), configs(args.wgrad_tiles, args.schedules), kinds, emit)
         torch.cuda.empty_cache()
     if args.json:

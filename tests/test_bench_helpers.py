@@ -104,12 +104,32 @@ def test_unknown_routing_is_one_line(capsys):
 
 
 def test_moe_layer_variants_build_on_cpu():
-    """Every moe-layer variant builds (tiny shape, CPU); the FP8 ones carry the recipe their name spells."""
+    """Every moe-layer variant builds (tiny shape, CPU); the FP8 ones carry the recipe their name spells, and
+    otherwise `moecore train`'s defaults."""
+    from moecore.config.fp8 import FP8Config
+
     for name in moe_layer.VARIANTS:
         layer = moe_layer._moecore_layer(32, 32, 4, 2, name, tokens=64)
         recipe = getattr(layer.experts, "fp8_recipe", None)
         assert (recipe is not None) == name.startswith("moecore-fp8-")
         if recipe is not None:
             assert recipe.scaling == name.split("-")[2]
-            assert recipe.padding == ("wgrad" if name.endswith("-wgradpad") else "all")
-            assert recipe.wgrad_fp8 == (not name.endswith("-bf16wgrad"))
+            options = name.split("-")[3:]
+            default = FP8Config(recipe=recipe.scaling)
+            padding = (
+                "wgrad" if "wgradpad" in options else "all" if "allpad" in options else default.resolved("padding")
+            )
+            gemm = {"triton": "triton", "torchgemm": "torch"}
+            gemm = next((gemm[o] for o in options if o in gemm), default.resolved("grouped_gemm"))
+            assert (recipe.padding, recipe.grouped_gemm) == (padding, gemm), name
+            assert recipe.wgrad_fp8 == ("bf16wgrad" not in options)
+
+
+def test_fp8_variants_compose_options():
+    assert moe_layer.is_variant("moecore-fp8-rowwise-primary-triton")
+    assert moe_layer.is_variant("moecore-fp8-rowwise-allpad-torchgemm")
+    assert not moe_layer.is_variant("moecore-fp8-blockwise-triton")  # fp8.grouped_gemm=triton needs rowwise
+    assert not moe_layer.is_variant("moecore-fp8-rowwise-fast")
+    assert not moe_layer.is_variant("moecore-fp9")
+    recipe = moe_layer._moecore_layer(32, 32, 4, 2, "moecore-fp8-rowwise-primary-triton", tokens=64).experts.fp8_recipe
+    assert (recipe.grouped_gemm, recipe.padding) == ("triton", "wgrad")

@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated moecore variants to time: moecore, moecore-unfused-router (both benches), "
         "moecore-all-grouped, moecore-all-triton, moecore-fp32-router-gemm, moecore-minimal, moecore-sync-free, "
         "moecore-fp8-<tensorwise|rowwise|blockwise>, moecore-fp8-rowwise-bf16wgrad, moecore-fp8-rowwise-primary, "
-        "moecore-fp8-rowwise-wgradpad, moecore-fp8-rowwise-primary-wgradpad (moe-layer)",
+        "moecore-fp8-rowwise-wgradpad, moecore-fp8-rowwise-primary-wgradpad, moecore-fp8-rowwise-[primary-]triton, "
+        "-allpad, -torchgemm (moe-layer)",
     )
     p.add_argument(
         "--routing", default="random", help="moe-layer: comma-separated: random (near-uniform) and/or skewed (a few "
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print("moecore bench: error: --iters must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
     if args.what == "moe-layer":
-        from moecore.bench.moe_layer import ROUTINGS, SHAPES, VARIANTS
+        from moecore.bench.moe_layer import ROUTINGS, SHAPES, VARIANTS, is_variant
 
         bad = [v for v in args.routing.split(",") if v not in ROUTINGS]
         if bad:
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     else:
         from moecore.bench.train import MODES, PROXIES, VARIANTS
+
+        is_variant = VARIANTS.__contains__
 
         if args.shapes:
             print("moecore bench: error: --shapes applies to moe-layer only (train: --model)", file=sys.stderr)
@@ -106,8 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "moe-layer" and "fp8" in args.precision.split(","):  # FP8 experts beside the bf16 layer
         fp8 = ("moecore-fp8-tensorwise", "moecore-fp8-rowwise", "moecore-fp8-blockwise")
         variants += tuple(v for v in fp8 if v not in variants)
-    for flag, given, allowed in (("--shapes", shapes, SHAPES), ("--variants", variants, VARIANTS)):
-        bad = [v for v in given if v not in allowed]
+    for flag, given, allowed, known in (
+        ("--shapes", shapes, SHAPES, SHAPES.__contains__),
+        ("--variants", variants, VARIANTS, is_variant),
+    ):
+        bad = [v for v in given if not known(v)]
         if bad:
             print(f"moecore bench: error: {flag} {bad[0]!r} is unknown; allowed: {', '.join(allowed)}", file=sys.stderr)
             return 2

@@ -68,7 +68,51 @@ VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore"
     "moecore-fp8-rowwise-wgradpad": "fp8.recipe=rowwise with only the weight-gradient operands padded per expert "
     "(Fp8Recipe.padding=wgrad: no padded copies of x and dy, no un-padding of y and dx)",
     "moecore-fp8-rowwise-primary-wgradpad": "the two variants above together",
+    "moecore-fp8-rowwise-allpad": "fp8.recipe=rowwise with every operand's rows padded per expert (fp8.padding=all)",
+    "moecore-fp8-rowwise-triton": "fp8.recipe=rowwise with the forward and input-gradient grouped GEMMs in moecore's "
+    "Triton kernel (fp8.grouped_gemm=triton)",
+    "moecore-fp8-rowwise-torchgemm": "fp8.recipe=rowwise with every grouped GEMM torch's (fp8.grouped_gemm=torch)",
 }
+# moecore-fp8-<recipe>[-primary][-<option>...]: each option sets one fp8 field; unset fields keep `moecore train`'s
+# defaults (FP8Config), so moecore-fp8-rowwise times what train.precision=fp8 runs
+FP8_VARIANT_OPTIONS = {
+    "bf16wgrad": ("wgrad", "bf16"),
+    "wgradpad": ("padding", "wgrad"),
+    "allpad": ("padding", "all"),
+    "triton": ("grouped_gemm", "triton"),
+    "torchgemm": ("grouped_gemm", "torch"),
+}
+
+
+def _fp8_config(variant: str):
+    """The FP8Config of moecore-fp8-<recipe>[-primary][-<option>...] (validated: ConfigError if it cannot run)."""
+    from moecore.config.fp8 import FP8Config
+
+    scaling, *options = variant.split("-")[2:]
+    fp8 = FP8Config(recipe=scaling, modules=["experts"])
+    for opt in options:
+        if opt in FP8_VARIANT_OPTIONS:
+            setattr(fp8, *FP8_VARIANT_OPTIONS[opt])
+    fp8.validate()
+    return fp8
+
+
+def is_variant(name: str) -> bool:
+    """A name of VARIANTS, or an FP8 variant composed of a recipe and options (FP8_VARIANT_OPTIONS, `primary`)."""
+    from moecore.config.errors import ConfigError
+
+    parts = name.split("-")
+    if name in VARIANTS:
+        return True
+    if parts[:2] != ["moecore", "fp8"] or len(parts) < 3:
+        return False
+    if any(p != "primary" and p not in FP8_VARIANT_OPTIONS for p in parts[3:]):
+        return False
+    try:
+        _fp8_config(name)
+    except ConfigError:
+        return False
+    return True
 
 
 def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore", tokens: int = 16384):
@@ -103,11 +147,7 @@ def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore", tok
         from moecore.kernels.fp8_gemm import Fp8Recipe
         from moecore.models.fp8 import apply_fp8
 
-        scaling, *options = variant.split("-")[2:]  # moecore-fp8-<recipe>[-primary][-bf16wgrad | -wgradpad]
-        recipe = Fp8Recipe(
-            scaling, wgrad_fp8="bf16wgrad" not in options, padding="wgrad" if "wgradpad" in options else "all"
-        )
-        apply_fp8(layer, recipe, ["experts"])
+        apply_fp8(layer, Fp8Recipe.from_config(_fp8_config(variant)), ["experts"])
     return layer
 
 

@@ -30,8 +30,21 @@ class FP8Config:
     emulate: bool = False  # quantise-dequantise then ordinary matmuls: FP8 numerics without FP8 GEMMs (CPU, debugging)
     fprop_fast_accum: bool = True  # forward GEMMs use Hopper's fast FP8 accumulation (Transformer Engine's default)
     wgrad: str = "fp8"  # fp8 | bf16: the weight-gradient GEMMs in FP8, or in bf16 from the unquantised operands
+    # the routed experts' GEMMs (rowwise only for the non-default choices; auto: the faster on an H200, AUTO below)
+    padding: str = "auto"  # auto | all | wgrad: rows padded per expert for every GEMM, or in the wgrad operands only
+    grouped_gemm: str = "auto"  # auto | torch | triton: forward and input-gradient grouped GEMMs' kernel
 
     RECIPES = ("tensorwise", "rowwise", "blockwise")
+    # what `auto` means for the rowwise recipe (the others take the first choice, the only one they have)
+    AUTO = {"padding": "wgrad", "grouped_gemm": "auto"}  # grouped_gemm auto: per GEMM (kernels/fp8_grouped.py)
+    CHOICES = {"padding": ("all", "wgrad"), "grouped_gemm": ("torch", "triton")}
+
+    def resolved(self, name: str) -> str:
+        """`padding` or `grouped_gemm` with `auto` replaced by its choice for this recipe."""
+        value = getattr(self, name)
+        if value != "auto":
+            return value
+        return self.AUTO[name] if self.recipe == "rowwise" else self.CHOICES[name][0]
 
     @property
     def alignment(self) -> int:
@@ -42,6 +55,10 @@ class FP8Config:
         _check_choice("fp8.recipe", self.recipe, self.RECIPES)
         _check_choice("fp8.format", self.format, ("e4m3", "hybrid"))
         _check_choice("fp8.wgrad", self.wgrad, ("fp8", "bf16"))
+        for name, choices in self.CHOICES.items():
+            _check_choice(f"fp8.{name}", getattr(self, name), ("auto", *choices))
+            if getattr(self, name) not in ("auto", choices[0]) and self.recipe != "rowwise":
+                _fail(f"fp8.{name}", getattr(self, name), f"needs fp8.recipe=rowwise (fp8.recipe={self.recipe})")
         if not isinstance(self.modules, list) or not self.modules:
             _fail("fp8.modules", self.modules, "a non-empty list of " + " | ".join(FP8_MODULES))
         for m in self.modules:

@@ -57,12 +57,22 @@ class Fp8Recipe:
     # are padded on entry, every GEMM runs on padded rows) or "wgrad" (rowwise only: only the weight-gradient
     # operands, whose contracted dim is the rows, are written padded, by the kernel that quantises them)
     padding: str = "all"
+    # The expert forward and input-gradient GEMMs: torch._scaled_grouped_mm ("torch"), moecore's Triton grouped
+    # GEMM with row scales in its epilogue ("triton", rowwise on CUDA: kernels/grouped_gemm.grouped_mm_scaled), or
+    # per GEMM the one measured faster ("auto", rowwise: fp8_grouped.AUTO_WIDE)
+    grouped_gemm: str = "torch"
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
             raise ValueError(f"scaling={self.scaling!r} is invalid: allowed: {' | '.join(SCALINGS)}")
         if self.padding not in ("all", "wgrad") or (self.padding == "wgrad" and self.scaling != "rowwise"):
             raise ValueError(f"padding={self.padding!r} is invalid: 'all', or 'wgrad' with rowwise scaling")
+        if self.grouped_gemm not in ("torch", "triton", "auto") or (
+            self.grouped_gemm != "torch" and self.scaling != "rowwise"
+        ):
+            raise ValueError(
+                f"grouped_gemm={self.grouped_gemm!r} is invalid: 'torch', or 'triton' | 'auto' with rowwise scaling"
+            )
 
     @property
     def alignment(self) -> int:
@@ -80,6 +90,8 @@ class Fp8Recipe:
             bool(fp8cfg.emulate),
             bool(fp8cfg.fprop_fast_accum),
             fp8cfg.wgrad == "fp8",
+            fp8cfg.resolved("padding"),
+            fp8cfg.resolved("grouped_gemm"),
         )
 
 

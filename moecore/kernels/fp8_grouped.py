@@ -37,6 +37,8 @@ from moecore.kernels._triton import use_triton
 from moecore.kernels.fp8_block_gemm import block_gemm_nt, block_gemm_tn
 from moecore.kernels.fp8_gemm import E4M3, Fp8Recipe, QOperand, mm, quant_rows
 from moecore.kernels.grouped_ffn import _bounds, gemm_tn
+from moecore.kernels.grouped_gemm import TileConfig
+from moecore.kernels.grouped_gemm_fp8 import fp8_tiles, grouped_mm_scaled, grouped_wgrad_scaled
 from moecore.kernels.swiglu import swiglu, swiglu_backward
 
 # ---------------------------------------------------------------- padding
@@ -196,11 +198,45 @@ def _uses_block_kernel(recipe: Fp8Recipe, a: torch.Tensor, b: torch.Tensor) -> b
     return not recipe.emulate and recipe.scaling == "blockwise" and a.dtype == b.dtype and use_triton("auto", a, b)
 
 
+# fp8.grouped_gemm=auto takes moecore's kernels where they measured faster than torch._scaled_grouped_mm on an H200
+# (benchmarks/grouped_gemm_tiles.py --fp8; docs/benchmarks.md): the forward GEMMs in fast accumulation when a
+# dimension is >= AUTO_WIDE (Mixtral- and DeepSeek-V3-sized: 1.09-1.48x), the full-accumulation GEMMs (input and
+# weight gradients) when none is (Qwen3-30B-A3B- and Qwen3-Next-sized: 1.6-2.5x); torch's is faster or level in
+# the other two cases (its weight-gradient GEMM by 1.1-1.3x at Mixtral's and DeepSeek-V3's shapes).
+AUTO_WIDE = 4096
+
+
+def _triton_tiles(recipe: Fp8Recipe, a: QOperand, b: GroupedWeight, fast: bool) -> TileConfig | None:
+    """The tiles of moecore's Triton grouped GEMM (grouped_gemm.grouped_mm_scaled) for this GEMM, or None where
+    torch's runs: rowwise operands where Triton runs (CUDA), under recipe.grouped_gemm (triton, or auto's rule)."""
+    if recipe.grouped_gemm == "torch" or recipe.emulate or not (a.gran == b.gran == "rowwise"):
+        return None
+    if not use_triton("auto", a.q, b.q):
+        return None
+    E, N, K = b.q.shape
+    if recipe.grouped_gemm == "auto" and fast != (max(N, K) >= AUTO_WIDE):
+        return None
+    return fp8_tiles(a.q, E, fast)
+
+
+def _triton_wgrad(recipe: Fp8Recipe, a: GroupedCols, b: GroupedCols) -> bool:
+    """The weight-gradient GEMM in moecore's Triton kernel (grouped_gemm.grouped_wgrad_scaled): rowwise operands
+    where Triton runs, under recipe.grouped_gemm triton, or auto's rule (a full-accumulation GEMM)."""
+    if recipe.grouped_gemm == "torch" or recipe.emulate or not (a.gran == b.gran == "rowwise"):
+        return False
+    if recipe.grouped_gemm == "auto" and max(a.q.shape[0], b.q.shape[0]) >= AUTO_WIDE:
+        return False
+    return use_triton("auto", a.q, b.q)
+
+
 def gmm_nt(
     a: QOperand, b: GroupedWeight, counts: torch.Tensor, host: list | None, recipe: Fp8Recipe, out_dtype, fast=False
 ):
     """out[rows of e] = a[rows of e] @ b[e]^T; a [P, K], b [E, N, K] -> [P, N]. `fast`: as fp8_gemm.mm."""
     P, E, N = a.q.shape[0], b.q.shape[0], b.q.shape[1]
+    cfg = _triton_tiles(recipe, a, b, fast)
+    if cfg is not None:  # no alignment of the experts' rows needed
+        return grouped_mm_scaled(a.q, b.q, a.s, b.s, _bounds(counts), out_dtype, cfg, fast_accum=fast)
     if _uses_grouped_kernel(recipe, a.q.device, a.q.dtype, b.q.dtype):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         sa = a.s.reshape(-1).expand(P).contiguous() if a.gran == "tensorwise" else a.s.reshape(P)
@@ -222,6 +258,9 @@ def gmm_nt(
 def gmm_tn(a: GroupedCols, b: GroupedCols, counts: torch.Tensor, host: list | None, recipe: Fp8Recipe, out_dtype):
     """out[e] = A[rows of e]^T @ B[rows of e] -> [E, C1, C2], from A and B quantised along the rows (quant_cols)."""
     E, C1, C2 = counts.numel(), a.q.shape[0], b.q.shape[0]
+    if _triton_wgrad(recipe, a, b):
+        cfg = fp8_tiles(a.q, E, False, wgrad=True)
+        return grouped_wgrad_scaled(a.q, b.q, a.s, b.s, _bounds(counts), out_dtype, cfg)
     if _uses_grouped_kernel(recipe, a.q.device, a.q.dtype, b.q.dtype):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         sa = a.s.reshape(1).expand(E * C1).contiguous() if a.gran == "tensorwise" else a.s.reshape(E * C1)

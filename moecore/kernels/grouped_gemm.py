@@ -26,6 +26,9 @@ groups (measured within 2% of `flatten` on an H200, so `GPU_TILES` does not use 
 
 `grouped_mm_reference` / `grouped_wgrad_reference` are loops of torch matmuls; the tests compare the
 kernels with them (in Triton's interpreter on CPU, on the GPU with the benchmark's shapes).
+
+The same forward kernel takes FP8 operands with row scales applied in its epilogue (`_launch_mm` with scales):
+moecore/kernels/grouped_gemm_fp8.py, beside the FP8 weight-gradient kernel.
 """
 
 from __future__ import annotations
@@ -88,6 +91,8 @@ if triton_importable():
         a_ptr,
         b_ptr,
         c_ptr,
+        sa_ptr,
+        sb_ptr,
         a_desc,
         b_desc,
         bounds_ptr,
@@ -111,6 +116,8 @@ if triton_importable():
         SEARCH_STEPS: tl.constexpr,
         FLATTEN: tl.constexpr,
         WARP_SPECIALIZE: tl.constexpr,
+        SCALED: tl.constexpr,  # FP8 a and b with row scales sa [M] and sb [E, N] (grouped_gemm_fp8.py)
+        IMPRECISE_ACC: tl.constexpr,  # FP8: None (fast accumulation) or BLOCK_K (fp32 partial sums every chunk)
     ):
         pid = tl.program_id(0)
         tiles_m = tl.load(tile_starts_ptr + E)
@@ -133,7 +140,7 @@ if triton_importable():
                         b = b_desc.load([e * N + tn * BLOCK_N, k0]).T
                     else:
                         b = b_desc.load([e * K + k0, tn * BLOCK_N])
-                    acc = tl.dot(a, b, acc)
+                    acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_ACC)
             else:
                 a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
                 b_cols = b_ptr + e.to(tl.int64) * stride_be + rn[None, :] * stride_bn
@@ -146,7 +153,11 @@ if triton_importable():
                         mk = kk < K
                         a = tl.load(a_rows + kk[None, :], mask=mask_m[:, None] & mk[None, :], other=0.0)
                         b = tl.load(b_cols + kk[:, None] * stride_bk, mask=mk[:, None] & mask_n[None, :], other=0.0)
-                    acc = tl.dot(a, b, acc)
+                    acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_ACC)
+            if SCALED:  # FP8 operands: the row scales of a and of b[e] (a_q = a / sa, b_q = b / sb) applied once
+                sa = tl.load(sa_ptr + rm, mask=mask_m, other=0.0)
+                sb = tl.load(sb_ptr + e.to(tl.int64) * N + rn, mask=mask_n, other=0.0)
+                acc = acc * sa[:, None] * sb[None, :]
             c = c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
             tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -261,6 +272,10 @@ def tile_starts(bounds: torch.Tensor, block_m: int) -> torch.Tensor:
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, trans_b: bool, cfg: TileConfig) -> torch.Tensor:
     """out[rows of e] = a[rows of e] @ (b[e]^T if trans_b else b[e]); a [M, K] -> [M, N] in a's dtype."""
+    return _launch_mm(a, b, bounds, trans_b, cfg, a.dtype)
+
+
+def _launch_mm(a, b, bounds, trans_b, cfg, out_dtype, scales=None, imprecise_acc=None) -> torch.Tensor:
     E = b.shape[0]
     M, K = a.shape
     N = b.shape[1] if trans_b else b.shape[2]
@@ -268,7 +283,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, trans_b: 
         raise ValueError(f"grouped_mm: a has {K} columns but b's reduction dimension is {tuple(b.shape)}")
     a = a if a.stride(-1) == 1 else a.contiguous()
     b = b.contiguous()
-    out = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    out = torch.empty(M, N, dtype=out_dtype, device=a.device)
     if M == 0:
         return out
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -281,14 +296,16 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, trans_b: 
         b2 = b.view(E * b.shape[1], b.shape[2])
         b_desc = _descriptor(b2, [bn, bk] if trans_b else [bk, bn])
     stride_bk, stride_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
+    sa, sb = scales if scales is not None else (out, out)  # unread unless SCALED
     programs = _programs(a.device, upper, cfg)
     _grouped_mm_kernel[(programs,)](
-        a, b, out, a_desc, b_desc, bounds, starts, E, N, K,
+        a, b, out, sa, sb, a_desc, b_desc, bounds, starts, E, N, K,
         a.stride(0), b.stride(0), stride_bk, stride_bn, out.stride(0),
         TRANS_B=trans_b, USE_TMA=tma, EVEN_K=K % bk == 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m,
         NUM_PROGRAMS=programs, SEARCH_STEPS=max(1, E.bit_length()),
         FLATTEN=cfg.flatten, WARP_SPECIALIZE=cfg.warp_specialize,
+        SCALED=scales is not None, IMPRECISE_ACC=imprecise_acc,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return out

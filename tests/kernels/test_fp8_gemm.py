@@ -257,6 +257,77 @@ def test_loop_backend_matches_emulation_on_cpu():
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+def _force_triton_on_cpu(backend: str, monkeypatch) -> torch.device:
+    """CPU tensors in Triton's interpreter: use_triton("auto") takes CUDA tensors only, so force the kernels."""
+    import moecore.kernels.fp8_grouped as fg
+
+    if backend == "interpret":
+        monkeypatch.setattr(fg, "use_triton", lambda impl, *ts: True)
+    return torch.device("cuda" if backend == "cuda" else "cpu")
+
+
+@NEEDS_CPU_ROWWISE
+@pytest.mark.parametrize("fast", [False, True], ids=["fp32-acc", "fast-acc"])
+def test_triton_grouped_gemm_matches_torch_scaled_gemms(backend, fast, monkeypatch):
+    """fp8.grouped_gemm=triton: the forward (x @ w13[e]^T) and input-gradient (dh @ w13[e], through w13^T quantised
+    along its rows) GEMMs of grouped_gemm.grouped_mm_scaled against torch's scaled GEMMs of the same FP8 values
+    (torch._scaled_grouped_mm on the GPU, a loop of torch._scaled_mm on CPU): only summation orders differ (fp32
+    on CPU; on the GPU the tensor cores' accumulation and the bf16 output)."""
+    from moecore.kernels.fp8_grouped import gmm_nt, quant_weights, transposed_rowwise_weights
+
+    dev = _force_triton_on_cpu(backend, monkeypatch)
+    dt = torch.bfloat16 if backend == "cuda" else torch.float32
+    torch.manual_seed(6)
+    counts = torch.tensor([9, 0, 21, 16] if backend == "interpret" else [144, 0, 336, 256], device=dev)
+    E, H, Fh, n = 4, 64, 48, int(counts.sum())
+    x, dh, w13 = (
+        torch.randn(n, H, device=dev),
+        torch.randn(n, 2 * Fh, device=dev),
+        torch.randn(E, 2 * Fh, H, device=dev),
+    )
+    outs = {}
+    for gemm in ("torch", "triton"):
+        r = Fp8Recipe("rowwise", grouped_gemm=gemm)
+        fwd = gmm_nt(quant_rows(x, r, E4M3), quant_weights(w13, r), counts, None, r, dt, fast)
+        dgrad = gmm_nt(quant_rows(dh, r, E4M3), transposed_rowwise_weights(w13, r), counts, None, r, dt)
+        outs[gemm] = (fwd, dgrad)
+    for got, want in zip(outs["triton"], outs["torch"]):
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert err < (1e-6 if backend == "interpret" else 8e-3), err  # bf16 output rounding: 2^-9 rms at most
+    with pytest.raises(ValueError, match="grouped_gemm"):
+        Fp8Recipe("blockwise", grouped_gemm="triton")
+
+
+@NEEDS_CPU_ROWWISE
+@pytest.mark.parametrize("padding,kernel", [("all", "triton"), ("wgrad", "triton"), ("wgrad", "auto")])
+def test_expert_ffn_with_the_triton_grouped_gemm_matches_torchs(backend, padding, kernel, monkeypatch):
+    """The whole FP8 expert FFN, forward and backward, with fp8.grouped_gemm=triton against torch. The GEMMs
+    agree to fp32 rounding (previous test), but an fp32 ulp in h can move one SwiGLU output across an e4m3
+    rounding boundary (seen here: one of 960 values, -36 against -40), a 1/8 change of that element: so the
+    bound is 1e-3 relative (Frobenius), far below FP8's own ~6% error and far above fp32 rounding."""
+    dev = _force_triton_on_cpu(backend, monkeypatch)
+    torch.manual_seed(6)
+    E, H, Fh = 3, 64, 32
+    counts = torch.tensor([9, 0, 21] if backend == "interpret" else [90, 0, 210], device=dev)
+    n = int(counts.sum())
+    x, w13, w2 = (
+        torch.randn(n, H, device=dev),
+        torch.randn(E, 2 * Fh, H, device=dev) * 0.1,
+        torch.randn(E, H, Fh, device=dev) * 0.1,
+    )
+    p = torch.rand(n, device=dev)
+    res = []
+    for gemm in ("torch", kernel):
+        recipe = Fp8Recipe("rowwise", padding=padding, grouped_gemm=gemm)
+        ts = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
+        y = fp8_expert_ffn(*ts[:3], counts, ts[3], recipe)
+        y.backward(torch.ones_like(y))
+        res.append([y] + [t.grad for t in ts])
+    for a, b in zip(*res):
+        err = ((a.double() - b.double()).norm() / a.double().norm()).item()
+        assert err < (1e-3 if backend == "interpret" else 1e-2), err
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, backend: str) -> bool:
     """CPU (the interpreter, fp32 dots): elementwise. CUDA: Hopper's FP8 tensor cores accumulate with about 14
     mantissa bits (DeepSeek-V3 report, section 3.3), so the per-block sums carry ~2^-13 relative error: the

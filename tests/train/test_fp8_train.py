@@ -111,6 +111,8 @@ BAD = [
     (TINY + FP8 + ["fp8.recipe=delayed"], "fp8.recipe"),
     (TINY + FP8 + ["fp8.format=e5m2"], "fp8.format"),
     (TINY + FP8 + ["fp8.wgrad=fp16"], "fp8.wgrad"),
+    (TINY + FP8 + ["fp8.grouped_gemm=cutlass"], "fp8.grouped_gemm"),
+    (TINY + FP8 + ["fp8.recipe=tensorwise", "fp8.padding=wgrad"], "fp8.padding"),
     (TINY + FP8 + ["fp8.modules=[router]"], "fp8.modules"),
     (TINY + FP8 + ["model.ffn_hidden_size=72"], "model.ffn_hidden_size"),
     (TINY + FP8 + ["fp8.format=hybrid", "moe.sync_free=true"], "moe.sync_free"),
