@@ -25,7 +25,8 @@ CPU tests run the emulated backend; the GPU tests compare the two.
 
 The expert grouped GEMMs (fwd / dgrad / wgrad of `fp8_expert_ffn`) run as one
 torch._scaled_grouped_mm where torch supports it on Hopper (e4m3 operands with row scales, which also
-carries tensorwise as constant rows), as our Triton blockwise grouped GEMM for blockwise
+carries tensorwise as constant rows) or, rowwise, as our Triton grouped GEMMs where `Fp8Recipe.grouped_gemm`
+picks them (grouped_gemm_fp8.py), as our Triton blockwise grouped GEMM for blockwise
 (fp8_block_gemm.py), and as a loop of per-expert scaled GEMMs otherwise (the hybrid format's e5m2
 gradients, which neither grouped kernel takes); docs/design.md.
 """

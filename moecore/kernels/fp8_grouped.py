@@ -24,6 +24,9 @@ aligned. `Fp8Recipe.padding="wgrad"` (rowwise) keeps x, h, y and their gradients
 input-gradient GEMMs run on the real rows, and the four weight-gradient operands are written into the padded
 layout by the kernel that quantises them (zero columns in the gaps), so the padded bf16 copies of x and dy
 and the un-padding copies of y and dx are never made. Both give the same values.
+
+GEMM kernels (`Fp8Recipe.grouped_gemm`): torch._scaled_grouped_mm, or for rowwise our Triton grouped GEMMs
+(grouped_gemm_fp8.py: the same values, bit for bit on the GPU), per GEMM under `auto` (AUTO_WIDE below).
 """
 
 from __future__ import annotations
