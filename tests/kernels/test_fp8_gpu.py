@@ -99,12 +99,9 @@ def test_fp8_linear_matches_emulation_and_bf16(scaling, grad_dtype):
     assert rel(res["real"][2], res["bf16"][2]) < BOUND_LINEAR[grad_dtype]
 
 
-@pytest.mark.parametrize("scaling", SCALINGS)
-@FORMATS
-def test_fp8_expert_ffn_matches_emulation(scaling, grad_dtype):
-    _skip_unless_fp8(scaling)
-    _hybrid_known_failure(grad_dtype)
-    torch.manual_seed(2)
+def _expert_ffn_problem(seed: int):
+    """(counts, x, w13, w2, probs, dy) of an 8-expert FFN on the GPU, experts of 0 to 260 rows (none aligned)."""
+    torch.manual_seed(seed)
     E, H, Fh = 8, 256, 384
     counts = torch.tensor([100, 0, 37, 260, 1, 128, 50, 24], device="cuda")
     n = int(counts.sum())
@@ -113,6 +110,15 @@ def test_fp8_expert_ffn_matches_emulation(scaling, grad_dtype):
     w2 = torch.randn(E, H, Fh, device="cuda", dtype=torch.bfloat16) * 0.02
     p = torch.rand(n, device="cuda")
     g = torch.randn(n, H, device="cuda", dtype=torch.bfloat16)
+    return counts, x, w13, w2, p, g
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+@FORMATS
+def test_fp8_expert_ffn_matches_emulation(scaling, grad_dtype):
+    _skip_unless_fp8(scaling)
+    _hybrid_known_failure(grad_dtype)
+    counts, x, w13, w2, p, g = _expert_ffn_problem(seed=2)
     res = []
     for emulate in (False, True):
         ts = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
@@ -132,15 +138,7 @@ def test_fp8_expert_ffn_padding_only_wgrad_operands(primary):
     _skip_unless_fp8("rowwise")
     from moecore.models.fp8 import quantize_primary
 
-    torch.manual_seed(4)
-    E, H, Fh = 8, 256, 384
-    counts = torch.tensor([100, 0, 37, 260, 1, 128, 50, 24], device="cuda")
-    n = int(counts.sum())
-    x = torch.randn(n, H, device="cuda", dtype=torch.bfloat16)
-    w13 = torch.randn(E, 2 * Fh, H, device="cuda", dtype=torch.bfloat16) * 0.02
-    w2 = torch.randn(E, H, Fh, device="cuda", dtype=torch.bfloat16) * 0.02
-    p = torch.rand(n, device="cuda")
-    g = torch.randn(n, H, device="cuda", dtype=torch.bfloat16)
+    counts, x, w13, w2, p, g = _expert_ffn_problem(seed=4)
     res = []
     for padding in ("all", "wgrad"):
         recipe = Fp8Recipe("rowwise", padding=padding)
