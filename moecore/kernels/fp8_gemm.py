@@ -59,7 +59,7 @@ class Fp8Recipe:
     # operands, whose contracted dim is the rows, are written padded, by the kernel that quantises them)
     padding: str = "all"
     # The expert forward and input-gradient GEMMs: torch._scaled_grouped_mm ("torch"), moecore's Triton grouped
-    # GEMM with row scales in its epilogue ("triton", rowwise on CUDA: kernels/grouped_gemm.grouped_mm_scaled), or
+    # GEMM with row scales in its epilogue ("triton", rowwise on CUDA: kernels/grouped_gemm_fp8.py), or
     # per GEMM the one measured faster ("auto", rowwise: fp8_grouped.AUTO_WIDE)
     grouped_gemm: str = "torch"
 

@@ -210,7 +210,7 @@ AUTO_WIDE = 4096
 
 
 def _triton_tiles(recipe: Fp8Recipe, a: QOperand, b: GroupedWeight, fast: bool) -> TileConfig | None:
-    """The tiles of moecore's Triton grouped GEMM (grouped_gemm.grouped_mm_scaled) for this GEMM, or None where
+    """The tiles of moecore's Triton grouped GEMM (grouped_gemm_fp8.grouped_mm_scaled) for this GEMM, or None where
     torch's runs: rowwise operands where Triton runs (CUDA), under recipe.grouped_gemm (triton, or auto's rule)."""
     if recipe.grouped_gemm == "torch" or recipe.emulate or not (a.gran == b.gran == "rowwise"):
         return None
@@ -223,7 +223,7 @@ def _triton_tiles(recipe: Fp8Recipe, a: QOperand, b: GroupedWeight, fast: bool) 
 
 
 def _triton_wgrad(recipe: Fp8Recipe, a: GroupedCols, b: GroupedCols) -> bool:
-    """The weight-gradient GEMM in moecore's Triton kernel (grouped_gemm.grouped_wgrad_scaled): rowwise operands
+    """The weight-gradient GEMM in moecore's Triton kernel (grouped_gemm_fp8.grouped_wgrad_scaled): rowwise operands
     where Triton runs, under recipe.grouped_gemm triton, or auto's rule (a full-accumulation GEMM)."""
     if recipe.grouped_gemm == "torch" or recipe.emulate or not (a.gran == b.gran == "rowwise"):
         return False
