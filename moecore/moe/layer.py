@@ -205,7 +205,7 @@ class MoELayer(nn.Module):
             with nvtx_range("moe/experts"):
                 e = self.experts
                 y_TH, _ = minimal_experts(
-                    x_TH, idx_TK, weight_TK, e.w13, e.w2, self.cfg.apply_probs_on_input, routed.presorted
+                    x_TH, idx_TK, weight_TK, e.w13, e.w2, self.cfg.apply_probs_on_input, routed.presorted, e.gemm_plan
                 )
                 e.last_path = "minimal"
         else:

@@ -22,7 +22,9 @@ observation). Backward, with g = dOut[token of row] (a gather of the output grad
 so nothing the size of [M, H] outlives the forward. The forward multiplies the probability where the
 standard path does (`apply_probs_on_input`: inside the activation; else at the combine, in fp32), so
 both paths round alike. Every step is device-side (sort, counts by `searchsorted`, grouped GEMMs on
-device offsets): no host synchronisation. It needs `torch._grouped_mm` for the rows' device and dtype
+device offsets): no host synchronisation. The six GEMMs follow the experts' GemmPlan (`default_plan` per
+shape unless one is set) with its host-count loops run as torch._grouped_mm, so moecore's Triton grouped
+GEMMs serve where the plan picks them. It needs `torch._grouped_mm` for the rows' device and dtype
 (`experts.grouped_mm_supported`); the layer falls back to the standard path elsewhere.
 """
 
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from moecore.kernels.grouped_ffn import gemm_nn, gemm_nt, gemm_tn
+from moecore.kernels.grouped_ffn import GemmPlan, default_plan, gemm_nn, gemm_nt, gemm_tn
 from moecore.kernels.permute import unpermute_rows
 from moecore.kernels.swiglu import swiglu, swiglu_backward
 from moecore.moe.permute import SortedAssignments, sort_assignments
@@ -54,7 +56,7 @@ def sort_by_expert(
 
 class _MinimalExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, probs_in_act: bool):
+    def forward(ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, probs_in_act: bool, plan: GemmPlan):
         T, H = x_TH.shape
         K = order_M.numel() // max(T, 1)
         dt = x_TH.dtype
@@ -62,38 +64,40 @@ class _MinimalExperts(torch.autograd.Function):
         tok_M = order_M // K
         p_M = weight_TK.reshape(-1).index_select(0, order_M)
         xg = x_TH.index_select(0, tok_M)
-        h = gemm_nt(xg, w13c, bounds, None, "grouped")
+        h = gemm_nt(xg, w13c, bounds, None, plan.fwd13, "fwd13")
         del xg
         a = swiglu(h, p_M if probs_in_act else None)
-        y = gemm_nt(a, w2c, bounds, None, "grouped")
+        y = gemm_nt(a, w2c, bounds, None, plan.fwd2, "fwd2")
         del a
         out = unpermute_rows(y, order_M, inv_M, None if probs_in_act else weight_TK, T, K)
         ctx.save_for_backward(x_TH, w13c, w2c, h, p_M, order_M, inv_M, bounds)
-        ctx.K, ctx.w_dtypes, ctx.p_dtype = K, (w13.dtype, w2.dtype), weight_TK.dtype
+        ctx.K, ctx.w_dtypes, ctx.p_dtype, ctx.plan = K, (w13.dtype, w2.dtype), weight_TK.dtype, plan
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         x_TH, w13c, w2c, h, p_M, order_M, inv_M, bounds = ctx.saved_tensors
-        T, K = x_TH.shape[0], ctx.K
+        T, K, plan = x_TH.shape[0], ctx.K, ctx.plan
         tok_M = order_M // K
         g = d_out.to(x_TH.dtype).contiguous().index_select(0, tok_M)  # dOut of each row's token
-        da_u = gemm_nn(g, w2c, bounds, None, "grouped")
+        da_u = gemm_nn(g, w2c, bounds, None, plan.dgrad2, "dgrad2")
         dh, dp, a_p = swiglu_backward(h, p_M, da_u)  # dp = <da_u, a> = <dOut_t, expert output of the row>
         del da_u
-        dw2 = gemm_tn(g, a_p, bounds, None, "grouped", ctx.w_dtypes[1]) if ctx.needs_input_grad[2] else None
+        dw2 = None
+        if ctx.needs_input_grad[2]:
+            dw2 = gemm_tn(g, a_p, bounds, None, plan.wgrad2, ctx.w_dtypes[1], "wgrad2")
         del g, a_p
         dw13 = None
         if ctx.needs_input_grad[1]:
-            dw13 = gemm_tn(dh, x_TH.index_select(0, tok_M), bounds, None, "grouped", ctx.w_dtypes[0])
+            dw13 = gemm_tn(dh, x_TH.index_select(0, tok_M), bounds, None, plan.wgrad13, ctx.w_dtypes[0], "wgrad13")
         dx = None
         if ctx.needs_input_grad[0]:
-            dxg = gemm_nn(dh, w13c, bounds, None, "grouped")
+            dxg = gemm_nn(dh, w13c, bounds, None, plan.dgrad13, "dgrad13")
             dx = unpermute_rows(dxg, order_M, inv_M, None, T, K)  # sum over each token's K rows (fp32)
         dw = None
         if ctx.needs_input_grad[3]:
             dw = dp.index_select(0, inv_M).view(T, K).to(ctx.p_dtype)
-        return dx, dw13, dw2, dw, None, None, None, None
+        return dx, dw13, dw2, dw, None, None, None, None, None
 
 
 def minimal_experts(
@@ -104,13 +108,18 @@ def minimal_experts(
     w2_EHF: torch.Tensor,
     probs_in_act: bool = False,
     presorted: SortedAssignments | None = None,
+    plan: GemmPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_k weight[t, k] * expert_{idx[t, k]}(x[t]) for SwiGLU experts, keeping x, h and routing for backward.
 
     Returns (out [T, H] in x's dtype, rows per expert [E] int64). Differentiable in x, the weights and
     weight_TK (the router's gradient path). `presorted`: `sort_assignments(idx_TK)` already computed.
+    `plan`: the GEMMs' implementations (None: `default_plan` for this shape); loops over host counts run
+    as torch._grouped_mm.
     """
-    E = w13_EFH.shape[0]
+    E, F2, H = w13_EFH.shape
     order, inv, bounds = sort_by_expert(idx_TK, E, presorted)
-    out = _MinimalExperts.apply(x_TH.contiguous(), w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act)
+    plan = (plan or default_plan(E, idx_TK.numel(), H, F2 // 2, x_TH.device)).without_host_sync()
+    x = x_TH.contiguous()
+    out = _MinimalExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plan)
     return out, (bounds[1:] - bounds[:-1]).long()
