@@ -331,12 +331,11 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         if w13t is not None:
             w13q, w2q = w13t, w2t
         keep = ([xq.q, xq.s] if ctx.keep_x else []) + ([w13q.q, w13q.s, w2q.q, w2q.s] if ctx.keep_w else [])
+        keep += [pad_to[0]] if pad_to is not None else []  # the weight-gradient operands' padded counts
         ctx.save_for_backward(x, h, probs, counts, w13c, w2c, *keep)
         ctx.grans = (xq.gran, w13q.gran)
         ctx.recipe, ctx.host = recipe, host
         ctx.pad_rows = None if pad_to is None else pad_to[1]
-        if pad_to is not None:
-            ctx.pad_counts = pad_to[0]
         ctx.w_dtypes = (w13.dtype, w2.dtype)
         ctx.p_dtype = None if probs is None else probs.dtype
         return y
@@ -344,6 +343,7 @@ class _Fp8GroupedFFN(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, h, probs, counts, w13c, w2c, *kept = ctx.saved_tensors
+        pad_to = None if ctx.pad_rows is None else (kept.pop(), ctx.pad_rows)
         xq = QOperand(kept.pop(0), kept.pop(0), ctx.grans[0]) if ctx.keep_x else None
         w13q = GroupedWeight(kept.pop(0), kept.pop(0), ctx.grans[1]) if ctx.keep_w else None
         w2q = GroupedWeight(kept.pop(0), kept.pop(0), ctx.grans[1]) if ctx.keep_w else None
@@ -357,7 +357,6 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         del da, h
         dw2 = dw13 = dx = None
         # the weight-gradient GEMMs' operands: padded as x was, or written padded from unpadded rows (pad_to)
-        pad_to = None if ctx.pad_rows is None else (ctx.pad_counts, ctx.pad_rows)
         wcounts, whost = (counts, host) if pad_to is None else (pad_to[0], None)
         if ctx.needs_input_grad[2]:
             if recipe.wgrad_fp8:
