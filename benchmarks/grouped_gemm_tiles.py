@@ -28,7 +28,7 @@ import torch
 from moecore.bench.common import FFN_SHAPES as SHAPES
 from moecore.bench.common import cuda_time_ms, expert_ffn_problem
 from moecore.kernels.fp8_quant import quantize_grouped_cols, quantize_rowwise
-from moecore.kernels.grouped_gemm import TileConfig, grouped_mm, grouped_wgrad
+from moecore.kernels.grouped_gemm import TileConfig, group_bounds, grouped_mm, grouped_wgrad
 from moecore.kernels.grouped_gemm_fp8 import grouped_mm_scaled, grouped_wgrad_scaled
 
 MM_TILES = "128x128x64w4s4g8,128x128x64w8s3g8,128x256x64w8s3g8,64x128x64w4s4g8,64x256x64w8s3g8"
@@ -136,8 +136,7 @@ def run_shape_fp8(name: str, cfgs: list, wgrad_cfgs: list, kinds: set | None, em
     # rows padded to 16 (as the FP8 expert FFN does), scales per expert and column
     padded = (pb.counts + 15) // 16 * 16
     pad_to = (padded, int(padded.sum()))
-    pbounds = torch.zeros_like(bounds)
-    pbounds[1:] = torch.cumsum(padded, 0)
+    pbounds = group_bounds(padded)
 
     def cols(t):
         return quantize_grouped_cols(t, pb.counts, e4m3, pad_to=pad_to)

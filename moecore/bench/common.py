@@ -173,7 +173,7 @@ def expert_ffn_problem(name: str, device: torch.device, dtype: torch.dtype = tor
     bounds [E + 1] (int32 row offsets), x [T, H] tokens, xs [M, H] expert-sorted rows, w13 [E, 2F, H],
     w2 [E, H, F], h [M, 2F] (FC1 output, or its gradient), a [M, F] (activation), dy [M, H], p [M].
     """
-    from moecore.kernels.grouped_ffn import _bounds
+    from moecore.kernels.grouped_gemm import group_bounds
     from moecore.kernels.permute import make_permutation
 
     H, F, E, K, T = FFN_SHAPES[name]
@@ -186,7 +186,7 @@ def expert_ffn_problem(name: str, device: torch.device, dtype: torch.dtype = tor
         return torch.randn(*shape, device=device, dtype=dtype) * scale
 
     return SimpleNamespace(
-        H=H, F=F, E=E, K=K, T=T, M=M, idx=idx, perm=perm, counts=perm.counts_E, bounds=_bounds(perm.counts_E),
+        H=H, F=F, E=E, K=K, T=T, M=M, idx=idx, perm=perm, counts=perm.counts_E, bounds=group_bounds(perm.counts_E),
         x=rand(T, H), xs=rand(M, H), w13=rand(E, 2 * F, H, scale=0.02), w2=rand(E, H, F, scale=0.02),
         h=rand(M, 2 * F), a=rand(M, F), dy=rand(M, H), p=torch.rand(M, device=device),
     )  # fmt: skip

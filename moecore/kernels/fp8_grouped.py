@@ -39,8 +39,8 @@ from moecore.kernels import fp8_quant as fq
 from moecore.kernels._triton import use_triton
 from moecore.kernels.fp8_block_gemm import block_gemm_nt, block_gemm_tn
 from moecore.kernels.fp8_gemm import E4M3, Fp8Recipe, QOperand, mm, quant_rows
-from moecore.kernels.grouped_ffn import _bounds, gemm_tn
-from moecore.kernels.grouped_gemm import TileConfig
+from moecore.kernels.grouped_ffn import gemm_tn
+from moecore.kernels.grouped_gemm import TileConfig, group_bounds
 from moecore.kernels.grouped_gemm_fp8 import fp8_tiles, grouped_mm_scaled, grouped_wgrad_scaled
 from moecore.kernels.swiglu import swiglu, swiglu_backward
 
@@ -239,7 +239,7 @@ def gmm_nt(
     P, E, N = a.q.shape[0], b.q.shape[0], b.q.shape[1]
     cfg = _triton_tiles(recipe, a, b, fast)
     if cfg is not None:  # no alignment of the experts' rows needed
-        return grouped_mm_scaled(a.q, b.q, a.s, b.s, _bounds(counts), out_dtype, cfg, fast_accum=fast)
+        return grouped_mm_scaled(a.q, b.q, a.s, b.s, group_bounds(counts), out_dtype, cfg, fast_accum=fast)
     if _uses_grouped_kernel(recipe, a.q.device, a.q.dtype, b.q.dtype):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         sa = a.s.reshape(-1).expand(P).contiguous() if a.gran == "tensorwise" else a.s.reshape(P)
@@ -263,7 +263,7 @@ def gmm_tn(a: GroupedCols, b: GroupedCols, counts: torch.Tensor, host: list | No
     E, C1, C2 = counts.numel(), a.q.shape[0], b.q.shape[0]
     if _triton_wgrad(recipe, a, b):
         cfg = fp8_tiles(a.q, E, False, wgrad=True)
-        return grouped_wgrad_scaled(a.q, b.q, a.s, b.s, _bounds(counts), out_dtype, cfg)
+        return grouped_wgrad_scaled(a.q, b.q, a.s, b.s, group_bounds(counts), out_dtype, cfg)
     if _uses_grouped_kernel(recipe, a.q.device, a.q.dtype, b.q.dtype):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         sa = a.s.reshape(1).expand(E * C1).contiguous() if a.gran == "tensorwise" else a.s.reshape(E * C1)
@@ -288,7 +288,7 @@ def _bf16_wgrad(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, host: li
     if impl == "loop" and host is None:
         host = counts.tolist()
     with torch.autocast(a.device.type, enabled=False):
-        return gemm_tn(a, b, _bounds(counts), host, impl, a.dtype)
+        return gemm_tn(a, b, group_bounds(counts), host, impl, a.dtype)
 
 
 # ---------------------------------------------------------------- the FP8 expert FFN

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from moecore.kernels._triton import triton_importable, use_triton
+from moecore.kernels.grouped_gemm import group_bounds
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 AMAX_FLOOR = 1e-12  # the scale of an all-zero group: any positive value gives q = 0
@@ -410,13 +411,6 @@ def quantize_grouped_cols_reference(
 COLS_TILES = ((32, 64, 4), 1024)
 
 
-def _group_bounds(counts: torch.Tensor) -> torch.Tensor:
-    """[E + 1] int32: 0, then the running sum of counts."""
-    bounds = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
-    torch.cumsum(counts, 0, out=bounds[1:])
-    return bounds
-
-
 def _grouped_cols(
     x: torch.Tensor, bounds: torch.Tensor, q: torch.Tensor, dtype, pow2: bool, dst: torch.Tensor, pad: bool = False
 ):
@@ -457,8 +451,8 @@ def quantize_grouped_cols(
         return quantize_grouped_cols_reference(x, counts, dtype, pow2, pad_to)
     N, C = x.shape
     x = x if x.stride(1) == 1 else x.contiguous()
-    bounds = _group_bounds(counts)
-    dst = bounds if pad_to is None else _group_bounds(pad_to[0])
+    bounds = group_bounds(counts)
+    dst = bounds if pad_to is None else group_bounds(pad_to[0])
     q = torch.empty(C, N if pad_to is None else pad_to[1], dtype=dtype, device=x.device)
     return q, _grouped_cols(x, bounds, q, dtype, pow2, dst, pad=pad_to is not None)
 

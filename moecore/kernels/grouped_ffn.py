@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from moecore.kernels._triton import use_triton
-from moecore.kernels.grouped_gemm import grouped_mm, grouped_wgrad, tiles_for
+from moecore.kernels.grouped_gemm import group_bounds, grouped_mm, grouped_wgrad, tiles_for
 from moecore.kernels.swiglu import swiglu, swiglu_backward, swiglu_reference
 
 GEMM_IMPLS = ("grouped", "loop", "streams", "triton")
@@ -107,12 +107,6 @@ def default_plan(num_experts: int, rows: int, hidden: int, ffn: int, device: tor
 
 
 # ---------------------------------------------------------------- GEMM primitives
-
-
-def _bounds(counts: torch.Tensor) -> torch.Tensor:
-    b = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
-    torch.cumsum(counts, 0, out=b[1:])
-    return b
 
 
 def _per_expert(counts: list, impl: str, device: torch.device, gemm) -> None:
@@ -221,7 +215,7 @@ class _GroupedFFN(torch.autograd.Function):
     def forward(ctx, x, w13, w2, counts, probs, plan: GemmPlan, act_impl: str):
         dt = x.dtype
         w13c, w2c = w13.to(dt), w2.to(dt)
-        bounds = _bounds(counts)
+        bounds = group_bounds(counts)
         host = counts.tolist() if plan.needs_host_counts else None
         h = gemm_nt(x, w13c, bounds, host, plan.fwd13, "fwd13")
         with torch.no_grad():

@@ -262,6 +262,13 @@ def tiles_for(kind: str, a: torch.Tensor) -> TileConfig:
     return GPU_TILES[kind] if a.is_cuda else INTERPRETER_TILES
 
 
+def group_bounds(counts: torch.Tensor) -> torch.Tensor:
+    """[E + 1] int32 on counts' device: 0, then the running sum of the rows per group (the kernels' `bounds`)."""
+    bounds = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
+    torch.cumsum(counts, 0, out=bounds[1:])
+    return bounds
+
+
 def tile_starts(bounds: torch.Tensor, block_m: int) -> torch.Tensor:
     """[E + 1] int32: the index of each expert's first m-tile of block_m rows (last entry: the total)."""
     counts = bounds[1:] - bounds[:-1]

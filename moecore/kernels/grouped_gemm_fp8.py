@@ -29,6 +29,7 @@ from moecore.kernels.grouped_gemm import (
     _programs,
     _tma_ok,
     grouped_mm_reference,
+    grouped_wgrad_reference,
 )
 
 FP8_TILES = {  # the fastest of benchmarks/grouped_gemm_tiles.py --fp8 on an H200
@@ -135,6 +136,11 @@ def fp8_tiles(a: torch.Tensor, experts: int, fast_accum: bool, wgrad: bool = Fal
     return FP8_TILES["few_rows" if a.shape[0] < 512 * experts else "full"]
 
 
+def _check_fp8(fn: str, a_q: torch.Tensor, b_q: torch.Tensor) -> None:
+    if a_q.dtype.itemsize != 1 or b_q.dtype.itemsize != 1:
+        raise ValueError(f"{fn}: FP8 operands expected, got {a_q.dtype} and {b_q.dtype}")
+
+
 def grouped_mm_scaled(
     a_q: torch.Tensor,
     b_q: torch.Tensor,
@@ -153,8 +159,7 @@ def grouped_mm_scaled(
     the whole of K (torch's use_fast_accum); otherwise its partial sums are added into an fp32 accumulator
     every BLOCK_K (what cuBLAS does without fast accumulation).
     """
-    if a_q.dtype.itemsize != 1 or b_q.dtype.itemsize != 1:
-        raise ValueError(f"grouped_mm_scaled: FP8 operands expected, got {a_q.dtype} and {b_q.dtype}")
+    _check_fp8("grouped_mm_scaled", a_q, b_q)
     E, N = b_q.shape[0], b_q.shape[1]
     if sa.numel() != a_q.shape[0] or sb.numel() != E * N:
         raise ValueError(f"grouped_mm_scaled: scales {tuple(sa.shape)}, {tuple(sb.shape)} for {tuple(a_q.shape)}, "
@@ -180,8 +185,7 @@ def grouped_wgrad_scaled(
     last one's columns past the expert's end are zeroed in registers; otherwise masked loads. Accumulates in
     full fp32 (Hopper's FP8 partial sums added into fp32 every BLOCK_K).
     """
-    if a_q.dtype.itemsize != 1 or b_q.dtype.itemsize != 1:
-        raise ValueError(f"grouped_wgrad_scaled: FP8 operands expected, got {a_q.dtype} and {b_q.dtype}")
+    _check_fp8("grouped_wgrad_scaled", a_q, b_q)
     E = bounds.numel() - 1
     (N1, P), N2 = a_q.shape, b_q.shape[0]
     if b_q.shape[1] != P or sa.numel() != E * N1 or sb.numel() != E * N2:
@@ -219,10 +223,9 @@ def grouped_wgrad_scaled_reference(
     a_q: torch.Tensor, b_q: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bounds: torch.Tensor
 ) -> torch.Tensor:
     """What `grouped_wgrad_scaled` computes, in float64 from the dequantised operands: [E, N1, N2]."""
-    edges = bounds.tolist()
-    out = []
-    for e in range(len(edges) - 1):
-        a = a_q[:, edges[e] : edges[e + 1]].double() * sa.reshape(len(edges) - 1, -1)[e].double()[:, None]
-        b = b_q[:, edges[e] : edges[e + 1]].double() * sb.reshape(len(edges) - 1, -1)[e].double()[:, None]
-        out.append(a @ b.t())
-    return torch.stack(out)
+    E, P = bounds.numel() - 1, a_q.shape[1]
+    counts = (bounds[1:] - bounds[:-1]).long().cpu()
+    col_expert = torch.repeat_interleave(torch.arange(E), counts, output_size=P).to(a_q.device)  # [P]
+    a = a_q.double() * sa.reshape(E, -1).double().t()[:, col_expert]  # [N1, P] with each column's expert scales
+    b = b_q.double() * sb.reshape(E, -1).double().t()[:, col_expert]
+    return grouped_wgrad_reference(a.t(), b.t(), bounds)
