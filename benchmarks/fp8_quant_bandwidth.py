@@ -49,6 +49,13 @@ def cases(shape: str) -> list[tuple[str, int, object]]:
                 lambda x=x: fq.quantize_grouped_cols(x, counts),
             )
         )
+        out.append(  # the weight-gradient operands as the layer writes them (fp8.padding=wgrad: groups padded to 16)
+            (
+                f"grouped cols padded {name} [{p}, {cols}]",
+                2 * 2 * n + n + 4 * e * cols,
+                lambda x=x: fq.quantize_grouped_cols(x, counts, pad_to=(counts, p)),
+            )
+        )
         del x
     for name, dims in (("w13", (e, 2 * f, h)), ("w2", (e, h, f))):
         w = torch.randn(*dims, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02

@@ -162,10 +162,8 @@ def transposed(
         return QOperand(op.q.t().contiguous(), op.s, "tensorwise")
     if op is not None and op.gran == "128x128" and op.q.dtype == dtype:
         return QOperand(op.q.t().contiguous(), op.s.t().contiguous(), "128x128")
-    if recipe.scaling == "rowwise":  # the grouped column kernel, one group: x^T without a bf16 transposed copy
-        counts = torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)
-        q, s = fq.quantize_grouped_cols(x, counts, dtype, recipe.pow2)
-        return QOperand(q, s.view(-1, 1), "rowwise")
+    if recipe.scaling == "rowwise":  # x^T without a bf16 transposed copy
+        return QOperand(*fq.quantize_transposed(x, dtype, recipe.pow2), "rowwise")
     return quant_rows(x.t(), recipe, dtype, weight=weight)
 
 

@@ -47,8 +47,11 @@ from moecore.kernels.swiglu import swiglu, swiglu_backward
 # ---------------------------------------------------------------- padding
 
 
-def pad_plan(counts: torch.Tensor, n_rows: int, align: int, exact: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(dst [N]: padded row of each routed row, padded counts [E] (multiples of align, sum P), P).
+def pad_plan(
+    counts: torch.Tensor, n_rows: int, align: int, exact: bool, positions: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor, int]:
+    """(dst [N]: padded row of each routed row (None unless `positions`), padded counts [E] (multiples of
+    align, sum P), P).
 
     `exact`: P is the sum of the rounded-up counts (reads the counts on the host); otherwise the fixed
     bound N + E * (align - 1) rounded up to `align`, with the slack added to the last expert.
@@ -62,7 +65,7 @@ def pad_plan(counts: torch.Tensor, n_rows: int, align: int, exact: bool) -> tupl
         P = -(-(n_rows + E * (align - 1)) // align) * align
         padded = padded.clone()
         padded[-1] += P - padded.sum()
-    return fq.padded_positions(counts, padded, n_rows), padded, P
+    return (fq.padded_positions(counts, padded, n_rows) if positions else None), padded, P
 
 
 def pad_rows(x: torch.Tensor, dst: torch.Tensor, P: int) -> torch.Tensor:
@@ -162,13 +165,16 @@ def quant_cols(
     dtype: torch.dtype,
     rows_q: QOperand | None = None,
     pad_to: fq.PadTo | None = None,
+    bounds: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> GroupedCols:
     """x [P, C] (experts' rows padded to the alignment) quantised along the rows of each expert; or, with
-    `pad_to` (rowwise), x [N, C] unpadded, written into the padded layout (fq.quantize_grouped_cols)."""
+    `pad_to` (rowwise), x [N, C] unpadded, written into the padded layout (fq.quantize_grouped_cols).
+    `bounds`: group_bounds of counts and of pad_to's counts where the caller has them."""
     if pad_to is not None:
         if recipe.scaling != "rowwise":
             raise ValueError("quant_cols: pad_to is for rowwise scaling only")
-        q, s = fq.quantize_grouped_cols(x, counts, dtype, recipe.pow2, pad_to=pad_to)
+        b, pb = bounds if bounds is not None else (None, None)
+        q, s = fq.quantize_grouped_cols(x, counts, dtype, recipe.pow2, pad_to=pad_to, bounds=b, pad_bounds=pb)
         return GroupedCols(q, s, "rowwise")
     if recipe.scaling == "tensorwise":
         if rows_q is not None and rows_q.q.dtype == dtype:  # the same groups: one scale
@@ -178,7 +184,8 @@ def quant_cols(
     if recipe.scaling == "blockwise":  # 128-row groups never straddle experts (rows padded to 128)
         q, s = fq.quantize_1x128(x.t(), dtype, recipe.pow2)
         return GroupedCols(q, s, "1x128")
-    q, s = fq.quantize_grouped_cols(x, counts, dtype, recipe.pow2)  # rowwise: a scale per expert and column
+    b = None if bounds is None else bounds[0]  # rowwise: a scale per expert and column
+    q, s = fq.quantize_grouped_cols(x, counts, dtype, recipe.pow2, bounds=b)
     return GroupedCols(q, s, "rowwise")
 
 
@@ -233,15 +240,24 @@ def _triton_wgrad(recipe: Fp8Recipe, a: GroupedCols, b: GroupedCols) -> bool:
 
 
 def gmm_nt(
-    a: QOperand, b: GroupedWeight, counts: torch.Tensor, host: list | None, recipe: Fp8Recipe, out_dtype, fast=False
+    a: QOperand,
+    b: GroupedWeight,
+    counts: torch.Tensor,
+    host: list | None,
+    recipe: Fp8Recipe,
+    out_dtype,
+    fast=False,
+    bounds: torch.Tensor | None = None,
 ):
-    """out[rows of e] = a[rows of e] @ b[e]^T; a [P, K], b [E, N, K] -> [P, N]. `fast`: as fp8_gemm.mm."""
+    """out[rows of e] = a[rows of e] @ b[e]^T; a [P, K], b [E, N, K] -> [P, N]. `fast`: as fp8_gemm.mm.
+    `bounds`: group_bounds(counts) where the caller has it."""
     P, E, N = a.q.shape[0], b.q.shape[0], b.q.shape[1]
     cfg = _triton_tiles(recipe, a, b, fast)
     if cfg is not None:  # no alignment of the experts' rows needed
-        return grouped_mm_scaled(a.q, b.q, a.s, b.s, group_bounds(counts), out_dtype, cfg, fast_accum=fast)
+        bounds = group_bounds(counts) if bounds is None else bounds
+        return grouped_mm_scaled(a.q, b.q, a.s, b.s, bounds, out_dtype, cfg, fast_accum=fast)
     if _uses_grouped_kernel(recipe, a.q.device, a.q.dtype, b.q.dtype):
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        offs = (group_bounds(counts) if bounds is None else bounds)[1:]
         sa = a.s.reshape(-1).expand(P).contiguous() if a.gran == "tensorwise" else a.s.reshape(P)
         sb = b.s.reshape(E, 1).expand(E, N).contiguous() if b.gran == "tensorwise" else b.s.reshape(E, N)
         bt = b.q.transpose(-2, -1)
@@ -258,14 +274,24 @@ def gmm_nt(
     return out
 
 
-def gmm_tn(a: GroupedCols, b: GroupedCols, counts: torch.Tensor, host: list | None, recipe: Fp8Recipe, out_dtype):
-    """out[e] = A[rows of e]^T @ B[rows of e] -> [E, C1, C2], from A and B quantised along the rows (quant_cols)."""
+def gmm_tn(
+    a: GroupedCols,
+    b: GroupedCols,
+    counts: torch.Tensor,
+    host: list | None,
+    recipe: Fp8Recipe,
+    out_dtype,
+    bounds: torch.Tensor | None = None,
+):
+    """out[e] = A[rows of e]^T @ B[rows of e] -> [E, C1, C2], from A and B quantised along the rows (quant_cols).
+    `bounds`: group_bounds(counts) where the caller has it."""
     E, C1, C2 = counts.numel(), a.q.shape[0], b.q.shape[0]
     if _triton_wgrad(recipe, a, b):
         cfg = fp8_tiles(a.q, E, False, wgrad=True)
-        return grouped_wgrad_scaled(a.q, b.q, a.s, b.s, group_bounds(counts), out_dtype, cfg)
+        bounds = group_bounds(counts) if bounds is None else bounds
+        return grouped_wgrad_scaled(a.q, b.q, a.s, b.s, bounds, out_dtype, cfg)
     if _uses_grouped_kernel(recipe, a.q.device, a.q.dtype, b.q.dtype):
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        offs = (group_bounds(counts) if bounds is None else bounds)[1:]
         sa = a.s.reshape(1).expand(E * C1).contiguous() if a.gran == "tensorwise" else a.s.reshape(E * C1)
         sb = b.s.reshape(1).expand(E * C2).contiguous() if b.gran == "tensorwise" else b.s.reshape(E * C2)
         return torch._scaled_grouped_mm(a.q, b.q.t(), sa, sb, offs=offs, out_dtype=out_dtype)
@@ -281,14 +307,14 @@ def gmm_tn(a: GroupedCols, b: GroupedCols, counts: torch.Tensor, host: list | No
     return out
 
 
-def _bf16_wgrad(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, host: list | None) -> torch.Tensor:
+def _bf16_wgrad(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, host: list | None) -> torch.Tensor:
     """dW[e] = a[rows of e]^T @ b[rows of e] in a's dtype with fp32 accumulation (fp8.wgrad=bf16): torch's
     grouped GEMM on CUDA (device offsets), a loop of matmuls elsewhere."""
     impl = "grouped" if a.is_cuda else "loop"
     if impl == "loop" and host is None:
-        host = counts.tolist()
+        host = (bounds[1:] - bounds[:-1]).tolist()
     with torch.autocast(a.device.type, enabled=False):
-        return gemm_tn(a, b, group_bounds(counts), host, impl, a.dtype)
+        return gemm_tn(a, b, bounds, host, impl, a.dtype)
 
 
 # ---------------------------------------------------------------- the FP8 expert FFN
@@ -319,11 +345,12 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         w2c = w2 if w2q is not None else w2.to(dt)
         xq = quant_rows(x, recipe, E4M3)
         w13q = w13q if w13q is not None else quant_weights(w13c, recipe)
-        h = gmm_nt(xq, w13q, counts, host, recipe, dt, recipe.fprop_fast_accum)
+        bounds = group_bounds(counts)  # one cumsum for all the GEMMs (fewer launches: the host is often the bound)
+        h = gmm_nt(xq, w13q, counts, host, recipe, dt, recipe.fprop_fast_accum, bounds)
         with torch.no_grad():
             aq = _activation_quantized(h, probs, recipe)
         w2q = w2q if w2q is not None else quant_weights(w2c, recipe)
-        y = gmm_nt(aq, w2q, counts, host, recipe, dt, recipe.fprop_fast_accum)
+        y = gmm_nt(aq, w2q, counts, host, recipe, dt, recipe.fprop_fast_accum, bounds)
         # backward reuses tensorwise / 128x128 weights transposed, and tensorwise x: saved tensors, so that
         # activation checkpointing and offloading hooks see them
         # (or the primary weights' own w^T, rowwise)
@@ -350,35 +377,38 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         recipe, host, gd, dt = ctx.recipe, ctx.host, ctx.recipe.grad_dtype, dy.dtype
         dy = dy.contiguous()
         dyq = quant_rows(dy, recipe, gd)
+        bounds = group_bounds(counts)
+        pbounds = None if pad_to is None else group_bounds(pad_to[0])
+        cols_bounds = (bounds, pbounds)
         w2t = transposed_weights(w2q, w2c, recipe)
-        da = gmm_nt(dyq, w2t, counts, host, recipe, dt)
+        da = gmm_nt(dyq, w2t, counts, host, recipe, dt, bounds=bounds)
         del w2t
         dh, dp, a = swiglu_backward(h, probs, da)
         del da, h
         dw2 = dw13 = dx = None
         # the weight-gradient GEMMs' operands: padded as x was, or written padded from unpadded rows (pad_to)
-        wcounts, whost = (counts, host) if pad_to is None else (pad_to[0], None)
+        wcounts, whost, wbounds = (counts, host, bounds) if pad_to is None else (pad_to[0], None, pbounds)
         if ctx.needs_input_grad[2]:
             if recipe.wgrad_fp8:
-                dy_cols = quant_cols(dy, counts, recipe, gd, rows_q=dyq, pad_to=pad_to)
-                a_cols = quant_cols(a, counts, recipe, E4M3, pad_to=pad_to)
-                dw2 = gmm_tn(dy_cols, a_cols, wcounts, whost, recipe, dt)
+                dy_cols = quant_cols(dy, counts, recipe, gd, rows_q=dyq, pad_to=pad_to, bounds=cols_bounds)
+                a_cols = quant_cols(a, counts, recipe, E4M3, pad_to=pad_to, bounds=cols_bounds)
+                dw2 = gmm_tn(dy_cols, a_cols, wcounts, whost, recipe, dt, wbounds)
             else:
-                dw2 = _bf16_wgrad(dy, a, counts, host)
+                dw2 = _bf16_wgrad(dy, a, bounds, host)
             dw2 = dw2.to(ctx.w_dtypes[1])
         del a
         dh = dh.to(dt)
         dhq = quant_rows(dh, recipe, gd)
         if ctx.needs_input_grad[1]:
             if recipe.wgrad_fp8:
-                x_cols = quant_cols(x, counts, recipe, E4M3, rows_q=xq, pad_to=pad_to)
-                dh_cols = quant_cols(dh, counts, recipe, gd, rows_q=dhq, pad_to=pad_to)
-                dw13 = gmm_tn(dh_cols, x_cols, wcounts, whost, recipe, dt)
+                x_cols = quant_cols(x, counts, recipe, E4M3, rows_q=xq, pad_to=pad_to, bounds=cols_bounds)
+                dh_cols = quant_cols(dh, counts, recipe, gd, rows_q=dhq, pad_to=pad_to, bounds=cols_bounds)
+                dw13 = gmm_tn(dh_cols, x_cols, wcounts, whost, recipe, dt, wbounds)
             else:
-                dw13 = _bf16_wgrad(dh, x, counts, host)
+                dw13 = _bf16_wgrad(dh, x, bounds, host)
             dw13 = dw13.to(ctx.w_dtypes[0])
         if ctx.needs_input_grad[0]:
-            dx = gmm_nt(dhq, transposed_weights(w13q, w13c, recipe), counts, host, recipe, dt)
+            dx = gmm_nt(dhq, transposed_weights(w13q, w13c, recipe), counts, host, recipe, dt, bounds=bounds)
         dprobs = dp.to(ctx.p_dtype) if dp is not None and ctx.needs_input_grad[4] else None
         return dx, dw13, dw2, None, dprobs, None, None, None
 
@@ -399,7 +429,7 @@ def fp8_expert_ffn(
         return x_NH.new_zeros(0, w2_EHF.shape[1])
     grouped = _uses_grouped_kernel(recipe, x_NH.device, E4M3, recipe.grad_dtype)
     counts = counts_E.to(x_NH.device)
-    dst, padded, P = pad_plan(counts, N, recipe.alignment, exact=not grouped)
+    dst, padded, P = pad_plan(counts, N, recipe.alignment, exact=not grouped, positions=recipe.padding == "all")
     if recipe.padding == "wgrad":
         host = None if grouped else counts.tolist()
         return _Fp8GroupedFFN.apply(x_NH.contiguous(), w13_EFH, w2_EHF, counts, probs_N, recipe, host, (padded, P))

@@ -18,7 +18,8 @@ between layouts exact. Groups ("granularities"):
 Two more layouts serve the expert GEMMs (moecore/kernels/fp8_grouped.py): `quantize_grouped_cols` (a
 [P, C] operand quantised along each expert's rows, one scale per expert and column, written transposed for
 the weight-gradient GEMM) and `quantize_weight_layouts` (expert weights [E, N, K] rowwise along K and/or
-transposed to [E, K, N] along N, the two GEMM layouts of rowwise scaling). `swiglu_quantize` fuses the
+transposed to [E, K, N] along N, the two GEMM layouts of rowwise scaling); `quantize_transposed` is one group
+of the first (a linear's x^T and dy^T). `swiglu_quantize` fuses the
 experts' SwiGLU (* routing probabilities) with rowwise or 1x128 quantisation.
 
 Each function takes `impl` (moecore/kernels/_triton.py): the Triton kernel on CUDA, the reference
@@ -145,23 +146,30 @@ if triton_importable():
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _cols_chunk(bounds_ptr, e, z, SPLIT: tl.constexpr, BR: tl.constexpr):
-        # rows [lo, hi) of group e's z-th of SPLIT chunks (each a multiple of BR rows; the last ones may be empty)
-        start = tl.load(bounds_ptr + e)
-        end = tl.load(bounds_ptr + e + 1)
-        chunk = tl.cdiv(tl.cdiv(end - start, SPLIT), BR) * BR
-        lo = tl.minimum(start + z * chunk, end)
-        return lo, tl.minimum(lo + chunk, end)
+    def _cols_group(bounds_ptr, e, group_rows, EQUAL: tl.constexpr):
+        # (first row, rows) of group e: from bounds, or (EQUAL) groups of group_rows rows each (no bounds tensor)
+        if EQUAL:
+            start = e * group_rows
+            n = group_rows
+        else:
+            start = tl.load(bounds_ptr + e)
+            n = tl.load(bounds_ptr + e + 1) - start
+        return start, n
 
     @triton.jit
     def _cols_amax_kernel(
-        x_ptr, part_ptr, bounds_ptr, C, stride_x, SPLIT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+        x_ptr, part_ptr, bounds_ptr, group_rows, C, stride_x,
+        EQUAL: tl.constexpr, SPLIT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
     ):  # fmt: skip
-        # Program (group e, column block, chunk z): the column maxima of |x| over the chunk's rows -> part[e, z, :]
+        # Program (group e, column block, chunk z): the column maxima of |x| over the z-th of SPLIT chunks of the
+        # group's rows (each a multiple of BR rows; the last ones may be empty) -> part[e, z, :]
         e, z = tl.program_id(0), tl.program_id(2)
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         cm = cols < C
-        lo, hi = _cols_chunk(bounds_ptr, e, z, SPLIT, BR)
+        start, n = _cols_group(bounds_ptr, e, group_rows, EQUAL)
+        chunk = tl.cdiv(tl.cdiv(n, SPLIT), BR) * BR
+        lo = start + tl.minimum(z * chunk, n)
+        hi = start + tl.minimum(z * chunk + chunk, n)
         # an elementwise running max over the tiles, reduced across rows (across warps) once at the end
         acc = tl.zeros((BR, BC), dtype=tl.float32)
         for r0 in range(lo, hi, BR):
@@ -173,38 +181,55 @@ if triton_importable():
 
     @triton.jit
     def _cols_quant_kernel(
-        x_ptr, q_ptr, s_ptr, bounds_ptr, dst_ptr, C, stride_x, stride_qe, stride_qc,
-        SPLIT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FMAX: tl.constexpr, PAD: tl.constexpr,
+        x_ptr, q_ptr, s_ptr, part_ptr, bounds_ptr, dst_ptr, group_rows, C, stride_x, stride_qe, stride_qc,
+        EQUAL: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+        FMAX: tl.constexpr, POW2: tl.constexpr, PAD: tl.constexpr, ALIGNED: tl.constexpr,
     ):  # fmt: skip
-        # The chunk's rows divided by the group's column scales s[e, :], written transposed: row r, column c of
-        # group e lands at q[e * stride_qe + c * stride_qc + dst[e] + r - bounds[e]] ([C, P] for activations:
-        # stride_qe = 0, dst = bounds, or the padded groups' starts; [E, C, N] for weights of N rows each:
-        # dst = 0). With PAD the positions dst[e] + rows .. dst[e + 1] after group e's rows are written with
-        # zeros (the padding of a weight-gradient operand), by the group's last chunk. The tile is cast to fp8
-        # (its values are on the fp8 grid already) and transposed in registers so that the stores run along
-        # the rows.
+        # The group's column scales s[e, :] from the chunks' maxima part[e, :, :] (the chunk-0 program stores them),
+        # then the group's rows divided by them, written transposed: row r of group e, column c, lands at
+        # q[e * stride_qe + c * stride_qc + dst[e] + r] ([C, P] for activations: stride_qe = 0, dst = bounds or
+        # the padded groups' starts; [E, C, N] for weights of N rows each: EQUAL, dst = 0). With PAD the written
+        # rows run on to dst[e + 1] - dst[e] (zeros past the group's rows: the padding of a weight-gradient
+        # operand). The written rows are split into SPLIT chunks of whole BR-row tiles; a tile is cast to fp8 (its
+        # values are on the fp8 grid already) and transposed in registers so that the stores run along the rows.
+        # ALIGNED (dst[e] and the written rows multiples of 16): 16-byte stores.
         e, z = tl.program_id(0), tl.program_id(2)
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         cm = cols < C
-        lo, hi = _cols_chunk(bounds_ptr, e, z, SPLIT, BR)
-        s = tl.load(s_ptr + e * C + cols, mask=cm, other=1.0)
-        start, dst0 = tl.load(bounds_ptr + e), tl.load(dst_ptr + e)
-        group = q_ptr + e.to(tl.int64) * stride_qe + cols.to(tl.int64)[:, None] * stride_qc
-        base = group + (dst0 - start)
-        for r0 in range(lo, hi, BR):
-            rows = r0 + tl.arange(0, BR)
-            m = (rows < hi)[:, None] & cm[None, :]
-            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+        start, n = _cols_group(bounds_ptr, e, group_rows, EQUAL)
+        zs = tl.arange(0, SPLIT_P2)
+        parts = tl.load(
+            part_ptr + (e * SPLIT + zs)[:, None] * C + cols[None, :],
+            mask=(zs < SPLIT)[:, None] & cm[None, :],
+            other=0.0,
+        )
+        s = _scale_of(tl.max(parts, axis=0), FMAX, POW2)
+        if z == 0:
+            tl.store(s_ptr + e * C + cols, s, mask=cm)
+        s = tl.where(cm, s, 1.0)
+        n_w = n
+        if EQUAL:
+            dst0 = 0
+        else:
+            dst0 = tl.load(dst_ptr + e)
+            if PAD:
+                n_w = tl.load(dst_ptr + e + 1) - dst0
+            if ALIGNED:
+                dst0 = tl.multiple_of(dst0, 16)
+        chunk = tl.cdiv(tl.cdiv(n_w, SPLIT), BR) * BR
+        w_lo = z * chunk
+        w_hi = tl.minimum(w_lo + chunk, n_w)
+        if ALIGNED:
+            w_hi = tl.multiple_of(w_hi, 16)
+        group = q_ptr + e.to(tl.int64) * stride_qe + cols.to(tl.int64)[:, None] * stride_qc + dst0
+        for i in range(0, tl.cdiv(w_hi - w_lo, BR)):
+            rel = w_lo + i * BR + tl.arange(0, BR)
+            m = (rel < n)[:, None] & cm[None, :]
+            x = tl.load(x_ptr + (start + rel).to(tl.int64)[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
             q = _to_fp8_grid(tl.clamp(tl.div_rn(x.to(tl.float32), s[None, :]), -FMAX, FMAX), FMAX)
-            mt = (rows < hi)[None, :] & cm[:, None]
-            tl.store(base + rows[None, :], tl.trans(q.to(q_ptr.dtype.element_ty)), mask=mt)
-        if PAD:
-            if z == SPLIT - 1:
-                gap_hi = tl.load(dst_ptr + e + 1)
-                for r0 in range(dst0 + tl.load(bounds_ptr + e + 1) - start, gap_hi, BR):
-                    rows = r0 + tl.arange(0, BR)
-                    mt = (rows < gap_hi)[None, :] & cm[:, None]
-                    tl.store(group + rows[None, :], tl.zeros((BC, BR), dtype=q_ptr.dtype.element_ty), mask=mt)
+            tl.store(
+                group + rel[None, :], tl.trans(q.to(q_ptr.dtype.element_ty)), mask=(rel < w_hi)[None, :] & cm[:, None]
+            )
 
     @triton.jit
     def _swiglu_quant_kernel(
@@ -412,24 +437,40 @@ COLS_TILES = ((32, 64, 4), 1024)
 
 
 def _grouped_cols(
-    x: torch.Tensor, bounds: torch.Tensor, q: torch.Tensor, dtype, pow2: bool, dst: torch.Tensor, pad: bool = False
+    x: torch.Tensor,
+    bounds: torch.Tensor | None,
+    q: torch.Tensor,
+    dtype,
+    pow2: bool,
+    dst: torch.Tensor | None = None,
+    pad: bool = False,
+    groups: int = 1,
 ):
     """Quantise x [N, C] along the rows of each group bounds[e]..bounds[e+1] (scales [E, C]) into q, transposed
-    per group from dst[e] on (_cols_quant_kernel; `pad`: zeros up to dst[e+1]). Two passes over x: column maxima
-    of row chunks (enough programs for 8 large groups or 512 small ones), their max per group (a torch
-    reduction), then the quantisation."""
+    per group from dst[e] on (_cols_quant_kernel; `pad`: zeros up to dst[e+1]); bounds None: `groups` groups of
+    N / groups rows, each written from 0 of its own slice of q (no bounds tensors to build). Two launches: column
+    maxima of row chunks (enough programs for 8 large groups or 512 small ones), then the quantisation, whose
+    programs reduce the chunks' maxima to the group's scales (no torch ops between them)."""
     N, C = x.shape
-    E = bounds.numel() - 1
+    equal = bounds is None
+    E = groups if equal else bounds.numel() - 1
     (br, bc, warps), rows_per_program = COLS_TILES if x.is_cuda else ((16, 32, 1), 16)
     split = max(1, min(64, N // max(E, 1) // rows_per_program))
     grid = (E, triton.cdiv(C, bc), split)
     part = torch.empty(E, split, C, dtype=torch.float32, device=x.device)
-    _cols_amax_kernel[grid](x, part, bounds, C, x.stride(0), SPLIT=split, BR=br, BC=bc, num_warps=warps)
-    s = scale_from_amax(part.amax(dim=1), dtype, pow2)
+    s = torch.empty(E, C, dtype=torch.float32, device=x.device)
+    if equal:  # an unread pointer
+        bounds = torch.empty(1, dtype=torch.int32, device=x.device)
+    dst = bounds if dst is None else dst
+    rows = N // max(E, 1)
+    _cols_amax_kernel[grid](
+        x, part, bounds, rows, C, x.stride(0), EQUAL=equal, SPLIT=split, BR=br, BC=bc, num_warps=warps
+    )
     stride_qe = q.stride(0) if q.dim() == 3 else 0
     _cols_quant_kernel[grid](
-        x, q, s, bounds, dst, C, x.stride(0), stride_qe, q.stride(-2),
-        SPLIT=split, BR=br, BC=bc, FMAX=FP8_MAX[dtype], PAD=pad, num_warps=warps,
+        x, q, s, part, bounds, dst, rows, C, x.stride(0), stride_qe, q.stride(-2),
+        EQUAL=equal, SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), BR=br, BC=bc, FMAX=FP8_MAX[dtype],
+        POW2=pow2, PAD=pad, ALIGNED=pad or (equal and rows % 16 == 0), num_warps=warps,
     )  # fmt: skip
     return s
 
@@ -441,20 +482,37 @@ def quantize_grouped_cols(
     pow2: bool = False,
     impl: str = "auto",
     pad_to: PadTo | None = None,
+    bounds: torch.Tensor | None = None,
+    pad_bounds: torch.Tensor | None = None,
 ):
     """(q^T [C, P], s [E, C]): the operand of a grouped weight-gradient GEMM, quantised along each expert's rows
     (the contracted dim) with one scale per expert and column, stored transposed. `pad_to`: x's rows are not
-    padded, q^T's groups are (zero columns after each expert's rows), so that no padded copy of x is made.
-    No host synchronisation."""
+    padded, q^T's groups are (zero columns after each expert's rows), so that no padded copy of x is made; its
+    padded counts must be multiples of 16 (the kernel stores 16 bytes at a time). `bounds`, `pad_bounds`:
+    group_bounds of counts and of pad_to's counts, where the caller has them. No host synchronisation."""
     _check_2d(x)
     if not use_triton(impl, x, counts):
         return quantize_grouped_cols_reference(x, counts, dtype, pow2, pad_to)
     N, C = x.shape
     x = x if x.stride(1) == 1 else x.contiguous()
-    bounds = group_bounds(counts)
-    dst = bounds if pad_to is None else group_bounds(pad_to[0])
+    bounds = group_bounds(counts) if bounds is None else bounds
+    dst = bounds if pad_to is None else (group_bounds(pad_to[0]) if pad_bounds is None else pad_bounds)
     q = torch.empty(C, N if pad_to is None else pad_to[1], dtype=dtype, device=x.device)
     return q, _grouped_cols(x, bounds, q, dtype, pow2, dst, pad=pad_to is not None)
+
+
+def quantize_transposed(
+    x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2: bool = False, impl: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [C, N], s [C, 1]): x^T of a 2-D x [N, C] quantised rowwise (a scale per column of x), without a bf16
+    transposed copy (the grouped column kernels with one group); bit for bit quantize_rowwise(x.t())."""
+    _check_2d(x)
+    if not use_triton(impl, x):
+        return quantize_rowwise_reference(x.t(), dtype, pow2)
+    N, C = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
+    q = torch.empty(C, N, dtype=dtype, device=x.device)
+    return q, _grouped_cols(x, None, q, dtype, pow2).view(C, 1)
 
 
 Quantised = tuple[torch.Tensor, torch.Tensor]
@@ -502,9 +560,8 @@ def quantize_weight_layouts(
         q, s = quantize_rowwise(w2, dtype, pow2)
         out_rows = (q.view(E, N, K), s.view(E, N, 1))
     if cols:
-        bounds = torch.arange(0, (E + 1) * N, N, dtype=torch.int32, device=w.device)
         qt = torch.empty(E, K, N, dtype=dtype, device=w.device)
-        st = _grouped_cols(w2.contiguous(), bounds, qt, dtype, pow2, torch.zeros_like(bounds))
+        st = _grouped_cols(w2.contiguous(), None, qt, dtype, pow2, groups=E)
         out_cols = (qt, st.unsqueeze(-1))
     return out_rows, out_cols
 
