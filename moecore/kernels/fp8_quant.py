@@ -114,26 +114,36 @@ if triton_importable():
     @triton.jit
     def _quant_rows_kernel(
         x_ptr, q_ptr, s_ptr, R, C, stride_x, stride_q,
-        BR: tl.constexpr, BC: tl.constexpr, FMAX: tl.constexpr, POW2: tl.constexpr,
+        BR: tl.constexpr, BC: tl.constexpr, FMAX: tl.constexpr, POW2: tl.constexpr, ONE_PASS: tl.constexpr,
     ):  # fmt: skip
-        # Rowwise: amax over the whole row (a loop over column chunks), then a second pass that quantises.
+        # Rowwise: amax over the whole row (a loop over column chunks), then a second pass that quantises; ONE_PASS
+        # (BC >= C): the rows are read once and held in registers between the two.
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rm = rows < R
         r64 = rows.to(tl.int64)
-        amax = tl.zeros((BR,), dtype=tl.float32)
-        for c0 in range(0, C, BC):
-            cols = c0 + tl.arange(0, BC)
+        if ONE_PASS:
+            cols = tl.arange(0, BC)
             m = rm[:, None] & (cols < C)[None, :]
             x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-        s = _scale_of(amax, FMAX, POW2)
-        tl.store(s_ptr + rows, s, mask=rm)
-        for c0 in range(0, C, BC):
-            cols = c0 + tl.arange(0, BC)
-            m = rm[:, None] & (cols < C)[None, :]
-            x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            s = _scale_of(tl.max(tl.abs(x), axis=1), FMAX, POW2)
+            tl.store(s_ptr + rows, s, mask=rm)
             q = _to_fp8_grid(tl.clamp(tl.div_rn(x, s[:, None]), -FMAX, FMAX), FMAX)
             tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+        else:
+            amax = tl.zeros((BR,), dtype=tl.float32)
+            for c0 in range(0, C, BC):
+                cols = c0 + tl.arange(0, BC)
+                m = rm[:, None] & (cols < C)[None, :]
+                x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+            s = _scale_of(amax, FMAX, POW2)
+            tl.store(s_ptr + rows, s, mask=rm)
+            for c0 in range(0, C, BC):
+                cols = c0 + tl.arange(0, BC)
+                m = rm[:, None] & (cols < C)[None, :]
+                x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+                q = _to_fp8_grid(tl.clamp(tl.div_rn(x, s[:, None]), -FMAX, FMAX), FMAX)
+                tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _quant_given_scale_kernel(x_ptr, q_ptr, s_ptr, n, BLOCK_N: tl.constexpr, FMAX: tl.constexpr):
@@ -235,16 +245,25 @@ if triton_importable():
     def _swiglu_quant_kernel(
         h_ptr, p_ptr, q_ptr, s_ptr, M, F, s_stride,
         HAS_P: tl.constexpr, ROWWISE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-        FMAX: tl.constexpr, POW2: tl.constexpr,
+        FMAX: tl.constexpr, POW2: tl.constexpr, ONE_PASS: tl.constexpr,
     ):  # fmt: skip
         # a = silu(g) * u (* p) for h = [g | u], rounded to h's dtype as moecore/kernels/swiglu.py stores it,
-        # then quantised (ROWWISE: a scale per row, two passes over the row; else 1 x BC blocks), without
-        # writing a. Rowwise: one program per BR rows; 1x128: one per [BR, BC] tile.
+        # then quantised (ROWWISE: a scale per row, two passes over the row, or one with the row in registers:
+        # ONE_PASS, BC >= F; else 1 x BC blocks), without writing a. Rowwise: one program per BR rows; 1x128: one
+        # per [BR, BC] tile.
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rm = rows < M
         r64 = rows.to(tl.int64)
         p = tl.load(p_ptr + rows, mask=rm, other=0.0).to(tl.float32) if HAS_P else None
-        if ROWWISE:
+        if ROWWISE and ONE_PASS:
+            cols = tl.arange(0, BC)
+            m = rm[:, None] & (cols < F)[None, :]
+            a = _swiglu_tile(h_ptr, r64, cols, m, F, p, HAS_P)
+            s = _scale_of(tl.max(tl.abs(a), axis=1), FMAX, POW2)
+            tl.store(s_ptr + rows, s, mask=rm)
+            q = _to_fp8_grid(tl.clamp(tl.div_rn(a, s[:, None]), -FMAX, FMAX), FMAX)
+            tl.store(q_ptr + r64[:, None] * F + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+        elif ROWWISE:
             amax = tl.zeros((BR,), dtype=tl.float32)
             for c0 in range(0, F, BC):
                 cols = c0 + tl.arange(0, BC)
@@ -373,11 +392,27 @@ def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, 
     x = x if x.stride(1) == 1 else x.contiguous()
     q = torch.empty(R, C, dtype=dtype, device=x.device)
     s = torch.empty(R, 1, dtype=torch.float32, device=x.device)
-    br, bc = (16, 256) if x.is_cuda else (16, 128)
+    (br, bc), one_pass, warps = _row_tiles(C, x.is_cuda)
     _quant_rows_kernel[(triton.cdiv(R, br),)](
-        x, q, s, R, C, x.stride(0), q.stride(0), BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2
-    )
+        x, q, s, R, C, x.stride(0), q.stride(0), BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2, ONE_PASS=one_pass,
+        num_warps=warps,
+    )  # fmt: skip
     return q, s
+
+
+# Rows of up to ONE_PASS_COLS columns are quantised from registers after a single read (8 warps, 32 values a
+# thread); longer rows in two passes over 16 x 256 tiles (the second read mostly misses L2 at the expert FFN's sizes).
+ONE_PASS_COLS = 8192
+
+
+def _row_tiles(cols: int, cuda: bool) -> tuple[tuple[int, int], bool, int]:
+    """((rows, columns) of a program's tile, one pass?, warps) for rowwise kernels over rows of `cols` values."""
+    if not cuda:  # the interpreter: small tiles, both paths tested
+        return ((4, triton.next_power_of_2(cols)), True, 1) if cols <= 128 else ((16, 128), False, 1)
+    if cols <= ONE_PASS_COLS:
+        bc = max(triton.next_power_of_2(cols), 64)
+        return (max(1, ONE_PASS_COLS // bc), bc), True, 8
+    return (16, 256), False, 4
 
 
 def quantize_1x128(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, pow2: bool = False, impl="auto"):
@@ -596,8 +631,9 @@ def swiglu_quantize(
     q = torch.empty(M, Fh, dtype=dtype, device=h.device)
     rowwise = granularity == "rowwise"
     s = torch.empty(M, 1 if rowwise else triton.cdiv(Fh, BLOCK), dtype=torch.float32, device=h.device)
+    one_pass, warps = False, 4
     if rowwise:
-        br, bc = (16, 256) if h.is_cuda else (16, 128)
+        (br, bc), one_pass, warps = _row_tiles(Fh, h.is_cuda)
         grid = (triton.cdiv(M, br),)
     else:
         br, bc = (32, BLOCK) if h.is_cuda else (16, BLOCK)
@@ -605,6 +641,7 @@ def swiglu_quantize(
     p = probs.contiguous() if probs is not None else h
     _swiglu_quant_kernel[grid](
         h, p, q, s, M, Fh, s.stride(0),
-        HAS_P=probs is not None, ROWWISE=rowwise, BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2,
+        HAS_P=probs is not None, ROWWISE=rowwise, BR=br, BC=bc, FMAX=FP8_MAX[dtype], POW2=pow2, ONE_PASS=one_pass,
+        num_warps=warps if h.is_cuda else 1,
     )  # fmt: skip
     return q, s

@@ -105,6 +105,23 @@ def test_grouped_cols_reference_matches_float64():
         assert ((deq - seg).abs() <= seg.abs() / 16 * (1 + 1e-6) + s[e].double() * 2**-9).all()
 
 
+@pytest.mark.parametrize("cols", ["one pass", "two passes"])
+def test_row_kernel_one_and_two_passes_match_reference(backend, cols):
+    """Rows short enough to sit in registers are read once (fp8_quant._row_tiles), longer ones twice: both exact."""
+    dev, _ = setup(backend)
+    torch.manual_seed(9)
+    short, long = (96, 300) if backend != "cuda" else (2048, 10000)
+    C = short if cols == "one pass" else long
+    assert fq._row_tiles(C, backend == "cuda")[1] == (cols == "one pass")
+    x = (torch.randn(67, C) * torch.logspace(-2, 1, C)).to(dev)
+    x[3] = 0.0
+    if backend == "cuda":
+        x = x.bfloat16()
+    q, s = fq.quantize_rowwise(x, E4M3, impl="triton")
+    qr, sr = fq.quantize_rowwise_reference(x, E4M3)
+    assert torch.equal(s, sr) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+
+
 @pytest.mark.parametrize("pow2", [False, True])
 def test_grouped_cols_kernel_matches_reference(backend, pow2):
     dev, _ = setup(backend)
@@ -188,13 +205,16 @@ def test_tile_kernel_reads_a_transposed_view(backend):
 
 @pytest.mark.parametrize("granularity", ["rowwise", "1x128"])
 @pytest.mark.parametrize("with_probs", [True, False])
-def test_fused_swiglu_quantize_matches_unfused(backend, granularity, with_probs):
+@pytest.mark.parametrize("width", [64, 200])  # rowwise in one pass (the row in registers) and in two
+def test_fused_swiglu_quantize_matches_unfused(backend, granularity, with_probs, width):
     """The fused SwiGLU (* probs) + quantisation kernel gives bit for bit the SwiGLU kernel's output quantised."""
     from moecore.kernels.swiglu import swiglu
 
     dev, dt = setup(backend)
     torch.manual_seed(7)
-    h = (torch.randn(37, 2 * 200) * 3).to(dev, dt)
+    if backend == "cuda":
+        width *= 64  # 4096: one pass on the GPU; 12800: two
+    h = (torch.randn(37, 2 * width) * 3).to(dev, dt)
     p = torch.rand(37, device=dev) if with_probs else None
     q, s = fq.swiglu_quantize(h, p, granularity)
     a = swiglu(h, p, impl="triton")
