@@ -400,18 +400,19 @@ def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, 
     return q, s
 
 
-# Rows of up to ONE_PASS_COLS columns are quantised from registers after a single read (8 warps, 32 values a
-# thread); longer rows in two passes over 16 x 256 tiles (the second read mostly misses L2 at the expert FFN's sizes).
-ONE_PASS_COLS = 8192
+# Rows of 2048 or 4096 values are quantised from registers after a single read (8 warps, 8192 values a program);
+# others in two passes over 16 x 256 tiles. Measured on an H200 (benchmarks/fp8_quant_bandwidth.py, 2026-12-04): one
+# pass 1.2-1.3x faster at 2048 and 4096 columns, slower at 768 and 1536 (a padded 1024- / 2048-wide tile: 0.5-0.7x)
+# and at 7168 (0.97x), where the second read of the two-pass kernel costs less than the one-pass tile's shape.
+ONE_PASS_COLS = (2048, 4096)
 
 
 def _row_tiles(cols: int, cuda: bool) -> tuple[tuple[int, int], bool, int]:
     """((rows, columns) of a program's tile, one pass?, warps) for rowwise kernels over rows of `cols` values."""
     if not cuda:  # the interpreter: small tiles, both paths tested
         return ((4, triton.next_power_of_2(cols)), True, 1) if cols <= 128 else ((16, 128), False, 1)
-    if cols <= ONE_PASS_COLS:
-        bc = max(triton.next_power_of_2(cols), 64)
-        return (max(1, ONE_PASS_COLS // bc), bc), True, 8
+    if cols in ONE_PASS_COLS:
+        return (8192 // cols, cols), True, 8
     return (16, 256), False, 4
 
 

@@ -129,6 +129,8 @@ def test_simulated_graphs_train_like_eager(mode, extra):
         (["train.cuda_graphs=full", "train.device=cuda", "moe.sync_free=true", "model.recompute_granularity=full"],
          "expert bias"),
         (["train.cuda_graphs=everything"], "none | attention | moe_static | full"),
+        (["train.cuda_graphs=attention", "train.device=cuda", "train.precision=fp8", "fp8.primary_weights=true"],
+         "fp8.primary_weights=true"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_field(overrides, match):
@@ -189,6 +191,9 @@ def _gpu_losses(tmp_path, name: str, mode: str, extra: list) -> list[float]:
         ("full", ["moe.sync_free=true"]),
         ("full", ["moe.sync_free=true", "moe.activation_memory=minimal", "model.recompute_modules=[moe_act,norm]",
                   "model.recompute_granularity=selective"]),
+        ("attention", ["train.precision=fp8"]),  # the FP8 linears' quantisation captured with the attention block
+        ("moe_static", ["train.precision=fp8"]),
+        ("full", ["train.precision=fp8", "moe.sync_free=true"]),  # the FP8 expert FFN (rowwise, sync-free) too
     ],
 )  # fmt: skip
 def test_gpu_graphs_train_like_eager(tmp_path, mode, extra):
