@@ -193,9 +193,10 @@ if triton_importable():
     def _cols_quant_kernel(
         x_ptr, q_ptr, s_ptr, part_ptr, bounds_ptr, dst_ptr, group_rows, C, stride_x, stride_qe, stride_qc,
         EQUAL: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
-        FMAX: tl.constexpr, POW2: tl.constexpr, PAD: tl.constexpr, ALIGNED: tl.constexpr,
+        FMAX: tl.constexpr, POW2: tl.constexpr, PAD: tl.constexpr, ALIGNED: tl.constexpr, FUSED: tl.constexpr,
     ):  # fmt: skip
-        # The group's column scales s[e, :] from the chunks' maxima part[e, :, :] (the chunk-0 program stores them),
+        # The group's column scales s[e, :] from the chunks' maxima part[e, :, :] (the chunk-0 program stores them;
+        # FUSED, one chunk per group: from the group's rows, read here, so that _cols_amax_kernel is not launched),
         # then the group's rows divided by them, written transposed: row r of group e, column c, lands at
         # q[e * stride_qe + c * stride_qc + dst[e] + r] ([C, P] for activations: stride_qe = 0, dst = bounds or
         # the padded groups' starts; [E, C, N] for weights of N rows each: EQUAL, dst = 0). With PAD the written
@@ -207,13 +208,23 @@ if triton_importable():
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         cm = cols < C
         start, n = _cols_group(bounds_ptr, e, group_rows, EQUAL)
-        zs = tl.arange(0, SPLIT_P2)
-        parts = tl.load(
-            part_ptr + (e * SPLIT + zs)[:, None] * C + cols[None, :],
-            mask=(zs < SPLIT)[:, None] & cm[None, :],
-            other=0.0,
-        )
-        s = _scale_of(tl.max(parts, axis=0), FMAX, POW2)
+        if FUSED:
+            acc = tl.zeros((BR, BC), dtype=tl.float32)
+            for r0 in range(start, start + n, BR):
+                rows = r0 + tl.arange(0, BR)
+                m = (rows < start + n)[:, None] & cm[None, :]
+                x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+                acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+            amax = tl.max(acc, axis=0)
+        else:
+            zs = tl.arange(0, SPLIT_P2)
+            parts = tl.load(
+                part_ptr + (e * SPLIT + zs)[:, None] * C + cols[None, :],
+                mask=(zs < SPLIT)[:, None] & cm[None, :],
+                other=0.0,
+            )
+            amax = tl.max(parts, axis=0)
+        s = _scale_of(amax, FMAX, POW2)
         if z == 0:
             tl.store(s_ptr + e * C + cols, s, mask=cm)
         s = tl.where(cm, s, 1.0)
@@ -484,29 +495,33 @@ def _grouped_cols(
 ):
     """Quantise x [N, C] along the rows of each group bounds[e]..bounds[e+1] (scales [E, C]) into q, transposed
     per group from dst[e] on (_cols_quant_kernel; `pad`: zeros up to dst[e+1]); bounds None: `groups` groups of
-    N / groups rows, each written from 0 of its own slice of q (no bounds tensors to build). Two launches: column
-    maxima of row chunks (enough programs for 8 large groups or 512 small ones), then the quantisation, whose
-    programs reduce the chunks' maxima to the group's scales (no torch ops between them)."""
+    N / groups rows, each written from 0 of its own slice of q (no bounds tensors to build). Groups are split into
+    row chunks (enough programs for 8 large groups or 512 small ones): with several chunks, two launches (column
+    maxima of each chunk, then the quantisation, whose programs reduce the chunks' maxima to the group's scales);
+    with one (small groups), one launch that reads the group twice."""
     N, C = x.shape
     equal = bounds is None
     E = groups if equal else bounds.numel() - 1
     (br, bc, warps), rows_per_program = COLS_TILES if x.is_cuda else ((16, 32, 1), 16)
     split = max(1, min(64, N // max(E, 1) // rows_per_program))
     grid = (E, triton.cdiv(C, bc), split)
-    part = torch.empty(E, split, C, dtype=torch.float32, device=x.device)
-    s = torch.empty(E, C, dtype=torch.float32, device=x.device)
+    fused = split == 1
+    part = s = torch.empty(E, C, dtype=torch.float32, device=x.device)  # fused: part is not read
+    if not fused:
+        part = torch.empty(E, split, C, dtype=torch.float32, device=x.device)
     if equal:  # an unread pointer
         bounds = torch.empty(1, dtype=torch.int32, device=x.device)
     dst = bounds if dst is None else dst
     rows = N // max(E, 1)
-    _cols_amax_kernel[grid](
-        x, part, bounds, rows, C, x.stride(0), EQUAL=equal, SPLIT=split, BR=br, BC=bc, num_warps=warps
-    )
+    if not fused:
+        _cols_amax_kernel[grid](
+            x, part, bounds, rows, C, x.stride(0), EQUAL=equal, SPLIT=split, BR=br, BC=bc, num_warps=warps
+        )
     stride_qe = q.stride(0) if q.dim() == 3 else 0
     _cols_quant_kernel[grid](
         x, q, s, part, bounds, dst, rows, C, x.stride(0), stride_qe, q.stride(-2),
         EQUAL=equal, SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), BR=br, BC=bc, FMAX=FP8_MAX[dtype],
-        POW2=pow2, PAD=pad, ALIGNED=pad or (equal and rows % 16 == 0), num_warps=warps,
+        POW2=pow2, PAD=pad, ALIGNED=pad or (equal and rows % 16 == 0), FUSED=fused, num_warps=warps,
     )  # fmt: skip
     return s
 
