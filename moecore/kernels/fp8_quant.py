@@ -82,6 +82,11 @@ if triton_importable():
         return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _quantized(v, s, FMAX: tl.constexpr):
+        # v / s (IEEE division) saturated to +-FMAX and rounded to the fp8 grid, in fp32 (the cast after it is exact)
+        return _to_fp8_grid(tl.clamp(tl.div_rn(v, s), -FMAX, FMAX), FMAX)
+
+    @triton.jit
     def _quant_tile_kernel(
         x_ptr, q_ptr, s_ptr, R, C, stride_x, stride_xc, stride_q, s_stride_r, s_stride_c,
         BR: tl.constexpr, BC: tl.constexpr, PER_ROW: tl.constexpr, FMAX: tl.constexpr, POW2: tl.constexpr,
@@ -127,7 +132,7 @@ if triton_importable():
             x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
             s = _scale_of(tl.max(tl.abs(x), axis=1), FMAX, POW2)
             tl.store(s_ptr + rows, s, mask=rm)
-            q = _to_fp8_grid(tl.clamp(tl.div_rn(x, s[:, None]), -FMAX, FMAX), FMAX)
+            q = _quantized(x, s[:, None], FMAX)
             tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
         else:
             amax = tl.zeros((BR,), dtype=tl.float32)
@@ -142,7 +147,7 @@ if triton_importable():
                 cols = c0 + tl.arange(0, BC)
                 m = rm[:, None] & (cols < C)[None, :]
                 x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-                q = _to_fp8_grid(tl.clamp(tl.div_rn(x, s[:, None]), -FMAX, FMAX), FMAX)
+                q = _quantized(x, s[:, None], FMAX)
                 tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -152,7 +157,7 @@ if triton_importable():
         m = offs < n
         s = tl.load(s_ptr)
         x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        q = _to_fp8_grid(tl.clamp(tl.div_rn(x, s), -FMAX, FMAX), FMAX)
+        q = _quantized(x, s, FMAX)
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -247,7 +252,7 @@ if triton_importable():
             rel = w_lo + i * BR + tl.arange(0, BR)
             m = (rel < n)[:, None] & cm[None, :]
             x = tl.load(x_ptr + (start + rel).to(tl.int64)[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
-            q = _to_fp8_grid(tl.clamp(tl.div_rn(x.to(tl.float32), s[None, :]), -FMAX, FMAX), FMAX)
+            q = _quantized(x.to(tl.float32), s[None, :], FMAX)
             tl.store(
                 group + rel[None, :], tl.trans(q.to(q_ptr.dtype.element_ty)), mask=(rel < w_hi)[None, :] & cm[:, None]
             )
@@ -272,7 +277,7 @@ if triton_importable():
             a = _swiglu_tile(h_ptr, r64, cols, m, F, p, HAS_P)
             s = _scale_of(tl.max(tl.abs(a), axis=1), FMAX, POW2)
             tl.store(s_ptr + rows, s, mask=rm)
-            q = _to_fp8_grid(tl.clamp(tl.div_rn(a, s[:, None]), -FMAX, FMAX), FMAX)
+            q = _quantized(a, s[:, None], FMAX)
             tl.store(q_ptr + r64[:, None] * F + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
         elif ROWWISE:
             amax = tl.zeros((BR,), dtype=tl.float32)
@@ -287,7 +292,7 @@ if triton_importable():
                 cols = c0 + tl.arange(0, BC)
                 m = rm[:, None] & (cols < F)[None, :]
                 a = _swiglu_tile(h_ptr, r64, cols, m, F, p, HAS_P)
-                q = _to_fp8_grid(tl.clamp(tl.div_rn(a, s[:, None]), -FMAX, FMAX), FMAX)
+                q = _quantized(a, s[:, None], FMAX)
                 tl.store(q_ptr + r64[:, None] * F + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
         else:
             pc = tl.program_id(1)
@@ -296,7 +301,7 @@ if triton_importable():
             a = _swiglu_tile(h_ptr, r64, cols, m, F, p, HAS_P)
             s = _scale_of(tl.max(tl.abs(a), axis=1), FMAX, POW2)
             tl.store(s_ptr + rows * s_stride + pc, s, mask=rm)
-            q = _to_fp8_grid(tl.clamp(tl.div_rn(a, s[:, None]), -FMAX, FMAX), FMAX)
+            q = _quantized(a, s[:, None], FMAX)
             tl.store(q_ptr + r64[:, None] * F + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
 
 
