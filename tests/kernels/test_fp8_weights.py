@@ -60,6 +60,17 @@ def test_kernel_on_fp32_weights_and_ragged_tiles(backend):
         assert torch.equal(g[1], r[1]) and torch.equal(_bits(g[0]), _bits(r[0]))
 
 
+@pytest.mark.parametrize("n", [16, 24])  # aligned (16-byte stores) and not
+def test_kernel_with_one_chunk_per_expert(backend, n):
+    """Experts of few rows: one launch reads each expert's rows for the column maxima and again to quantise."""
+    dev, _ = setup(backend)
+    w = _weights(dev, e=4, n=n, k=40)
+    got = fq.quantize_weight_layouts(w, E4M3, impl="triton")
+    ref = fq.quantize_weight_layouts(w, E4M3, impl="torch")
+    for g, r in zip(got, ref):
+        assert torch.equal(g[1], r[1]) and torch.equal(_bits(g[0]), _bits(r[0]))
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="expert weights"):
         fq.quantize_weight_layouts(torch.zeros(4, 4))
