@@ -53,7 +53,7 @@ def cases(shape: str) -> list[tuple[str, int, object]]:
             (
                 f"grouped cols padded {name} [{p}, {cols}]",
                 2 * 2 * n + n + 4 * e * cols,
-                lambda x=x: fq.quantize_grouped_cols(x, counts, pad_to=(counts, p)),
+                lambda x=x: fq.quantize_grouped_cols(x, counts, pad_to=(counts, p), aligned=True),
             )
         )
         del x

@@ -174,7 +174,9 @@ def quant_cols(
         if recipe.scaling != "rowwise":
             raise ValueError("quant_cols: pad_to is for rowwise scaling only")
         b, pb = bounds if bounds is not None else (None, None)
-        q, s = fq.quantize_grouped_cols(x, counts, dtype, recipe.pow2, pad_to=pad_to, bounds=b, pad_bounds=pb)
+        q, s = fq.quantize_grouped_cols(  # pad_plan's counts are multiples of recipe.alignment (16 or 128)
+            x, counts, dtype, recipe.pow2, pad_to=pad_to, bounds=b, pad_bounds=pb, aligned=True
+        )
         return GroupedCols(q, s, "rowwise")
     if recipe.scaling == "tensorwise":
         if rows_q is not None and rows_q.q.dtype == dtype:  # the same groups: one scale

@@ -497,9 +497,11 @@ def _grouped_cols(
     dst: torch.Tensor | None = None,
     pad: bool = False,
     groups: int = 1,
+    aligned: bool = False,
 ):
     """Quantise x [N, C] along the rows of each group bounds[e]..bounds[e+1] (scales [E, C]) into q, transposed
-    per group from dst[e] on (_cols_quant_kernel; `pad`: zeros up to dst[e+1]); bounds None: `groups` groups of
+    per group from dst[e] on (_cols_quant_kernel; `pad`: zeros up to dst[e+1]; `aligned`: dst's entries are
+    multiples of 16, for 16-byte stores); bounds None: `groups` groups of
     N / groups rows, each written from 0 of its own slice of q (no bounds tensors to build). Groups are split into
     row chunks (enough programs for 8 large groups or 512 small ones): with several chunks, two launches (column
     maxima of each chunk, then the quantisation, whose programs reduce the chunks' maxima to the group's scales);
@@ -526,7 +528,7 @@ def _grouped_cols(
     _cols_quant_kernel[grid](
         x, q, s, part, bounds, dst, rows, C, x.stride(0), stride_qe, q.stride(-2),
         EQUAL=equal, SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), BR=br, BC=bc, FMAX=FP8_MAX[dtype],
-        POW2=pow2, PAD=pad, ALIGNED=pad or (equal and rows % 16 == 0), FUSED=fused, num_warps=warps,
+        POW2=pow2, PAD=pad, ALIGNED=(pad and aligned) or (equal and rows % 16 == 0), FUSED=fused, num_warps=warps,
     )  # fmt: skip
     return s
 
@@ -540,12 +542,15 @@ def quantize_grouped_cols(
     pad_to: PadTo | None = None,
     bounds: torch.Tensor | None = None,
     pad_bounds: torch.Tensor | None = None,
+    aligned: bool = False,
 ):
     """(q^T [C, P], s [E, C]): the operand of a grouped weight-gradient GEMM, quantised along each expert's rows
     (the contracted dim) with one scale per expert and column, stored transposed. `pad_to`: x's rows are not
-    padded, q^T's groups are (zero columns after each expert's rows), so that no padded copy of x is made; its
-    padded counts must be multiples of 16 (the kernel stores 16 bytes at a time). `bounds`, `pad_bounds`:
-    group_bounds of counts and of pad_to's counts, where the caller has them. No host synchronisation."""
+    padded, q^T's groups are (zero columns after each expert's rows), so that no padded copy of x is made.
+    `aligned` (with pad_to): the caller guarantees the padded counts are multiples of 16, and the kernel stores
+    16 bytes at a time (the counts are on the GPU and not checked: other counts give wrong values). `bounds`,
+    `pad_bounds`: group_bounds of counts and of pad_to's counts, where the caller has them. No host
+    synchronisation."""
     _check_2d(x)
     if not use_triton(impl, x, counts):
         return quantize_grouped_cols_reference(x, counts, dtype, pow2, pad_to)
@@ -554,7 +559,7 @@ def quantize_grouped_cols(
     bounds = group_bounds(counts) if bounds is None else bounds
     dst = bounds if pad_to is None else (group_bounds(pad_to[0]) if pad_bounds is None else pad_bounds)
     q = torch.empty(C, N if pad_to is None else pad_to[1], dtype=dtype, device=x.device)
-    return q, _grouped_cols(x, bounds, q, dtype, pow2, dst, pad=pad_to is not None)
+    return q, _grouped_cols(x, bounds, q, dtype, pow2, dst, pad=pad_to is not None, aligned=aligned)
 
 
 def quantize_transposed(

@@ -150,8 +150,8 @@ def test_grouped_cols_padded_output_equals_padding_first():
     assert torch.equal(q.view(torch.uint8), qp.view(torch.uint8))
 
 
-@pytest.mark.parametrize("slack", [0, 48])  # padded counts stay multiples of 16 (the kernel relies on it)
-def test_grouped_cols_kernel_pads_like_reference(backend, slack):
+@pytest.mark.parametrize("slack,aligned", [(0, True), (48, True), (37, False)])  # aligned: multiples of 16
+def test_grouped_cols_kernel_pads_like_reference(backend, slack, aligned):
     dev, _ = setup(backend)
     torch.manual_seed(6)
     counts = torch.tensor([19, 0, 32, 5], device=dev)
@@ -161,7 +161,7 @@ def test_grouped_cols_kernel_pads_like_reference(backend, slack):
     x = (torch.randn(56, 72) * torch.logspace(-2, 1, 72)).to(dev)
     if backend == "cuda":
         x = x.bfloat16()
-    q = fq.quantize_grouped_cols(x, counts, E4M3, impl="triton", pad_to=(padded, P))[0]
+    q = fq.quantize_grouped_cols(x, counts, E4M3, impl="triton", pad_to=(padded, P), aligned=aligned)[0]
     qr, _ = fq.quantize_grouped_cols_reference(x, counts, E4M3, pad_to=(padded, P))
     assert q.shape == (72, P) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
 
