@@ -417,9 +417,9 @@ def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, 
 
 
 # Rows of 2048 or 4096 values are quantised from registers after a single read (8 warps, 8192 values a program);
-# others in two passes over 16 x 256 tiles. Measured on an H200 (benchmarks/fp8_quant_bandwidth.py, 2026-12-04): one
-# pass 1.2-1.3x faster at 2048 and 4096 columns, slower at 768 and 1536 (a padded 1024- / 2048-wide tile: 0.5-0.7x)
-# and at 7168 (0.97x), where the second read of the two-pass kernel costs less than the one-pass tile's shape.
+# others in two passes over 16 x 256 tiles. Measured on an H200 (benchmarks/fp8_quant_bandwidth.py, 2026-12-04, runs AQ
+# and AS): one pass 1.2-1.3x faster at 2048 and 4096 columns, slower at 768 and 1536 (0.5-0.7x; their tiles are
+# padded to 1024 / 2048 columns) and at 7168 (0.97x).
 ONE_PASS_COLS = (2048, 4096)
 
 
@@ -501,11 +501,11 @@ def _grouped_cols(
 ):
     """Quantise x [N, C] along the rows of each group bounds[e]..bounds[e+1] (scales [E, C]) into q, transposed
     per group from dst[e] on (_cols_quant_kernel; `pad`: zeros up to dst[e+1]; `aligned`: dst's entries are
-    multiples of 16, for 16-byte stores); bounds None: `groups` groups of
-    N / groups rows, each written from 0 of its own slice of q (no bounds tensors to build). Groups are split into
-    row chunks (enough programs for 8 large groups or 512 small ones): with several chunks, two launches (column
-    maxima of each chunk, then the quantisation, whose programs reduce the chunks' maxima to the group's scales);
-    with one (small groups), one launch that reads the group twice."""
+    multiples of 16, for 16-byte stores); bounds None: `groups` groups of N / groups rows, each written from 0 of
+    its own slice of q (no bounds tensors to build). Groups are split into row chunks (enough programs for 8 large
+    groups or 512 small ones): with several chunks, two launches (column maxima of each chunk, then the
+    quantisation, whose programs reduce the chunks' maxima to the group's scales); with one (small groups), one
+    launch that reads the group twice."""
     N, C = x.shape
     equal = bounds is None
     E = groups if equal else bounds.numel() - 1
