@@ -11,8 +11,14 @@ the contracted dim (as `train.precision=fp8` with fp8.recipe=rowwise runs them):
 against `grouped_mm_scaled` under every --fp8-tiles configuration, on the same unpadded expert rows, both in
 the backward's full fp32 accumulation and (`fwd_*_fast`) in the forward's fast accumulation.
 
+With --blockwise the six GEMMs run as fp8.recipe=blockwise runs them (each expert's rows padded to 128; 1x128
+activation and 128x128 weight scales): `fp8_block_gemm.block_gemm_nt` / `block_gemm_tn` under every
+--block-tiles configuration, checked against the emulated GEMM (dequantise, fp32 matmul), beside torch's
+rowwise FP8 grouped GEMM and bf16 grouped GEMM on the same padded rows (no blockwise grouped GEMM in torch).
+
     python benchmarks/grouped_gemm_tiles.py --json OUT.json [--shapes qwen3_next_80b,...] [--mm-tiles ...] [--schedules G,P,PT]
     python benchmarks/grouped_gemm_tiles.py --fp8 --json OUT.json [--fp8-tiles ...] [--schedules PTF]
+    python benchmarks/grouped_gemm_tiles.py --blockwise --json OUT.json [--block-tiles ...] [--schedules PT,GT]
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ import torch
 
 from moecore.bench.common import FFN_SHAPES as SHAPES
 from moecore.bench.common import cuda_time_ms, expert_ffn_problem
+from moecore.kernels.fp8_block_gemm import block_gemm_nt, block_gemm_tn
+from moecore.kernels.fp8_gemm import Fp8Recipe, quant_rows
+from moecore.kernels.fp8_grouped import gmm_nt, gmm_tn, quant_cols, quant_weights
 from moecore.kernels.fp8_quant import quantize_grouped_cols, quantize_rowwise
 from moecore.kernels.grouped_gemm import TileConfig, group_bounds, grouped_mm, grouped_wgrad
 from moecore.kernels.grouped_gemm_fp8 import grouped_mm_scaled, grouped_wgrad_scaled
@@ -37,6 +46,7 @@ FP8_TILES = "128x256x128w8s3g8,128x128x128w8s4g8,128x128x128w4s4g8,64x256x128w8s
 FP8_WGRAD_TILES = (
     "128x128x128w8s4g8,128x128x64w8s4g8,128x128x128w8s3g8,64x128x128w4s4g8,128x64x128w4s4g8,64x64x128w4s4g8"
 )
+BLOCK_TILES = "128x128x128w8s3g8,128x128x128w8s4g8,128x256x128w8s3g8,64x128x128w4s4g8,64x256x128w8s3g8"
 SCHEDULES = "G,P,PT,GT"  # G one tile per program, P persistent; T TMA loads, F flattened loop, W warp-specialised
 
 
@@ -164,6 +174,71 @@ def _time_fp8_wgrad(name: str, kind: str, a, b, bounds, flops: int, cfgs: list, 
             emit(name, kind, cfg.describe(), 0.0, flops, error=str(ex)[:200])
 
 
+def run_shape_blockwise(name: str, cfgs: list, kinds: set | None, emit) -> None:
+    """The six expert-FFN GEMMs under fp8.recipe=blockwise: moecore's block GEMMs per tile, torch's rowwise FP8
+    and bf16 grouped GEMMs on the same padded rows for scale (random operands: the kernels' speed does not
+    depend on the values)."""
+    dev, e4m3 = torch.device("cuda"), torch.float8_e4m3fn
+    pb = expert_ffn_problem(name, dev, torch.bfloat16)
+    H, Fd, E = pb.H, pb.F, pb.E
+    counts = (pb.counts + 127) // 128 * 128  # the blockwise recipe pads each expert's rows to 128
+    P = int(counts.sum())
+    bounds = group_bounds(counts)
+    block, emu = Fp8Recipe("blockwise"), Fp8Recipe("blockwise", emulate=True)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=dev, dtype=torch.bfloat16)
+
+    f13, f2 = 2 * P * H * 2 * Fd, 2 * P * H * Fd
+    w13, w2 = rand(E, 2 * Fd, H) * 0.02, rand(E, H, Fd) * 0.02
+    nt = {  # name: (rows [P, K], weights [E, N, K], flops)
+        "fwd_w13": (rand(P, H), w13, f13),
+        "fwd_w2": (rand(P, Fd), w2, f2),
+        "dgrad_w2": (rand(P, H), w2.transpose(1, 2).contiguous(), f2),
+        "dgrad_w13": (rand(P, 2 * Fd), w13.transpose(1, 2).contiguous(), f13),
+    }
+    for kind, (x, w, flops) in nt.items():
+        if kinds is not None and kind not in kinds:
+            continue
+        a, b = quant_rows(x, block, e4m3), quant_weights(w, block)
+        ref = gmm_nt(a, b, counts, counts.tolist(), emu, torch.float32)
+        _time_block(name, kind, lambda c, a=a, b=b: block_gemm_nt(a.q, a.s, b.q, b.s, counts, torch.bfloat16, c),
+                    ref, cfgs, flops, emit)  # fmt: skip
+        _time_baselines(name, kind, x, w, bounds, flops, emit)
+        del ref
+    for kind, (n1, n2, flops) in {"wgrad_w13": (2 * Fd, H, f13), "wgrad_w2": (H, Fd, f2)}.items():
+        if kinds is not None and kind not in kinds:
+            continue
+        x, y = rand(P, n1), rand(P, n2)
+        a, b = quant_cols(x, counts, block, e4m3), quant_cols(y, counts, block, e4m3)
+        ref = gmm_tn(a, b, counts, counts.tolist(), emu, torch.float32)
+        _time_block(name, kind, lambda c, a=a, b=b: block_gemm_tn(a.q, a.s, b.q, b.s, counts, torch.bfloat16, c),
+                    ref, cfgs, flops, emit)  # fmt: skip
+        bf16 = lambda x=x, y=y: torch._grouped_mm(x.t(), y, offs=bounds[1:])  # noqa: E731
+        emit(name, kind, "torch-bf16", cuda_time_ms(bf16), flops)
+        del ref
+
+
+def _time_block(name: str, kind: str, run, ref: torch.Tensor, cfgs: list, flops: int, emit) -> None:
+    for cfg in cfgs:
+        try:
+            err = rel(run(cfg), ref)
+            emit(name, kind, cfg.describe(), cuda_time_ms(lambda c=cfg: run(c)), flops, err=err)
+        except Exception as ex:  # one config that does not compile must not hide the others
+            emit(name, kind, cfg.describe(), 0.0, flops, error=str(ex)[:200])
+
+
+def _time_baselines(name: str, kind: str, x, w, bounds, flops: int, emit) -> None:
+    """torch's bf16 and rowwise FP8 (fast accumulation off) grouped GEMMs of x [P, K] with w [E, N, K]."""
+    offs, wt = bounds[1:], w.transpose(-2, -1)
+    emit(name, kind, "torch-bf16", cuda_time_ms(lambda: torch._grouped_mm(x, wt, offs=offs)), flops)
+    xq, sx = quantize_rowwise(x, torch.float8_e4m3fn)
+    wq, sw = quantize_rowwise(w.reshape(-1, w.shape[-1]), torch.float8_e4m3fn)
+    wq, sw = wq.view(w.shape).transpose(-2, -1), sw.view(w.shape[0], w.shape[1])
+    fn = lambda: torch._scaled_grouped_mm(xq, wq, sx.reshape(-1), sw, offs=offs, out_dtype=torch.bfloat16)  # noqa: E731
+    emit(name, kind, "torch-fp8-rowwise", cuda_time_ms(fn), flops)
+
+
 def _time_fp8(name: str, kind: str, a, b, bounds, flops: int, fast: bool, cfgs: list, emit) -> None:
     (aq, sa), (bq, sb) = a, b
     out = torch.bfloat16
@@ -193,6 +268,8 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="the forward / data-gradient GEMMs with rowwise FP8 operands")
     ap.add_argument("--fp8-tiles", default=FP8_TILES, help="tiles of the FP8 GEMMs, comma-separated")
     ap.add_argument("--fp8-wgrad-tiles", default=FP8_WGRAD_TILES, help="tiles of the FP8 weight-gradient GEMMs")
+    ap.add_argument("--blockwise", action="store_true", help="the six GEMMs of fp8.recipe=blockwise")
+    ap.add_argument("--block-tiles", default=BLOCK_TILES, help="tiles of the blockwise GEMMs (BLOCK_K 128)")
     ap.add_argument("--schedules", default=SCHEDULES, help="schedule letter strings, comma-separated")
     ap.add_argument(
         "--kinds", default=None, help="only these GEMMs (fwd_w13,fwd_w2,dgrad_w2,dgrad_w13,wgrad_w13,wgrad_w2)"
@@ -210,6 +287,10 @@ def main() -> None:
 
     for name in args.shapes.split(","):
         kinds = set(args.kinds.split(",")) if args.kinds else None
+        if args.blockwise:
+            run_shape_blockwise(name, configs(args.block_tiles, args.schedules), kinds, emit)
+            torch.cuda.empty_cache()
+            continue
         if args.fp8:
             fp8_cfgs = configs(args.fp8_tiles, args.schedules)
             run_shape_fp8(name, fp8_cfgs, configs(args.fp8_wgrad_tiles, args.schedules), kinds, emit)

@@ -344,24 +344,33 @@ def _close(got: torch.Tensor, want: torch.Tensor, backend: str) -> bool:
     return torch.allclose(got, want, rtol=1e-4, atol=1e-3)
 
 
-def test_triton_blockwise_grouped_gemms_match_emulation(backend):
-    """The Triton blockwise grouped GEMMs against the emulated per-expert loop on the same FP8 operands."""
-    from moecore.kernels.fp8_block_gemm import block_gemm_nt, block_gemm_tn
+@pytest.mark.parametrize("tiles", ["default", "pointer-loads", "wide-n"])
+def test_triton_blockwise_grouped_gemms_match_emulation(backend, tiles):
+    """The Triton blockwise grouped GEMMs against the emulated per-expert loop on the same FP8 operands: the
+    default tiles (TMA loads, persistent), pointer loads, and tiles wider than N (masked columns)."""
+    from moecore.kernels.fp8_block_gemm import block_gemm_nt, block_gemm_tn, block_tiles
     from moecore.kernels.fp8_grouped import gmm_nt, gmm_tn, quant_weights
+    from moecore.kernels.grouped_gemm import TileConfig
 
     dev = torch.device("cuda" if backend == "cuda" else "cpu")
+    t = block_tiles("nt", torch.empty(0, device=dev))
+    cfg = {
+        "default": None,
+        "pointer-loads": TileConfig(t.block_m, t.block_n, 128, t.group_m, t.warps, t.stages, persistent=False),
+        "wide-n": TileConfig(t.block_m, 256, 128, t.group_m, t.warps, t.stages, persistent=True, tma=True),
+    }[tiles]
     torch.manual_seed(6)
     counts = torch.tensor([128, 0, 256], device=dev)
-    P, K, N = 384, 256, 128
+    P, K, N = 384, 256, 384
     emu = Fp8Recipe("blockwise", emulate=True)
     a = quant_rows(torch.randn(P, K, device=dev), emu, E4M3)
     w = quant_weights(torch.randn(3, N, K, device=dev) * 0.1, emu)
-    got = block_gemm_nt(a.q, a.s, w.q, w.s, counts, torch.float32)
+    got = block_gemm_nt(a.q, a.s, w.q, w.s, counts, torch.float32, cfg)
     want = gmm_nt(a, w, counts, None, emu, torch.float32)
     assert _close(got, want, backend)
-    x, y = torch.randn(P, 128, device=dev), torch.randn(P, 256, device=dev)
+    x, y = torch.randn(P, 128, device=dev), torch.randn(P, 384, device=dev)
     ca, cb = quant_cols(x, counts, emu, E4M3), quant_cols(y, counts, emu, E4M3)
-    got = block_gemm_tn(ca.q, ca.s, cb.q, cb.s, counts, torch.float32)
+    got = block_gemm_tn(ca.q, ca.s, cb.q, cb.s, counts, torch.float32, cfg)
     want = gmm_tn(ca, cb, counts, None, emu, torch.float32)
     assert _close(got, want, backend)
     assert torch.equal(got[1], torch.zeros_like(got[1]))
