@@ -9,6 +9,8 @@ every kernel on the operands of one MoE-layer shape (`moecore bench moe-layer`'s
 top-k, each expert's rows padded to 16 as the layer pads them) and reports the bandwidth it reaches,
 counting the bytes it moves (its input read once per pass over it, two passes each: amax, then
 quantise; FP8 values and fp32 scales written), beside a device-to-device copy measured in the same run (the ceiling).
+The FP8 weight transposes (the blockwise and tensorwise recipes' w^T for the input gradient) are timed with
+moecore's kernel and with torch's transposed copy.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from moecore.bench.common import copy_tbps, cuda_time_ms, env
 from moecore.bench.moe_layer import SHAPES
 from moecore.kernels import fp8_quant as fq
+from moecore.kernels.fp8_transpose import transpose_last2, transpose_last2_reference
 
 E4M3 = torch.float8_e4m3fn
 
@@ -82,6 +85,10 @@ def cases(shape: str) -> list[tuple[str, int, object]]:
                 lambda w=w: fq.quantize_weight_layouts(w, E4M3),
             )
         )
+        q = fq.quantize_rowwise(w.flatten(0, 1))[0].view(dims)  # blockwise / tensorwise: w^T from the FP8 w
+        out.append((f"FP8 transpose {name} {list(dims)}", 2 * n, lambda q=q: transpose_last2(q)))
+        out.append((f"FP8 transpose {name} (torch copy)", 2 * n, lambda q=q: transpose_last2_reference(q)))
+        del q
         master = w.float()  # fp8.primary_weights' step: the fp32 master rounded to bf16, then both layouts
         out.append(
             (

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from moecore.kernels import fp8_quant as fq
+from moecore.kernels.fp8_transpose import transpose_last2
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SCALINGS = ("tensorwise", "rowwise", "blockwise")
@@ -159,9 +160,9 @@ def transposed(
     """x^T quantised along x's rows (`weight`: in the recipe's weight groups), reusing `op` (x quantised along
     its columns, or None) where the groups allow."""
     if op is not None and op.gran == "tensorwise" and op.q.dtype == dtype:
-        return QOperand(op.q.t().contiguous(), op.s, "tensorwise")
+        return QOperand(transpose_last2(op.q), op.s, "tensorwise")
     if op is not None and op.gran == "128x128" and op.q.dtype == dtype:
-        return QOperand(op.q.t().contiguous(), op.s.t().contiguous(), "128x128")
+        return QOperand(transpose_last2(op.q), op.s.t().contiguous(), "128x128")
     if recipe.scaling == "rowwise":  # x^T without a bf16 transposed copy
         return QOperand(*fq.quantize_transposed(x, dtype, recipe.pow2), "rowwise")
     return quant_rows(x.t(), recipe, dtype, weight=weight)

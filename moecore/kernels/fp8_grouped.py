@@ -39,6 +39,7 @@ from moecore.kernels import fp8_quant as fq
 from moecore.kernels._triton import use_triton
 from moecore.kernels.fp8_block_gemm import block_gemm_nt, block_gemm_tn
 from moecore.kernels.fp8_gemm import E4M3, Fp8Recipe, QOperand, mm, quant_rows
+from moecore.kernels.fp8_transpose import transpose_last2
 from moecore.kernels.grouped_ffn import gemm_tn
 from moecore.kernels.grouped_gemm import TileConfig, group_bounds
 from moecore.kernels.grouped_gemm_fp8 import fp8_tiles, grouped_mm_scaled, grouped_wgrad_scaled
@@ -122,9 +123,9 @@ def transposed_weights(kept: GroupedWeight | None, w: torch.Tensor, recipe: Fp8R
     if kept is None:
         return transposed_rowwise_weights(w, recipe)
     if kept.gran == "tensorwise":
-        return GroupedWeight(kept.q.transpose(1, 2).contiguous(), kept.s, "tensorwise")
+        return GroupedWeight(transpose_last2(kept.q), kept.s, "tensorwise")
     if kept.gran == "128x128":
-        return GroupedWeight(kept.q.transpose(1, 2).contiguous(), kept.s.transpose(1, 2).contiguous(), "128x128")
+        return GroupedWeight(transpose_last2(kept.q), kept.s.transpose(1, 2).contiguous(), "128x128")
     return kept
 
 
@@ -180,9 +181,9 @@ def quant_cols(
         return GroupedCols(q, s, "rowwise")
     if recipe.scaling == "tensorwise":
         if rows_q is not None and rows_q.q.dtype == dtype:  # the same groups: one scale
-            return GroupedCols(rows_q.q.t().contiguous(), rows_q.s, "tensorwise")
+            return GroupedCols(transpose_last2(rows_q.q), rows_q.s, "tensorwise")
         q, s = fq.quantize_tensorwise(x, dtype, recipe.pow2)
-        return GroupedCols(q.t().contiguous(), s, "tensorwise")
+        return GroupedCols(transpose_last2(q), s, "tensorwise")
     if recipe.scaling == "blockwise":  # 128-row groups never straddle experts (rows padded to 128)
         q, s = fq.quantize_1x128(x.t(), dtype, recipe.pow2)
         return GroupedCols(q, s, "1x128")
