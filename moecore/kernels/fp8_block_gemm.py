@@ -12,9 +12,10 @@ Accumulation follows DeepSeek-V3: each 128-deep partial product is computed by t
 added to the fp32 accumulator multiplied by its two scales, so no product is formed in FP8 across scale
 groups. The references are the emulated loops of fp8_grouped (dequantise, fp32 matmul); tests compare.
 
-Schedule (as grouped_gemm.py's): persistent programs walk the output tiles GROUP_M m-tiles at a time (the
-operand tiles they share stay in L2), loading whole 128-deep chunks through TMA where the operands allow
-(every chunk is whole: rows are padded to 128 and K is a multiple of 128). The forward kernel finds each
+Schedule (as grouped_gemm.py's): the programs (one per SM when `persistent`, else one per output tile) walk
+the output tiles GROUP_M m-tiles at a time (the operand tiles they share stay in L2), loading whole 128-deep
+chunks through TMA where the operands allow (every chunk is whole: rows are padded to 128 and K is a multiple
+of 128). The forward kernel finds each
 m-tile's expert in `tile_expert` (one entry per BLOCK_M rows, made on the GPU: no host synchronisation).
 The program count is a runtime argument, not a compile-time one: the padded row count changes with the
 routing every step, and a compile-time count would recompile the kernel each time.
