@@ -225,10 +225,13 @@ def _sm_count(device_index: int) -> int:
 
 
 def _programs(device: torch.device, upper_bound: int, cfg: TileConfig) -> int:
+    """Programs to launch: one per tile (upper_bound), or, persistent, one per SM whatever the problem's size —
+    the kernels take the count as a compile-time constant, so a count that followed the rows (which change with
+    the routing, e.g. per expert-parallel rank) would compile them again for every new count; programs past the
+    last tile exit at once."""
     if not cfg.persistent:
         return max(1, upper_bound)
-    sms = _sm_count(device.index or 0) if device.type == "cuda" else 4
-    return max(1, min(sms, upper_bound))
+    return _sm_count(device.index or 0) if device.type == "cuda" else 4
 
 
 def _descriptor(t: torch.Tensor, block: list[int]):

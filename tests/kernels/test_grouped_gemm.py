@@ -138,3 +138,13 @@ def test_minimal_experts_through_triton_gemms_match_torchs(backend):
         res.append([y] + [t.grad for t in ts])
     for got, want in zip(res[1], res[0]):
         assert rel_err(got, want) < (1e-2 if dt == torch.bfloat16 else 1e-5)
+
+
+def test_persistent_launch_size_does_not_follow_the_rows():
+    """The program count is a compile-time constant of the kernels: persistent launches use one count for every
+    problem size, so that rows that change with the routing never recompile them."""
+    from moecore.kernels.grouped_gemm import _programs
+
+    cfg = TileConfig(persistent=True)
+    assert {_programs(torch.device("cpu"), n, cfg) for n in (1, 3, 4, 5, 1000)} == {4}
+    assert _programs(torch.device("cpu"), 7, TileConfig(persistent=False)) == 7
