@@ -260,13 +260,6 @@ def test_fp8_primary_weights_on_gpu(tmp_path, scaling):
     assert got == ref
 
 
-def _compiled_variants(kernel) -> int:
-    caches = getattr(kernel, "device_caches", None)
-    if not isinstance(caches, dict):
-        pytest.skip("this Triton keeps its compiled kernels elsewhere")
-    return sum(len(entry[0]) for entry in caches.values())
-
-
 def test_blockwise_gemms_compile_once_for_any_routing():
     """The padded row count changes with the routing every training step; the blockwise kernels must not be
     recompiled for each new count (a compile-time program count did that: seconds per step)."""
@@ -274,6 +267,7 @@ def test_blockwise_gemms_compile_once_for_any_routing():
     from moecore.kernels import fp8_block_gemm as fbg
     from moecore.kernels.fp8_gemm import quant_rows
     from moecore.kernels.fp8_grouped import quant_cols, quant_weights
+    from tests.compiled_kernels import compiled_variants
 
     recipe, dev = Fp8Recipe("blockwise"), torch.device("cuda")
     w = quant_weights(torch.randn(4, 256, 256, device=dev) * 0.02, recipe)
@@ -285,5 +279,5 @@ def test_blockwise_gemms_compile_once_for_any_routing():
         fbg.block_gemm_nt(a.q, a.s, w.q, w.s, counts, torch.bfloat16)
         cols = quant_cols(torch.randn(P, 256, device=dev), counts, recipe, E4M3)
         fbg.block_gemm_tn(cols.q, cols.s, cols.q, cols.s, counts, torch.bfloat16)
-        seen.append((_compiled_variants(fbg._block_nt_kernel), _compiled_variants(fbg._block_tn_kernel)))
+        seen.append((compiled_variants(fbg._block_nt_kernel), compiled_variants(fbg._block_tn_kernel)))
     assert seen[1] == seen[2], seen
