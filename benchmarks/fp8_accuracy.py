@@ -1,8 +1,9 @@
 """FP8 training accuracy: a ~100M-parameter MoE trained N steps on the embedded corpus in bf16 and in each FP8 recipe.
 
 Usage (GPU): PYTHONPATH=. python benchmarks/fp8_accuracy.py OUT.json [--steps 1000] [--recipes rowwise,blockwise]
-[--concurrent] (a CPU smoke run of the script itself: ... --steps 2 --small --emulate). A recipe written
-`rowwise+bf16wgrad` runs that recipe with `fp8.wgrad=bf16` (weight gradients in bf16).
+[--concurrent] (a CPU smoke run of the script itself: ... --steps 2 --small --emulate). Options follow a recipe
+after `+`: `rowwise+bf16wgrad` runs that recipe with `fp8.wgrad=bf16` (weight gradients in bf16),
+`rowwise+hybrid` with `fp8.format=hybrid` (e5m2 gradients) whatever `--format` says.
 
 `--plot PNG` draws the loss curves (20-step mean) and each FP8 run's difference from bf16; with an existing
 OUT.json and `--plot` alone (`... OUT.json --plot PNG --replot`) it draws them from that file without training.
@@ -49,6 +50,7 @@ MODEL = [
     "log.tensorboard=false",
     "checkpoint.interval=0",
 ]
+RECIPE_OPTIONS = {"bf16wgrad": "fp8.wgrad=bf16", "hybrid": "fp8.format=hybrid"}
 SMALL = ["model.hidden_size=128", "model.num_layers=2", "model.ffn_hidden_size=256", "moe.ffn_hidden_size=128",
          "train.seq_length=64", "train.global_batch_size=4", "train.micro_batch_size=2"]  # fmt: skip
 
@@ -87,12 +89,15 @@ def main() -> None:
     base = MODEL + (SMALL if args.small else [])
     configs = {"bf16": [*base, "train.precision=bf16"]}
     for entry in args.recipes.split(","):
-        recipe, _, option = entry.partition("+")  # rowwise+bf16wgrad: fp8.wgrad=bf16
-        if option not in ("", "bf16wgrad"):
-            raise SystemExit(f"--recipes: {entry!r}: the only option after '+' is bf16wgrad")
+        recipe, *options = entry.split("+")  # rowwise+bf16wgrad+hybrid: fp8.wgrad=bf16 fp8.format=hybrid
+        bad = [o for o in options if o not in RECIPE_OPTIONS]
+        if bad:
+            raise SystemExit(
+                f"--recipes: {entry!r}: {bad[0]!r} is not an option: allowed: {' | '.join(RECIPE_OPTIONS)}"
+            )
         fp8 = ["train.precision=fp8", f"fp8.recipe={recipe}", f"fp8.format={args.format}"]
-        fp8 += ["fp8.wgrad=bf16"] if option else []
-        name = f"fp8-{recipe}" + ("-bf16wgrad" if option else "")
+        fp8 += [RECIPE_OPTIONS[o] for o in options]  # later overrides win
+        name = "-".join(["fp8", recipe, *options])
         configs[name] = [*base, *fp8, *(["fp8.emulate=true"] if args.emulate else [])]
     if args.only:
         Path(args.out).write_text(json.dumps(run_one(args.only, configs[args.only], args.steps)))

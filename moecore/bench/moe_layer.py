@@ -81,6 +81,7 @@ FP8_VARIANT_OPTIONS = {
     "allpad": ("padding", "all"),
     "triton": ("grouped_gemm", "triton"),
     "torchgemm": ("grouped_gemm", "torch"),
+    "hybrid": ("format", "hybrid"),
 }
 
 

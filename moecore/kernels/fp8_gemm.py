@@ -23,12 +23,15 @@ blockwise and the grouped GEMM need 9.0); "emulated" dequantises both operands (
 multiplies in fp32: the same quantised values, so the same maths up to the order of fp32 sums. The
 CPU tests run the emulated backend; the GPU tests compare the two.
 
+cuBLAS rejects e5m2 operands with row and block scales, so under the hybrid format the GEMMs with an e5m2
+operand (dgrad, wgrad) run as one group of moecore's Triton grouped GEMMs (`cublas_rejects`), which take
+either format.
+
 The expert grouped GEMMs (fwd / dgrad / wgrad of `fp8_expert_ffn`) run as one
 torch._scaled_grouped_mm where torch supports it on Hopper (e4m3 operands with row scales, which also
 carries tensorwise as constant rows) or, rowwise, as our Triton grouped GEMMs where `Fp8Recipe.grouped_gemm`
-picks them (grouped_gemm_fp8.py), as our Triton blockwise grouped GEMM for blockwise
-(fp8_block_gemm.py), and as a loop of per-expert scaled GEMMs otherwise (the hybrid format's e5m2
-gradients, which neither grouped kernel takes); docs/design.md.
+picks them and always for e5m2 operands (grouped_gemm_fp8.py), as our Triton blockwise grouped GEMM for
+blockwise (fp8_block_gemm.py), and as a loop of per-expert scaled GEMMs otherwise (CPU); docs/design.md.
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ import torch
 import torch.nn.functional as F
 
 from moecore.kernels import fp8_quant as fq
+from moecore.kernels._triton import use_triton
+from moecore.kernels.fp8_block_gemm import block_gemm_nt, block_gemm_tn
 from moecore.kernels.fp8_transpose import transpose_last2
+from moecore.kernels.grouped_gemm_fp8 import fp8_tiles, grouped_mm_scaled
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SCALINGS = ("tensorwise", "rowwise", "blockwise")
@@ -188,12 +194,37 @@ def _scale_128x128(s: torch.Tensor) -> torch.Tensor:
     return F.pad(s, (0, l4 - k_blocks)).contiguous().t()
 
 
+def cublas_rejects(a: QOperand, b: QOperand) -> bool:
+    """Whether a GEMM of these operands goes to moecore's Triton kernels instead of torch's scaled GEMMs: cuBLAS
+    (torch 2.11, Hopper) rejects e5m2 operands with row and block scales (the hybrid format's gradient GEMMs),
+    where Triton's FP8 dot takes any pair of e4m3 / e5m2 operands. Only where Triton runs (CUDA tensors)."""
+    return a.gran != "tensorwise" and E5M2 in (a.q.dtype, b.q.dtype) and use_triton("auto", a.q, b.q)
+
+
+def _triton_mm(a: QOperand, b: QOperand, out_dtype: torch.dtype, fast: bool) -> torch.Tensor:
+    """a @ b^T as one group of moecore's Triton grouped GEMMs: rowwise (grouped_gemm_fp8), or blockwise with b in
+    128x128 tiles (forward, input gradient) or 1x128 groups along the contracted dim (weight gradient). The
+    group's offsets are made on the GPU (no host copy: the linears run inside captured CUDA graphs too)."""
+    M, dev = a.q.shape[0], a.q.device
+    if a.gran == "rowwise":
+        bounds = torch.arange(2, dtype=torch.int32, device=dev) * M
+        cfg = fp8_tiles(a.q, 1, fast)
+        return grouped_mm_scaled(a.q.contiguous(), b.q.unsqueeze(0), a.s, b.s, bounds, out_dtype, cfg, fast)
+    if b.gran == "128x128":
+        counts = torch.full((1,), M, dtype=torch.int64, device=dev)
+        return block_gemm_nt(a.q, a.s, b.q.unsqueeze(0), b.s.unsqueeze(0), counts, out_dtype)
+    counts = torch.full((1,), a.q.shape[1], dtype=torch.int64, device=dev)  # the contracted dim, one group
+    return block_gemm_tn(a.q, a.s, b.q, b.s, counts, out_dtype)[0]
+
+
 def mm(a: QOperand, b: QOperand, out_dtype: torch.dtype, recipe: Fp8Recipe, fast: bool = False) -> torch.Tensor:
     """a @ b^T -> [Ra, Rb] in out_dtype, both operands quantised along the contracted dim. `fast`: Hopper's
     fast FP8 accumulation (tensorwise, rowwise), which adds partial sums in reduced precision."""
     if recipe.emulate:  # fp32 products of the quantised values (autocast must not turn them into bf16)
         with torch.autocast(a.q.device.type, enabled=False):
             return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
+    if cublas_rejects(a, b):
+        return _triton_mm(a, b, out_dtype, fast)
     if a.gran == "tensorwise":
         sa, sb = a.s.reshape(()), b.s.reshape(())
         return torch._scaled_mm(a.q, b.q.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast)

@@ -26,7 +26,8 @@ layout by the kernel that quantises them (zero columns in the gaps), so the padd
 and the un-padding copies of y and dx are never made. Both give the same values.
 
 GEMM kernels (`Fp8Recipe.grouped_gemm`): torch._scaled_grouped_mm, or for rowwise our Triton grouped GEMMs
-(grouped_gemm_fp8.py: the same values, bit for bit on the GPU), per GEMM under `auto` (AUTO_WIDE below).
+(grouped_gemm_fp8.py: the same values, bit for bit on the GPU), per GEMM under `auto` (AUTO_WIDE below). A GEMM
+with an e5m2 operand (the hybrid format's gradients) always runs ours: torch's takes e4m3 only.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 from moecore.kernels import fp8_quant as fq
 from moecore.kernels._triton import use_triton
 from moecore.kernels.fp8_block_gemm import block_gemm_nt, block_gemm_tn
-from moecore.kernels.fp8_gemm import E4M3, Fp8Recipe, QOperand, mm, quant_rows
+from moecore.kernels.fp8_gemm import E4M3, E5M2, Fp8Recipe, QOperand, mm, quant_rows
 from moecore.kernels.fp8_transpose import transpose_last2
 from moecore.kernels.grouped_ffn import gemm_tn
 from moecore.kernels.grouped_gemm import TileConfig, group_bounds
@@ -207,8 +208,17 @@ def _uses_grouped_kernel(recipe: Fp8Recipe, device: torch.device, *dtypes: torch
 
 
 def _uses_block_kernel(recipe: Fp8Recipe, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The Triton blockwise grouped GEMM (fp8_block_gemm.py): blockwise on CUDA, operands of one FP8 format."""
-    return not recipe.emulate and recipe.scaling == "blockwise" and a.dtype == b.dtype and use_triton("auto", a, b)
+    """The Triton blockwise grouped GEMM (fp8_block_gemm.py): blockwise on CUDA (either FP8 format)."""
+    return not recipe.emulate and recipe.scaling == "blockwise" and use_triton("auto", a, b)
+
+
+def _device_offsets_only(recipe: Fp8Recipe, device: torch.device) -> bool:
+    """Whether every expert GEMM runs from offsets on the GPU (no host counts, no exact padding): torch's grouped
+    GEMM for e4m3 operands, or (rowwise) moecore's Triton grouped GEMMs, which also take the hybrid format's e5m2."""
+    if _uses_grouped_kernel(recipe, device, E4M3, recipe.grad_dtype):
+        return True
+    probe = torch.empty(0, device=device)
+    return not recipe.emulate and recipe.scaling == "rowwise" and use_triton("auto", probe)
 
 
 # fp8.grouped_gemm=auto takes moecore's kernels where they measured faster than torch._scaled_grouped_mm on an H200
@@ -222,12 +232,12 @@ AUTO_WIDE = 4096
 def _triton_tiles(recipe: Fp8Recipe, a: QOperand, b: GroupedWeight, fast: bool) -> TileConfig | None:
     """The tiles of moecore's Triton grouped GEMM (grouped_gemm_fp8.grouped_mm_scaled) for this GEMM, or None where
     torch's runs: rowwise operands where Triton runs (CUDA), under recipe.grouped_gemm (triton, or auto's rule)."""
-    if recipe.grouped_gemm == "torch" or recipe.emulate or not (a.gran == b.gran == "rowwise"):
-        return None
-    if not use_triton("auto", a.q, b.q):
+    if recipe.emulate or not (a.gran == b.gran == "rowwise") or not use_triton("auto", a.q, b.q):
         return None
     E, N, K = b.q.shape
-    if recipe.grouped_gemm == "auto" and fast != (max(N, K) >= AUTO_WIDE):
+    if E5M2 in (a.q.dtype, b.q.dtype):  # torch's grouped GEMM takes e4m3 only: ours whatever grouped_gemm says
+        return fp8_tiles(a.q, E, fast)
+    if recipe.grouped_gemm == "torch" or (recipe.grouped_gemm == "auto" and fast != (max(N, K) >= AUTO_WIDE)):
         return None
     return fp8_tiles(a.q, E, fast)
 
@@ -235,11 +245,13 @@ def _triton_tiles(recipe: Fp8Recipe, a: QOperand, b: GroupedWeight, fast: bool) 
 def _triton_wgrad(recipe: Fp8Recipe, a: GroupedCols, b: GroupedCols) -> bool:
     """The weight-gradient GEMM in moecore's Triton kernel (grouped_gemm_fp8.grouped_wgrad_scaled): rowwise operands
     where Triton runs, under recipe.grouped_gemm triton, or auto's rule (a full-accumulation GEMM)."""
-    if recipe.grouped_gemm == "torch" or recipe.emulate or not (a.gran == b.gran == "rowwise"):
+    if recipe.emulate or not (a.gran == b.gran == "rowwise") or not use_triton("auto", a.q, b.q):
         return False
-    if recipe.grouped_gemm == "auto" and max(a.q.shape[0], b.q.shape[0]) >= AUTO_WIDE:
-        return False
-    return use_triton("auto", a.q, b.q)
+    if E5M2 in (a.q.dtype, b.q.dtype):  # torch's grouped GEMM takes e4m3 only
+        return True
+    return recipe.grouped_gemm == "triton" or (
+        recipe.grouped_gemm == "auto" and max(a.q.shape[0], b.q.shape[0]) < AUTO_WIDE
+    )
 
 
 def gmm_nt(
@@ -430,7 +442,7 @@ def fp8_expert_ffn(
     N = x_NH.shape[0]
     if N == 0:
         return x_NH.new_zeros(0, w2_EHF.shape[1])
-    grouped = _uses_grouped_kernel(recipe, x_NH.device, E4M3, recipe.grad_dtype)
+    grouped = _device_offsets_only(recipe, x_NH.device)
     counts = counts_E.to(x_NH.device)
     dst, padded, P = pad_plan(counts, N, recipe.alignment, exact=not grouped, positions=recipe.padding == "all")
     if recipe.padding == "wgrad":

@@ -320,6 +320,7 @@ def check_fp8_runtime(cfg: Config, device: torch.device, world_size: int = 1) ->
     """Refuse train.precision=fp8 where it cannot run (one line, ConfigError): no FP8-capable GPU (unless
     fp8.emulate), or a combination not implemented yet."""
     from moecore.config import ConfigError
+    from moecore.kernels._triton import triton_importable
     from moecore.kernels.fp8_gemm import fp8_unsupported_reason
 
     f = cfg.fp8
@@ -328,11 +329,12 @@ def check_fp8_runtime(cfg: Config, device: torch.device, world_size: int = 1) ->
         if reason is not None:
             raise ConfigError(f"train.precision='fp8' cannot run here: {reason} (fp8.emulate=true emulates it)")
         # Measured on an H200 (torch 2.11, docs/benchmarks.md "FP8"): cuBLAS rejects e5m2 operands with row- and
-        # block-wise scales, and tensorwise training went non-finite after 187 of 300 steps of the accuracy run.
-        if f.format == "hybrid":
+        # block-wise scales (the hybrid format's gradient GEMMs then run in moecore's Triton kernels), and
+        # tensorwise training went non-finite after 187 of 300 steps of the accuracy run.
+        if f.format == "hybrid" and not triton_importable():
             raise ConfigError(
-                "fp8.format='hybrid' is not supported on GPUs yet (torch's scaled GEMMs reject e5m2 gradients with "
-                "row/block scales on Hopper); use e4m3"
+                "fp8.format='hybrid' needs the triton package on GPUs (torch's scaled GEMMs reject e5m2 gradients "
+                "with row/block scales; moecore's Triton GEMMs take them); install triton or use e4m3"
             )
         if f.recipe == "tensorwise":
             raise ConfigError(

@@ -376,6 +376,56 @@ def test_triton_blockwise_grouped_gemms_match_emulation(backend, tiles):
     assert torch.equal(got[1], torch.zeros_like(got[1]))
 
 
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
+def test_e5m2_gemms_run_moecores_triton_kernels(backend, scaling, monkeypatch):
+    """fp8.format=hybrid: cuBLAS rejects e5m2 operands with row or block scales, so `mm` sends such GEMMs to one
+    group of moecore's Triton grouped GEMMs (`fp8_gemm.cublas_rejects`). The input-gradient shape (dy e5m2 against
+    the e4m3 weight: 128x128 tiles for blockwise) and the weight-gradient shape (dy^T e5m2 against x^T e4m3, both
+    along the tokens) against the emulation of the same quantised operands."""
+    from moecore.kernels import fp8_gemm
+
+    if backend == "interpret":  # CPU tensors: use_triton("auto") takes CUDA ones only
+        monkeypatch.setattr(fp8_gemm, "use_triton", lambda impl, *ts: True)
+    dev = torch.device("cuda" if backend == "cuda" else "cpu")
+    torch.manual_seed(7)
+    M, K, N = 256, 128, 384  # tokens, in, out: multiples of the 128 block
+    real, emu = Fp8Recipe(scaling, E5M2), Fp8Recipe(scaling, E5M2, emulate=True)
+    dy, x, w = torch.randn(M, N, device=dev), torch.randn(M, K, device=dev), torch.randn(N, K, device=dev) * 0.1
+    dyq = quant_rows(dy, real, E5M2)
+    wt = transposed(None, w, real, E4M3, weight=True)
+    dyt, xt = transposed(dyq, dy, real, E5M2), transposed(None, x, real, E4M3)
+    assert fp8_gemm.cublas_rejects(dyq, wt) and fp8_gemm.cublas_rejects(dyt, xt)
+    assert not fp8_gemm.cublas_rejects(quant_rows(x, real, E4M3), quant_rows(w, real, E4M3, weight=True))
+    for a, b, shape in ((dyq, wt, (M, K)), (dyt, xt, (N, K))):
+        got, want = mm(a, b, torch.float32, real), mm(a, b, torch.float32, emu)
+        assert got.shape == shape
+        # fp32 sums in another order (the interpreter); on the GPU the FP8 tensor cores' partial sums (~2^-13)
+        assert rel(got, want) < (1e-6 if backend == "interpret" else 5e-4), (shape, rel(got, want))
+
+
+@NEEDS_CPU_ROWWISE
+def test_hybrid_expert_ffn_runs_the_triton_grouped_gemms(backend, monkeypatch):
+    """Rowwise FP8 experts in the hybrid format (e5m2 gradients): the four GEMMs with an e5m2 operand run
+    moecore's Triton grouped GEMMs whatever fp8.grouped_gemm says (torch's takes e4m3 only), on offsets made on
+    the GPU; forward and gradients against the emulation of the same quantisation."""
+    dev = _force_triton_on_cpu(backend, monkeypatch)
+    torch.manual_seed(8)
+    E, H, Fh = 3, 64, 32
+    counts = torch.tensor([9, 0, 21] if backend == "interpret" else [90, 0, 210], device=dev)
+    n = int(counts.sum())
+    x, w13, w2 = torch.randn(n, H), torch.randn(E, 2 * Fh, H) * 0.1, torch.randn(E, H, Fh) * 0.1
+    p = torch.rand(n)
+    res = []
+    for emulate in (False, True):
+        recipe = Fp8Recipe("rowwise", E5M2, emulate=emulate, padding="wgrad", grouped_gemm="torch")
+        ts = [t.to(dev).requires_grad_() for t in (x, w13, w2, p)]
+        y = fp8_expert_ffn(*ts[:3], counts, ts[3], recipe)
+        y.backward(torch.ones_like(y))
+        res.append([y] + [t.grad for t in ts])
+    for a, b in zip(*res):  # as test_expert_ffn_with_the_triton_grouped_gemm_matches_torchs: FP8 rounding flips
+        assert rel(a, b) < (1e-3 if backend == "interpret" else 1e-2), rel(a, b)
+
+
 @pytest.mark.parametrize("scaling", ["tensorwise", "blockwise"])
 def test_fp8_layers_under_activation_checkpointing(scaling):
     """Recomputed in backward (torch.utils.checkpoint), the FP8 linear and expert FFN give the same gradients:

@@ -39,12 +39,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 NO_E5M2 = (
-    "cuBLAS on Hopper (torch 2.11) rejects e5m2 operands with row/block scales: fp8.format=hybrid is refused on GPUs"
+    "tensorwise FP8 is refused on GPUs (its training went non-finite); its e5m2 GEMMs are torch's, not kept working"
 )
 
 
-def _hybrid_known_failure(grad_dtype) -> None:
-    if grad_dtype == E5M2:
+def _hybrid_known_failure(grad_dtype, scaling: str) -> None:
+    """Rowwise and blockwise run the hybrid format's e5m2 GEMMs in moecore's Triton kernels (cuBLAS rejects them)."""
+    if grad_dtype == E5M2 and scaling == "tensorwise":
         pytest.xfail(NO_E5M2)
 
 
@@ -74,7 +75,7 @@ def test_quant_kernels_match_reference_on_cuda(granularity):
 @FORMATS
 def test_fp8_linear_matches_emulation_and_bf16(scaling, grad_dtype):
     _skip_unless_fp8(scaling)
-    _hybrid_known_failure(grad_dtype)
+    _hybrid_known_failure(grad_dtype, scaling)
     torch.manual_seed(1)
     x = torch.randn(3, 300, 512, device="cuda", dtype=torch.bfloat16)  # 900 tokens: padded inside
     w = torch.randn(768, 512, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -116,8 +117,12 @@ def _expert_ffn_problem(seed: int):
 @pytest.mark.parametrize("scaling", SCALINGS)
 @FORMATS
 def test_fp8_expert_ffn_matches_emulation(scaling, grad_dtype):
+    """The FP8 expert FFN on the GPU against its emulation (the same quantisation, fp32 products). They differ where
+    h (bf16 on the GPU, fp32 emulated) or a gradient lands on the other side of an FP8 rounding boundary, which
+    moves that element by one FP8 step: 2^-3 relative for e4m3, 2^-2 for e5m2 (2 mantissa bits). So the bound on
+    what is computed from the gradients is twice as wide in the hybrid format (measured 1.06e-2 for one of them)."""
     _skip_unless_fp8(scaling)
-    _hybrid_known_failure(grad_dtype)
+    _hybrid_known_failure(grad_dtype, scaling)
     counts, x, w13, w2, p, g = _expert_ffn_problem(seed=2)
     res = []
     for emulate in (False, True):
@@ -125,8 +130,9 @@ def test_fp8_expert_ffn_matches_emulation(scaling, grad_dtype):
         y = fp8_expert_ffn(ts[0], ts[1], ts[2], counts, ts[3], Fp8Recipe(scaling, grad_dtype, emulate=emulate))
         y.backward(g)
         res.append([y] + [t.grad for t in ts])
-    for got, emu in zip(*res):
-        assert rel(got, emu) < 1e-2
+    for name, got, emu in zip(("y", "dx", "dw13", "dw2", "dprobs"), *res):
+        bound = 1e-2 if name == "y" or grad_dtype == E4M3 else 2e-2
+        assert rel(got, emu) < bound, (name, rel(got, emu))
 
 
 @pytest.mark.parametrize("primary", [False, True], ids=["bf16-weights", "primary-weights"])
@@ -173,7 +179,7 @@ def _moe_layer(scaling: str | None, grad_dtype=E4M3):
 @FORMATS
 def test_fp8_moe_layer_close_to_bf16(scaling, grad_dtype):
     _skip_unless_fp8(scaling)
-    _hybrid_known_failure(grad_dtype)
+    _hybrid_known_failure(grad_dtype, scaling)
     torch.manual_seed(4)
     x = torch.randn(2, 1024, 512, device="cuda", dtype=torch.bfloat16)
     g = torch.randn_like(x)
@@ -232,22 +238,21 @@ def _losses(tmp_path, name: str, *extra: str) -> list[float]:
 
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_fp8_training_tracks_bf16_on_gpu(tmp_path, scaling):
-    """`moecore train` with train.precision=fp8: four steps within 1% of the bf16 run's losses, every FP8 path
-    (experts, shared experts, dense MLP, attention) exercised; the recipes and formats refused on GPUs are refused
-    in one line."""
+    """`moecore train` with train.precision=fp8, in both formats: four steps within 1% of the bf16 run's losses,
+    every FP8 path (experts, shared experts, dense MLP, attention) exercised; the tensorwise recipe, refused on
+    GPUs, is refused in one line."""
     _skip_unless_fp8(scaling)
     fp8 = ["train.precision=fp8", f"fp8.recipe={scaling}"]
-    with pytest.raises(ConfigError, match="fp8.format='hybrid'"):
-        _losses(tmp_path, "fp8-hybrid", *fp8, "fp8.format=hybrid")
     if scaling == "tensorwise":
         with pytest.raises(ConfigError, match="fp8.recipe='tensorwise'"):
             _losses(tmp_path, "fp8-e4m3", *fp8)
         return
     ref = _losses(tmp_path, "bf16", "train.precision=bf16")
-    got = _losses(tmp_path, "fp8-e4m3", *fp8, "fp8.format=e4m3")
-    assert len(got) == len(ref) == 4
-    for a, b in zip(got, ref):
-        assert abs(a - b) / b < 1e-2, (got, ref)
+    for fmt in ("e4m3", "hybrid"):
+        got = _losses(tmp_path, f"fp8-{fmt}", *fp8, f"fp8.format={fmt}")
+        assert len(got) == len(ref) == 4
+        for a, b in zip(got, ref):
+            assert abs(a - b) / b < 1e-2, (fmt, got, ref)
 
 
 @pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])  # tensorwise: refused on GPUs (test above)

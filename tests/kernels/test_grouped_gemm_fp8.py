@@ -18,9 +18,13 @@ from moecore.kernels.grouped_gemm_fp8 import (
 from tests.kernels.conftest import rel_err, setup
 from tests.kernels.test_grouped_gemm import _bounds, _config, _counts
 
+# A: e4m3, or e5m2 (the hybrid format's gradients, e.g. dy of the input-gradient GEMM); B always e4m3
+A_FORMATS = pytest.mark.parametrize("a_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2-a"])
+
 
 @pytest.mark.parametrize("persistent,tma", [(True, True), (False, False)], ids=["persistent-tma", "grid"])
-def test_grouped_mm_scaled_matches_float64_of_the_dequantised_operands(backend, persistent, tma):
+@A_FORMATS
+def test_grouped_mm_scaled_matches_float64_of_the_dequantised_operands(backend, persistent, tma, a_dtype):
     """FP8 operands with row scales: the experts' rows unaligned (the counts of _counts), scales in the epilogue."""
     dev, dt = setup(backend)
     g = torch.Generator().manual_seed(5)
@@ -28,7 +32,7 @@ def test_grouped_mm_scaled_matches_float64_of_the_dequantised_operands(backend, 
     E, M = len(counts), sum(counts)
     K, N = (64, 40) if backend == "interpret" else (256, 320)
     e4m3 = torch.float8_e4m3fn
-    a_q, sa = quantize_rowwise_reference(torch.randn(M, K, generator=g) * 3.0, e4m3)
+    a_q, sa = quantize_rowwise_reference(torch.randn(M, K, generator=g) * 3.0, a_dtype)
     b_q, sb = quantize_rowwise_reference(torch.randn(E * N, K, generator=g) * 0.02, e4m3)
     a_q, sa, b_q, sb = a_q.to(dev), sa.to(dev), b_q.view(E, N, K).to(dev), sb.view(E, N).to(dev)
     bounds = _bounds(counts, dev)
@@ -50,7 +54,8 @@ def test_grouped_mm_scaled_refuses_unquantised_operands():
 
 
 @pytest.mark.parametrize("persistent,tma", [(True, True), (False, False)], ids=["persistent-tma", "grid"])
-def test_grouped_wgrad_scaled_matches_float64_of_the_dequantised_operands(backend, persistent, tma):
+@A_FORMATS
+def test_grouped_wgrad_scaled_matches_float64_of_the_dequantised_operands(backend, persistent, tma, a_dtype):
     """The FP8 weight-gradient GEMM over each expert's columns of transposed operands (padded to 16 as the FP8
     expert FFN writes them, and unpadded), scales per expert and row; empty experts give zeros; outputs stored
     through TMA (N1 a multiple of the tile) and not."""
@@ -67,7 +72,7 @@ def test_grouped_wgrad_scaled_matches_float64_of_the_dequantised_operands(backen
     padded = [-(-c // 16) * 16 for c in _counts(backend)]
     for N1, counts in itertools.product(widths, (_counts(backend), padded)):
         E, P = len(counts), sum(counts)
-        a_q = (torch.randn(N1, P, generator=g) * 100).clamp(-448, 448).to(e4m3).to(dev)
+        a_q = (torch.randn(N1, P, generator=g) * 100).clamp(-448, 448).to(a_dtype).to(dev)
         b_q = (torch.randn(N2, P, generator=g) * 100).clamp(-448, 448).to(e4m3).to(dev)
         sa, sb = (torch.rand(E, N1, generator=g) + 0.5).to(dev), (torch.rand(E, N2, generator=g) + 0.5).to(dev)
         bounds = _bounds(counts, dev)

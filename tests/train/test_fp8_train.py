@@ -115,7 +115,7 @@ BAD = [
     (TINY + FP8 + ["fp8.recipe=tensorwise", "fp8.padding=wgrad"], "fp8.padding"),
     (TINY + FP8 + ["fp8.modules=[router]"], "fp8.modules"),
     (TINY + FP8 + ["model.ffn_hidden_size=72"], "model.ffn_hidden_size"),
-    (TINY + FP8 + ["fp8.format=hybrid", "moe.sync_free=true"], "moe.sync_free"),
+    (TINY + FP8 + ["fp8.recipe=tensorwise", "fp8.format=hybrid", "moe.sync_free=true"], "moe.sync_free"),
 ]
 
 
@@ -199,19 +199,24 @@ def test_primary_weights_refusals():
         check_fp8_runtime(cfg, torch.device("cpu"), 2)
 
 
-@pytest.mark.parametrize(
-    "extra,word",
-    [(["fp8.format=hybrid"], "fp8.format='hybrid'"), (["fp8.recipe=tensorwise"], "fp8.recipe='tensorwise'")],
-)
-def test_gpu_refuses_what_failed_on_the_h200(monkeypatch, extra, word):
-    """On an FP8-capable GPU (stood in for here), the hybrid format and the tensorwise recipe are refused in one line;
-    rowwise and blockwise e4m3 pass the same check."""
-    from moecore.kernels import fp8_gemm
+def test_gpu_refuses_what_failed_on_the_h200(monkeypatch):
+    """On an FP8-capable GPU (stood in for here), the tensorwise recipe is refused in one line, and the hybrid format
+    where triton does not import (its e5m2 gradient GEMMs run in moecore's Triton kernels: cuBLAS rejects them);
+    rowwise and blockwise pass the same check in both formats."""
+    from moecore.kernels import _triton, fp8_gemm
     from moecore.train.runtime import check_fp8_runtime
 
     monkeypatch.setattr(fp8_gemm, "fp8_unsupported_reason", lambda device, scaling: None)
     real = [o for o in FP8 if o != "fp8.emulate=true"] + ["fp8.emulate=false"]
-    with pytest.raises(ConfigError, match=word):
-        check_fp8_runtime(load_config("tiny-moe", TINY + real + extra), torch.device("cuda"), 1)
+    cuda = torch.device("cuda")
+    with pytest.raises(ConfigError, match="fp8.recipe='tensorwise'"):
+        check_fp8_runtime(load_config("tiny-moe", TINY + real + ["fp8.recipe=tensorwise"]), cuda, 1)
     for recipe in ("rowwise", "blockwise"):
-        check_fp8_runtime(load_config("tiny-moe", TINY + real + [f"fp8.recipe={recipe}"]), torch.device("cuda"), 1)
+        for fmt in ("e4m3", "hybrid"):
+            cfg = load_config("tiny-moe", TINY + real + [f"fp8.recipe={recipe}", f"fp8.format={fmt}"])
+            monkeypatch.setattr(_triton, "triton_importable", lambda: True)
+            check_fp8_runtime(cfg, cuda, 1)
+            monkeypatch.setattr(_triton, "triton_importable", lambda: False)
+            if fmt == "hybrid":
+                with pytest.raises(ConfigError, match="fp8.format='hybrid' needs the triton package"):
+                    check_fp8_runtime(cfg, cuda, 1)
