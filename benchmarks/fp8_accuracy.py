@@ -144,13 +144,15 @@ def plot(record: dict, png: str) -> None:
     runs = record["runs"]
     ref = _mean(runs["bf16"]["losses"])
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    for name, r in runs.items():
+    for i, (name, r) in enumerate(runs.items()):
         curve = _mean(r["losses"])
         steps = range(1, len(curve) + 1)
-        top.plot(steps, curve, label=name, linewidth=1)
+        color = f"C{i}"  # one colour per run in both panels
+        top.plot(steps, curve, label=name, linewidth=1, color=color)
         if name != "bf16":
             n = min(len(curve), len(ref))
-            bottom.plot(steps[:n], [100 * (a - b) / b for a, b in zip(curve[:n], ref[:n])], label=name, linewidth=1)
+            diff = [100 * (a - b) / b for a, b in zip(curve[:n], ref[:n])]
+            bottom.plot(steps[:n], diff, label=name, linewidth=1, color=color)
     top.set_ylabel("training loss (20-step mean)")
     top.set_yscale("log")
     top.legend()

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "moecore-all-grouped, moecore-all-triton, moecore-fp32-router-gemm, moecore-minimal, moecore-sync-free, "
         "moecore-fp8-<tensorwise|rowwise|blockwise>, moecore-fp8-rowwise-bf16wgrad, moecore-fp8-rowwise-primary, "
         "moecore-fp8-rowwise-wgradpad, moecore-fp8-rowwise-primary-wgradpad, moecore-fp8-rowwise-[primary-]triton, "
-        "-allpad, -torchgemm (moe-layer)",
+        "-allpad, -torchgemm, -hybrid (moe-layer)",
     )
     p.add_argument(
         "--routing", default="random", help="moe-layer: comma-separated: random (near-uniform) and/or skewed (a few "

@@ -52,7 +52,7 @@ PROXIES = {
 MODES = {  # precision mode -> moecore overrides
     "bf16": ["train.precision=bf16", "optim.master_weights=bf16", "optim.state_dtype=bf16"],
     "mixed": ["train.precision=bf16", "optim.master_weights=fp32", "optim.state_dtype=fp32"],
-    # mixed with FP8 GEMMs (fp8.recipe from the overrides, default rowwise); records' impl moecore-fp8-<recipe>
+    # mixed with FP8 GEMMs (fp8.recipe from the overrides, default rowwise); records' impl moecore-fp8-<recipe>[-hybrid]
     "fp8": ["train.precision=fp8", "optim.master_weights=fp32", "optim.state_dtype=fp32"],
 }
 
@@ -183,7 +183,8 @@ def run(
             hf = impl.startswith("transformers")
             cfg = bench_config(model, mode, "moecore" if hf else impl, overrides)
             if mode == "fp8" and not hf:
-                impl = impl.replace("moecore", f"moecore-fp8-{cfg.fp8.recipe}", 1)
+                hybrid = "-hybrid" if cfg.fp8.format == "hybrid" else ""
+                impl = impl.replace("moecore", f"moecore-fp8-{cfg.fp8.recipe}{hybrid}", 1)
             t = cfg.train
             shape = f"{model}_{cfg.model.num_layers}l_b{t.global_batch_size}_s{t.seq_length}"
             trainer = net = None
