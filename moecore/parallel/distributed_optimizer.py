@@ -11,14 +11,16 @@ shards of the gradient buckets of `GradSync` (moecore.parallel.data_parallel), s
 - For each bucket the rank keeps one fp32 tensor of its N/g elements: the master shard. The inner
   `torch.optim.AdamW` steps the master shards (AdamW is element-wise, so a shard's update equals the
   same elements of the whole-tensor update; the zero padding stays zero), and the updated shards are
-  all-gathered over the group and written into the parameters (rounded to bf16 under
-  `train.precision=bf16`). The all-gathers are launched at the end of `step()` and finished by
+  all-gathered over the group and written into the parameters. Under `train.precision=bf16` (and fp8) a
+  bucket's shards are rounded to bf16 before the gather, as the parameters would round them after it:
+  2 bytes per element on the wire instead of 4 (a bucket mixing dtypes, e.g. with an fp32 router, gathers
+  fp32). The all-gathers are launched at the end of `step()` and finished by
   forward pre-hooks (each decoder layer waits for its own buckets), so they overlap the next
   forward; `wait_for_params()` finishes them all for anything that reads the weights otherwise
   (the checkpoint path calls it). With bf16 the full fp32 masters of `MixedPrecision` are dropped once the
   shards are cut from them: the master shard is the only fp32 copy of a weight. FP8 primary weights
-  (`fp8.primary_weights`) hold no bf16 values: the gathered fp32 masters are quantised into their FP8
-  copies instead of written into them (the gather itself stays fp32).
+  (`fp8.primary_weights`) hold no bf16 values: the gathered weights (bf16-rounded, as their rebuild rounds
+  them first) are quantised into their FP8 copies instead of written into them.
 - Per rank this keeps 12 / g bytes of optimizer state per parameter (fp32 master + two fp32 moments)
   instead of 8 (fp32 training: moments only) or 12 (bf16: master + moments); with
   `optim.state_dtype=bf16` the moments are bf16 (8 / g bytes) and the update is `FusedAdamW`'s
@@ -126,7 +128,7 @@ class DistributedOptimizer:
         self._inner_index = [gi for gi, g in enumerate(inner_groups) if g["params"]]
         if mixed is not None:
             mixed.masters.clear()  # the master shards are now the only fp32 copy of the weights
-        self._pending: dict[int, tuple[object | None, torch.Tensor]] = {}  # bucket -> (all-gather, result)
+        self._pending: dict[int, tuple] = {}  # bucket -> (all-gather or None, result[, the gathered shard])
         self._hook_forward(model)
 
     # ------------------------------------------------------------------ helpers
@@ -181,7 +183,7 @@ class DistributedOptimizer:
             pending = self._pending.pop(i, None)
             if pending is None:
                 continue
-            work, full = pending
+            work, full = pending[:2]
             if work is not None:
                 work.wait()
             pairs = list(self._per_param(self.buckets[i], full))
@@ -203,14 +205,29 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def _write_back(self) -> None:
-        """Launch the all-gathers of the updated master shards (forward order); the forward hooks finish them."""
+        """Launch the all-gathers of the updated master shards (forward order); the forward hooks finish them.
+
+        A bucket whose parameters share a dtype narrower than fp32 (bf16 training; FP8 primary weights, whose
+        placeholders are bf16 and whose rebuild rounds to bf16 first) gathers its shards rounded to that dtype:
+        half the bytes of an fp32 gather and the same values, since the parameters would round them anyway.
+        The 16-bit values travel as bytes (every backend gathers those)."""
         for i in reversed(range(len(self.buckets))):
             b = self.buckets[i]
             if b.group.size == 1:
                 self._pending[i] = (None, self.master[i])
                 continue
-            full = self.master[i].new_empty(b.shard_size * b.group.size)
-            self._pending[i] = (_all_gather_single(full, self.master[i], group=b.group.pg, async_op=True), full)
+            dtype = self._gather_dtype(b)
+            shard = self.master[i] if dtype == torch.float32 else self.master[i].to(dtype)
+            full = shard.new_empty(b.shard_size * b.group.size)
+            raw = torch.uint8 if dtype != torch.float32 else dtype  # bytes: gloo gathers no 16-bit integers
+            work = _all_gather_single(full.view(raw), shard.view(raw), group=b.group.pg, async_op=True)
+            self._pending[i] = (work, full, shard)  # the shard stays alive until the gather is finished
+
+    @staticmethod
+    def _gather_dtype(b: _Bucket) -> torch.dtype:
+        """The dtype bucket b's updated weights travel in: its parameters' own where they agree, else fp32."""
+        dtypes = {p.dtype for p in b.params}
+        return dtypes.pop() if len(dtypes) == 1 and next(iter(dtypes)).is_floating_point else torch.float32
 
     # ------------------------------------------------------------------ optimizer interface
     @property

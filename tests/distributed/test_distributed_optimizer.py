@@ -134,6 +134,17 @@ def test_parity_bf16(results, world, name):
         assert loss <= TOL and norm <= TOL, (loss, norm)
 
 
+def test_bf16_weights_are_gathered_in_bf16(results):
+    """Under bf16 the updated weights of a bucket of bf16 parameters travel as bf16 (2 bytes per element, what the
+    parameters keep anyway; the parity tests above show the same values arrive), and fp32 training gathers fp32."""
+    for name, world in (("dp2-bf16", 2), ("dp4xep2-bf16", 4), ("dp2", 2)):
+        gathered = results[f"world{world}"][0][name]["gathered"]
+        dtypes = {dtype for dtype, _ in gathered}
+        assert gathered and dtypes == ({"torch.float32"} if name == "dp2" else {"torch.bfloat16"}), (name, gathered)
+    fp32, bf16 = (sum(n for _, n in results["world2"][0][name]["gathered"]) for name in ("dp2", "dp2-bf16"))
+    assert bf16 * 2 == fp32, (bf16, fp32)
+
+
 def test_bf16_moments(results):
     """Moments in bf16 (fp32 master shards) against the fp32-state one-process bf16 run."""
     ref, got = results["ref-bf16"], results["world2"][0]["dp2-bf16-states"]

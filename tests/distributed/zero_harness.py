@@ -150,7 +150,12 @@ class Run:
             self.opt.step()
             if self.qk_clip is not None:  # MuonClip: after the step, through the master weights
                 out.setdefault("max_logit", []).append(self.qk_clip.apply(self.weights_context))
-            out.setdefault("pending", []).append(len(getattr(self.opt, "_pending", {})))
+            pending = getattr(self.opt, "_pending", {})
+            out.setdefault("pending", []).append(len(pending))
+            # what the parameter all-gathers move: (dtype, bytes) of each gathered bucket (groups of > 1 rank)
+            out["gathered"] = sorted(
+                (str(g[1].dtype), g[1].numel() * g[1].element_size()) for g in pending.values() if g[0] is not None
+            )
             for layer in model.moe_layers():
                 layer.update_expert_bias()
             out["losses"].append(float(lm_sum / global_tokens))
@@ -221,7 +226,8 @@ def train(
         run.save(ckpt, 1)
     rest = run.steps(data, 1, steps - 1)
     out = {k: out[k] + rest.get(k, []) for k in ("losses", "norms", "launched", "pending", "max_logit") if k in out} | {
-        "memory": rest["memory"]
+        "memory": rest["memory"],
+        "gathered": rest.get("gathered", []),
     }
     out["params"] = run.global_params()
     out["param_numel"] = sum(p.numel() for p in run.model.parameters())
