@@ -178,4 +178,6 @@ def apply_fp8(model: nn.Module, recipe: Fp8Recipe, modules: list[str] | tuple[st
             child.__class__ = cls
             child.fp8_recipe = recipe
             done.append(full)
+    for p, r, _ in _fp8_weights(model):  # the distributed optimizer buckets them apart (parallel/fp8_gather.py)
+        p.fp8_gemm_recipe = r
     return {"fp8": done, "bf16": kept}

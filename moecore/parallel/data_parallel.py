@@ -112,12 +112,16 @@ class GradSync:
             for p in params:  # the hook ignores parameters outside every bucket
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
-    def shard_for_optimizer(self, opt_group_of: dict[torch.nn.Parameter, int]) -> list[_Bucket]:
+    def shard_for_optimizer(
+        self, opt_group_of: dict[torch.nn.Parameter, int], apart: set[torch.nn.Parameter] | None = None
+    ) -> list[_Bucket]:
         """Switch to sharded mode (reduce-scatter) with buckets that never mix optimizer groups; returns them.
 
         `opt_group_of`: each parameter's optimizer parameter-group index. Every parameter is in a bucket,
-        also where its group has one member (then the bucket's shard is the whole bucket).
+        also where its group has one member (then the bucket's shard is the whole bucket). `apart`: parameters
+        that share buckets only with each other (FP8 primary weights gathered as FP8 bytes: fp8_gather.py).
         """
+        apart = apart or set()
         d = self.dims
         cap = max(1, int(self.bucket_mb * 2**20))
         open_: dict[tuple, _Bucket] = {}
@@ -127,7 +131,7 @@ class GradSync:
             kind = get_shard(p).kind
             group = d.edp_group if kind == "expert" else d.dp_cp_group
             scale = 1.0 / (d.dp * d.cp) if kind == "expert" else 1.0 / group.size
-            key = (kind == "expert", opt_group_of[p])
+            key = (kind == "expert", opt_group_of[p], p in apart)
             if key not in open_:
                 open_[key] = _Bucket([], group, scale, sharded=True, opt_group=key[1])
                 sizes[key] = 0

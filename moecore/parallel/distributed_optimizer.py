@@ -20,7 +20,9 @@ shards of the gradient buckets of `GradSync` (moecore.parallel.data_parallel), s
   (the checkpoint path calls it). With bf16 the full fp32 masters of `MixedPrecision` are dropped once the
   shards are cut from them: the master shard is the only fp32 copy of a weight. FP8 primary weights
   (`fp8.primary_weights`) hold no bf16 values: the gathered weights (bf16-rounded, as their rebuild rounds
-  them first) are quantised into their FP8 copies instead of written into them.
+  them first) are quantised into their FP8 copies instead of written into them; those with one FP8 copy
+  (tensorwise, blockwise) sit in buckets of their own and are gathered as FP8 bytes (1 byte per element;
+  `fp8_gather.py`).
 - Per rank this keeps 12 / g bytes of optimizer state per parameter (fp32 master + two fp32 moments)
   instead of 8 (fp32 training: moments only) or 12 (bf16: master + moments); with
   `optim.state_dtype=bf16` the moments are bf16 (8 / g bytes) and the update is `FusedAdamW`'s
@@ -54,6 +56,7 @@ from moecore.config import ConfigError
 from moecore.parallel.comm import _all_gather_single
 from moecore.parallel.data_parallel import GradSync, _Bucket, squared_norm, wrap_model_for_data_parallel
 from moecore.parallel.dims import ParallelDims
+from moecore.parallel.fp8_gather import fp8_bucket_params, quantize_shard, set_gathered
 from moecore.parallel.sharding import get_shard, replication_factor
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -96,7 +99,12 @@ class DistributedOptimizer:
         if grad_sync is None:
             grad_sync = getattr(model, "_moecore_grad_sync", None) or wrap_model_for_data_parallel(model, dims)
         self.sync = grad_sync
-        self.buckets: list[_Bucket] = grad_sync.shard_for_optimizer(group_of)
+        fp8_params = fp8_bucket_params(self.params)  # weights of one-byte FP8 recipes: buckets of their own
+        self.buckets: list[_Bucket] = grad_sync.shard_for_optimizer(group_of, apart=fp8_params)
+        # those holding FP8 primary weights are gathered as FP8 bytes (fp8_gather.py)
+        self.fp8_buckets = {
+            i for i, b in enumerate(self.buckets) if b.params[0] in fp8_params and hasattr(b.params[0], "fp8_primary")
+        }
         masters = mixed.masters if mixed is not None else {}
         self.master: dict[int, torch.Tensor] = {}  # bucket index -> this rank's fp32 master shard
         for i, b in enumerate(self.buckets):
@@ -187,6 +195,10 @@ class DistributedOptimizer:
             if work is not None:
                 work.wait()
             pairs = list(self._per_param(self.buckets[i], full))
+            if len(pending) == 4:  # FP8 bytes of one-byte FP8 primary weights
+                for p, t in pairs:
+                    set_gathered(p, t, pending[3][p])
+                continue
             recast = self._recast()
             for p, t in pairs:  # FP8 primary weights: quantised from the gathered fp32 master, no bf16 copy kept
                 if p in recast:
@@ -215,6 +227,12 @@ class DistributedOptimizer:
             b = self.buckets[i]
             if b.group.size == 1:
                 self._pending[i] = (None, self.master[i])
+                continue
+            if i in self.fp8_buckets:  # FP8 bytes and their scales (one small all-reduce first)
+                q, scales = quantize_shard(b.params, b.lo, self.master[i], b.group)
+                full = q.new_empty(b.shard_size * b.group.size)
+                work = _all_gather_single(full, q, group=b.group.pg, async_op=True)
+                self._pending[i] = (work, full, q, scales)
                 continue
             dtype = self._gather_dtype(b)
             shard = self.master[i] if dtype == torch.float32 else self.master[i].to(dtype)
