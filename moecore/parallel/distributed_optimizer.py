@@ -136,7 +136,8 @@ class DistributedOptimizer:
         self._inner_index = [gi for gi, g in enumerate(inner_groups) if g["params"]]
         if mixed is not None:
             mixed.masters.clear()  # the master shards are now the only fp32 copy of the weights
-        self._pending: dict[int, tuple] = {}  # bucket -> (all-gather or None, result[, the gathered shard])
+        # bucket -> (all-gather or None, result[, the gathered shard[, FP8 scales per weight: an FP8 gather]])
+        self._pending: dict[int, tuple] = {}
         self._hook_forward(model)
 
     # ------------------------------------------------------------------ helpers
