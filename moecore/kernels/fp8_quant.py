@@ -319,7 +319,8 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, pow2: bool = False) 
     return s
 
 
-def _cast(x: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def cast_to_fp8(x: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x / s (s broadcast over x's groups) clamped to the format's range and rounded: what every kernel stores."""
     fmax = FP8_MAX[dtype]
     return (x.float() / s).clamp(-fmax, fmax).to(dtype)
 
@@ -331,13 +332,13 @@ def _check_2d(x: torch.Tensor) -> None:
 
 def quantize_tensorwise_reference(x: torch.Tensor, dtype: torch.dtype, pow2: bool = False):
     s = scale_from_amax(x.detach().abs().amax(), dtype, pow2)
-    return _cast(x, s, dtype), s
+    return cast_to_fp8(x, s, dtype), s
 
 
 def quantize_rowwise_reference(x: torch.Tensor, dtype: torch.dtype, pow2: bool = False):
     _check_2d(x)
     s = scale_from_amax(x.detach().abs().amax(dim=1, keepdim=True), dtype, pow2)
-    return _cast(x, s, dtype), s
+    return cast_to_fp8(x, s, dtype), s
 
 
 def _pad_to(x: torch.Tensor, rb: int, cb: int) -> torch.Tensor:
@@ -351,7 +352,7 @@ def quantize_1x128_reference(x: torch.Tensor, dtype: torch.dtype, pow2: bool = F
     R, C = x.shape
     xp = _pad_to(x, 1, BLOCK).view(R, -1, BLOCK)
     s = scale_from_amax(xp.abs().amax(dim=2), dtype, pow2)  # [R, ceil(C/128)]
-    q = _cast(xp, s.unsqueeze(-1), dtype).view(R, -1)[:, :C]
+    q = cast_to_fp8(xp, s.unsqueeze(-1), dtype).view(R, -1)[:, :C]
     return q.contiguous(), s
 
 
@@ -362,7 +363,7 @@ def quantize_128x128_reference(x: torch.Tensor, dtype: torch.dtype, pow2: bool =
     nr, nc = xp.shape[0] // BLOCK, xp.shape[1] // BLOCK
     tiles = xp.view(nr, BLOCK, nc, BLOCK)
     s = scale_from_amax(tiles.abs().amax(dim=(1, 3)), dtype, pow2)  # [ceil(R/128), ceil(C/128)]
-    q = _cast(tiles, s[:, None, :, None], dtype).view(nr * BLOCK, nc * BLOCK)[:R, :C]
+    q = cast_to_fp8(tiles, s[:, None, :, None], dtype).view(nr * BLOCK, nc * BLOCK)[:R, :C]
     return q.contiguous(), s
 
 
@@ -474,7 +475,7 @@ def quantize_grouped_cols_reference(
         0, eid[:, None].expand(-1, C), x.detach().abs().float(), "amax"
     )
     s = scale_from_amax(amax, dtype, pow2)
-    q = _cast(x, s[eid], dtype)
+    q = cast_to_fp8(x, s[eid], dtype)
     if pad_to is not None:  # index_copy on the bytes: fp8 has no CPU index_copy
         dst = padded_positions(counts, pad_to[0], N)
         q = torch.zeros(pad_to[1], C, dtype=torch.uint8, device=x.device).index_copy(0, dst, q.view(torch.uint8))
@@ -587,11 +588,11 @@ def quantize_weight_layouts_reference(
     out_rows = out_cols = None
     if rows:
         s = scale_from_amax(wf.abs().amax(dim=2, keepdim=True), dtype, pow2)
-        out_rows = (_cast(wf, s, dtype), s)
+        out_rows = (cast_to_fp8(wf, s, dtype), s)
     if cols:
         wt = wf.transpose(1, 2)
         st = scale_from_amax(wt.abs().amax(dim=2, keepdim=True), dtype, pow2)
-        out_cols = (_cast(wt, st, dtype).contiguous(), st)
+        out_cols = (cast_to_fp8(wt, st, dtype).contiguous(), st)
     return out_rows, out_cols
 
 

@@ -23,15 +23,20 @@ pytestmark = pytest.mark.distributed
 SHAPES = [((136, 72), False), ((3, 256, 200), True), ((2, 128, 40), True)]
 
 
-def _weights(recipe: Fp8Recipe) -> list[torch.nn.Parameter]:
+def _masters() -> list[torch.Tensor]:
+    """The fp32 master weights of SHAPES."""
     g = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(shape, generator=g)
+        * torch.logspace(-3, 1, shape[-1])
+        * (1 + torch.arange(shape[0])).view(-1, *([1] * (len(shape) - 1)))
+        for shape, _ in SHAPES
+    ]
+
+
+def _weights(recipe: Fp8Recipe) -> list[torch.nn.Parameter]:
     params = []
-    for shape, grouped in SHAPES:
-        w = (
-            torch.randn(shape, generator=g)
-            * torch.logspace(-3, 1, shape[-1])
-            * (1 + torch.arange(shape[0])).view(-1, *([1] * (len(shape) - 1)))
-        )
+    for w, (_, grouped) in zip(_masters(), SHAPES):
         p = torch.nn.Parameter(w.to(torch.bfloat16))
         quantize_primary(p, w, recipe, grouped)  # from the fp32 values, rounded to bf16 first: the reference
         p.fp8_gemm_recipe = recipe
@@ -43,10 +48,7 @@ def _gather_worker(rank: int, world: int, scaling: str, pow2: bool) -> dict:
     recipe = Fp8Recipe(scaling, pow2=pow2)
     params = _weights(recipe)
     want = [(p.fp8_primary.q.clone(), p.fp8_primary.s.clone()) for p in params]
-    g = torch.Generator().manual_seed(0)  # the fp32 masters the weights were quantised from
-    masters = [(torch.randn(shape, generator=g) * torch.logspace(-3, 1, shape[-1]) * (1 + torch.arange(shape[0])).view(
-        -1, *([1] * (len(shape) - 1)))).reshape(-1) for shape, _ in SHAPES]  # fmt: skip
-    flat = torch.cat(masters)
+    flat = torch.cat([w.reshape(-1) for w in _masters()])  # the fp32 masters the weights were quantised from
     shard_size = -(-flat.numel() // world)
     flat = torch.nn.functional.pad(flat, (0, shard_size * world - flat.numel()))
     group = Group("dp", list(range(world)), rank, dist.group.WORLD)
