@@ -22,6 +22,7 @@ other layout's groups: they are gathered in bf16 and quantised after the gather.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -37,19 +38,38 @@ def fp8_bucket_params(params: list[torch.nn.Parameter]) -> set[torch.nn.Paramete
     return {p for p in params if getattr(getattr(p, "fp8_gemm_recipe", None), "scaling", None) in ONE_BYTE_RECIPES}
 
 
-def _group_ids(p: torch.nn.Parameter, start: int, end: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """(scale group of each element start..end of p flattened, number of groups) for p's FP8 primary copy."""
-    old = p.fp8_primary
+def scale_groups(
+    shape: torch.Size | tuple[int, ...], gran: str, start: int, end: int, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """(scale group of each element start..end of a weight of `shape` flattened, number of groups) for its one-byte
+    FP8 copy: `gran` "128x128" (tiles of the weight viewed as [rows, K]; experts stacked, N a multiple of 128) or
+    "tensorwise" (one group per expert of an [E, N, K] tensor, one for a linear's). The groups are numbered in the
+    order of the copy's scale tensor (`scale_shape`)."""
     j = torch.arange(start, end, device=device)
-    K = p.shape[-1]
-    if old.gran == "128x128":  # tiles of p viewed as [rows, K] (experts stacked: N is a multiple of 128)
+    K = shape[-1]
+    if gran == "128x128":
         tiles_k = -(-K // fq.BLOCK)
-        rows = p.numel() // K
+        rows = math.prod(shape) // K
         return (j // K // fq.BLOCK) * tiles_k + (j % K) // fq.BLOCK, -(-rows // fq.BLOCK) * tiles_k
-    if p.dim() == 3:  # tensorwise experts: one scale per expert
-        per_expert = p.shape[1] * K
-        return j // per_expert, p.shape[0]
+    if len(shape) == 3:
+        per_expert = shape[1] * K
+        return j // per_expert, shape[0]
     return torch.zeros_like(j), 1
+
+
+def scale_shape(shape: torch.Size | tuple[int, ...], gran: str) -> tuple[int, ...]:
+    """The shape of the scales of a weight's one-byte FP8 copy (as fp8_grouped.quant_weights / fp8_gemm.quant_rows
+    give them): tensorwise [] (a linear) or [E] (experts); 128x128 [ceil(N/128), ceil(K/128)] or [E, N/128, ...]."""
+    tiles_k = -(-shape[-1] // fq.BLOCK)
+    if gran == "128x128":
+        return (*shape[:-2], -(-shape[-2] // fq.BLOCK), tiles_k)
+    return (shape[0],) if len(shape) == 3 else ()
+
+
+def group_maxima(x: torch.Tensor, gid: torch.Tensor, groups: int) -> torch.Tensor:
+    """fp32 [groups]: the largest |x| of each scale group among x's elements (0 where none)."""
+    part = torch.zeros(groups, dtype=torch.float32, device=x.device)
+    return part.scatter_reduce_(0, gid, x.abs().float(), "amax")
 
 
 def quantize_shard(
@@ -65,12 +85,9 @@ def quantize_shard(
         off += p.numel()
     amax, sizes, mine = [], [], []
     for p, poff, a, e in spans:
-        gid, groups = _group_ids(p, a - poff, e - poff, shard.device)
-        x = shard[a - lo : e - lo].to(p.dtype).float() if a < e else None  # rounded as the rebuild rounds
-        part = torch.zeros(groups, dtype=torch.float32, device=shard.device)
-        if x is not None:
-            part.scatter_reduce_(0, gid, x.abs(), "amax")
-        amax.append(part)
+        gid, groups = scale_groups(p.shape, p.fp8_primary.gran, a - poff, e - poff, shard.device)
+        x = shard[a - lo : e - lo].to(p.dtype).float()  # rounded as the rebuild rounds (empty: none of p here)
+        amax.append(group_maxima(x, gid, groups))
         sizes.append(groups)
         mine.append((gid, x))
     amax_all = torch.cat(amax)
@@ -81,7 +98,7 @@ def quantize_shard(
     for (p, _, a, e), part, (gid, x) in zip(spans, amax_all.split(sizes), mine):
         s = fq.scale_from_amax(part, torch.float8_e4m3fn, p.fp8_gemm_recipe.pow2)
         scales[p] = s
-        if x is not None:
+        if x.numel():
             out[a - lo : e - lo] = fq.cast_to_fp8(x, s[gid], torch.float8_e4m3fn).view(torch.uint8)
     return out, scales
 
