@@ -25,8 +25,10 @@ from moecore.optim.mixed_precision import MixedPrecision, grad_of
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2 parameters, gradients and states: the update is element-wise); else t's data."""
-    return t.to_local() if hasattr(t, "to_local") else t.data
+    """A DTensor's local shard (FSDP2 parameters, gradients and states: the update is element-wise); else t's data.
+    A shard that FSDP2 gathers as FP8 wraps its fp32 values (`hp_shard`, moecore/parallel/fsdp_fp8.py): those."""
+    t = t.to_local() if hasattr(t, "to_local") else t.data
+    return getattr(t, "hp_shard", t)
 
 
 class FusedAdamW(torch.optim.Optimizer):

@@ -34,7 +34,9 @@ process (`moecore train` without torchrun) the run initialises a one-rank proces
 parameters, gradients and optimizer state are the DTensors and the all-gather / reduce-scatter calls are
 those of a multi-GPU run, so its cost and its checkpoints can be checked on one GPU.
 Muon runs on the sharded parameters: each matrix's update is gathered over the FSDP mesh and
-orthogonalised once (`moecore.parallel.distributed_muon`).
+orthogonalised once (`moecore.parallel.distributed_muon`). With FP8 primary weights (`fp8_gather=True`, the
+tensorwise and blockwise recipes) the FP8 GEMMs' weights are all-gathered as their FP8 copy
+(`moecore.parallel.fsdp_fp8`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class FullyShardedModel:
         dims: ParallelDims,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        fp8_gather: bool = False,
     ) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -80,6 +83,11 @@ class FullyShardedModel:
                 f"over {dims.world_size} ranks leaves edp = 1; use a smaller parallel.ep"
             )
         self.model, self.dims = model, dims
+        self.fp8_gathered: list[str] = []  # names of the weights all-gathered as FP8
+        if fp8_gather:  # FP8 primary weights: one-byte FP8 GEMM weights all-gathered as FP8 (parallel/fsdp_fp8.py)
+            from moecore.parallel.fsdp_fp8 import gather_as_fp8
+
+            self.fp8_gathered = gather_as_fp8(model)
         specs = {name: get_shard(p) for name, p in model.named_parameters()}
         device_type = next(model.parameters()).device.type
         reduce_dtype = reduce_dtype or (torch.float32 if param_dtype else None)

@@ -29,6 +29,7 @@ def _unique_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
             continue
         if hasattr(t, "to_local"):  # a DTensor (FSDP): this rank's shard
             t = t.to_local()
+        t = getattr(t, "hp_shard", t)  # a shard FSDP gathers as FP8 (moecore/parallel/fsdp_fp8.py): its values
         key = (t.data_ptr(), t.numel() * t.element_size())
         if key in seen:
             continue

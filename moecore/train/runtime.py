@@ -77,8 +77,9 @@ class Runtime:
                 for p in model.parameters():
                     p.data = p.data.to(torch.bfloat16)
             param_dtype = torch.bfloat16 if bf16 and self.master_weights else None
+            primary = self.precision == "fp8" and self.fp8.primary_weights  # FP8 weights gathered as FP8 bytes
             self.grad_reducer = FullyShardedModel(
-                model, self.dims, param_dtype, reduce_dtype=torch.float32 if bf16 else None
+                model, self.dims, param_dtype, reduce_dtype=torch.float32 if bf16 else None, fp8_gather=primary
             )
             return model
         if self.precision in ("bf16", "fp8"):
@@ -341,7 +342,8 @@ def check_fp8_runtime(cfg: Config, device: torch.device, world_size: int = 1) ->
                 "fp8.recipe='tensorwise' is not supported on GPUs yet (its training went non-finite in the H200 "
                 "accuracy run); use rowwise or blockwise"
             )
-    if f.primary_weights and cfg.parallel.fsdp:
+    if f.primary_weights and cfg.parallel.fsdp and f.recipe == "rowwise":
         raise ConfigError(
-            "fp8.primary_weights=true is not supported with parallel.fsdp yet; use false (FP8 GEMMs on bf16 weights)"
+            "fp8.primary_weights=true with parallel.fsdp=true needs fp8.recipe=blockwise or tensorwise (FSDP gathers "
+            "their one FP8 copy; rowwise weights keep two layouts, gathered in bf16 either way): use false for rowwise"
         )

@@ -1,8 +1,8 @@
-"""FP8 primary weights under data, expert and tensor parallelism and the distributed optimizer (`moecore train`
-under torchrun, 2 gloo processes, emulated rowwise FP8; tensorwise under the distributed optimizer, whose weights
-are gathered as FP8 bytes): each rank rebuilds the FP8 copies of the weights it holds from its fp32 masters after
-every step (the distributed optimizer: from the gathered weights), so the run must compute exactly what the same
-layout computes without primary weights (the same quantised weights either way: losses and gradient norms equal bit for bit), and resuming
+"""FP8 primary weights under data, expert and tensor parallelism, the distributed optimizer and FSDP (`moecore
+train` under torchrun, 2 gloo processes, emulated rowwise FP8; tensorwise under the distributed optimizer and FSDP,
+whose weights are gathered as FP8 bytes): each rank rebuilds the FP8 copies of the weights it holds from its fp32
+masters after every step (the distributed optimizer: from the gathered weights; FSDP: at every all-gather), so the
+run must compute exactly what the same layout computes without primary weights (the same quantised weights either way: losses and gradient norms equal bit for bit), and resuming
 its checkpoint (fp32 masters, as always) reproduces its next step."""
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ RUN = [  # every GEMM dimension a multiple of 16
         ["parallel.distributed_optimizer=true"],
         # one FP8 copy per weight: gathered as FP8 bytes (moecore/parallel/fp8_gather.py)
         ["parallel.distributed_optimizer=true", "fp8.recipe=tensorwise"],
+        ["parallel.fsdp=true", "fp8.recipe=tensorwise"],  # FSDP2 gathers the FP8 copy (moecore/parallel/fsdp_fp8.py)
     ],
-    ids=["ep2", "tp2-sp", "dist-opt", "dist-opt-fp8-gather"],
+    ids=["ep2", "tp2-sp", "dist-opt", "dist-opt-fp8-gather", "fsdp-fp8-gather"],
 )
 def test_primary_weights_equal_the_run_without_them(tmp_path, layout):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moecore", "train"]
@@ -64,8 +65,11 @@ def test_primary_weights_equal_the_run_without_them(tmp_path, layout):
     for ref, got in zip(runs["plain"], runs["primary"]):
         assert got["loss"] == ref["loss"] and got["grad_norm"] == ref["grad_norm"], (ref, got)
         # the primary weights are in use: rowwise's two FP8 layouts, their scales and the placeholders outweigh
-        # bf16; tensorwise's one FP8 copy (1 byte per element) weighs less
-        if "fp8.recipe=tensorwise" in layout:
+        # bf16; tensorwise's one FP8 copy (1 byte per element) weighs less. Under FSDP the parameters are the fp32
+        # shards either way (the FP8 copy exists only gathered, between a layer's all-gather and its reshard)
+        if "parallel.fsdp=true" in layout:
+            assert got["memory/params_gb"] == ref["memory/params_gb"], (ref, got)
+        elif "fp8.recipe=tensorwise" in layout:
             assert got["memory/params_gb"] < ref["memory/params_gb"], (ref, got)
         else:
             assert got["memory/params_gb"] > ref["memory/params_gb"], (ref, got)

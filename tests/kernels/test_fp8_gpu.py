@@ -255,11 +255,15 @@ def test_fp8_training_tracks_bf16_on_gpu(tmp_path, scaling):
             assert abs(a - b) / b < 1e-2, (fmt, got, ref)
 
 
-@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])  # tensorwise: refused on GPUs (test above)
-def test_fp8_primary_weights_on_gpu(tmp_path, scaling):
+@pytest.mark.parametrize(
+    "scaling,layout",
+    [("rowwise", []), ("blockwise", []), ("blockwise", ["parallel.fsdp=true"])],
+    ids=["rowwise", "blockwise", "blockwise-fsdp"],
+)  # tensorwise: refused on GPUs (test above); under FSDP the blockwise weights are all-gathered as FP8
+def test_fp8_primary_weights_on_gpu(tmp_path, scaling, layout):
     """FP8 primary weights compute exactly what the run without them computes (same quantised weights)."""
     _skip_unless_fp8(scaling)
-    base = ["train.precision=fp8", f"fp8.recipe={scaling}"]
+    base = ["train.precision=fp8", f"fp8.recipe={scaling}", *layout]
     ref = _losses(tmp_path, "plain", *base)
     got = _losses(tmp_path, "primary", *base, "fp8.primary_weights=true")
     assert got == ref

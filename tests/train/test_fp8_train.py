@@ -194,8 +194,11 @@ def test_primary_weights_refusals():
     cfg = load_config("tiny-moe", TINY + FP8 + ["fp8.primary_weights=true", "fp8.recipe=tensorwise"])
     check_fp8_runtime(cfg, torch.device("cpu"), 1)
     check_fp8_runtime(cfg, torch.device("cpu"), 2)  # data / tensor / expert parallel, distributed optimizer
-    cfg = load_config("tiny-moe", TINY + FP8 + ["fp8.primary_weights=true", "parallel.fsdp=true"])
-    with pytest.raises(ConfigError, match="parallel.fsdp"):
+    fsdp = ["fp8.primary_weights=true", "parallel.fsdp=true"]
+    for recipe in ("tensorwise", "blockwise"):  # FSDP all-gathers their one FP8 copy
+        check_fp8_runtime(load_config("tiny-moe", TINY + FP8 + fsdp + [f"fp8.recipe={recipe}"]), torch.device("cpu"), 2)
+    cfg = load_config("tiny-moe", TINY + FP8 + fsdp + ["fp8.recipe=rowwise"])
+    with pytest.raises(ConfigError, match="parallel.fsdp=true needs fp8.recipe=blockwise or tensorwise"):
         check_fp8_runtime(cfg, torch.device("cpu"), 2)
 
 
