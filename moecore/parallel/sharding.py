@@ -307,7 +307,9 @@ def _fsdp_shard(t: torch.Tensor, spec: ShardSpec):
         (n, *spec.local_view[1:]),
         (spec.offsets[0] + start, *spec.offsets[1:]),
     )
-    return CheckpointShard(t.to_local(), composed)
+    local = t.to_local()
+    # a shard FSDP2 all-gathers as FP8 (moecore/parallel/fsdp_fp8.py) is saved as the fp32 values it wraps
+    return CheckpointShard(getattr(local, "hp_shard", local), composed)
 
 
 def wrap_for_checkpoint(

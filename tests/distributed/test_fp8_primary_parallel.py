@@ -51,11 +51,14 @@ RUN = [  # every GEMM dimension a multiple of 16
         # one FP8 copy per weight: gathered as FP8 bytes (moecore/parallel/fp8_gather.py)
         ["parallel.distributed_optimizer=true", "fp8.recipe=tensorwise"],
         ["parallel.fsdp=true", "fp8.recipe=tensorwise"],  # FSDP2 gathers the FP8 copy (moecore/parallel/fsdp_fp8.py)
+        # 4 processes: FSDP over dp2 of tp2 and ep2 shards (saved as their chunks of the global tensors)
+        ["parallel.fsdp=true", "fp8.recipe=tensorwise", "parallel.tp=2", "parallel.ep=2", "train.global_batch_size=8"],
     ],
-    ids=["ep2", "tp2-sp", "dist-opt", "dist-opt-fp8-gather", "fsdp-fp8-gather"],
+    ids=["ep2", "tp2-sp", "dist-opt", "dist-opt-fp8-gather", "fsdp-fp8-gather", "fsdp-tp2-ep2-fp8-gather"],
 )
 def test_primary_weights_equal_the_run_without_them(tmp_path, layout):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moecore", "train"]
+    nproc = "4" if "parallel.tp=2" in layout and "parallel.ep=2" in layout else "2"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc, "-m", "moecore", "train"]
     runs = {}
     for name, extra in (("plain", []), ("primary", ["fp8.primary_weights=true"])):
         run_dir = tmp_path / name
