@@ -1,9 +1,11 @@
 """Fault injection: a run killed with SIGKILL at random moments (mid-step, mid-save, mid-rename) always
 resumes, and the resumed losses equal the uninterrupted run's bit for bit.
 
-Each trial forks the training (so no interpreter start-up per trial), kills the child after a seeded
-random delay within the reference run's duration, then resumes in this process with
-`checkpoint.resume=true`. The reference run is computed once.
+Each trial forks the training (so no interpreter start-up per trial), waits until the child has saved a
+seeded random step (none for step 0), kills it after a further random delay of up to one and a half steps
+of the reference run (so the kill lands mid-step, mid-save or mid-rename), then resumes in this process
+with `checkpoint.resume=true`. The wait is anchored to the child's own progress, not to the parent's
+clock, so a slow machine still spreads the kills over the run. The reference run is computed once.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import random
 import signal
 import time
+from pathlib import Path
 
 import torch
 from reliability_common import TINY
@@ -43,6 +46,17 @@ def _train_in_child(run_dir) -> int:
         os._exit(code)
 
 
+def _wait_for_save(pid: int, saved: Path, timeout: float = 120.0) -> bool:
+    """Poll until the child has renamed `saved` into place; False if the child exited first."""
+    deadline = time.perf_counter() + timeout
+    while not saved.is_dir():
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            return False
+        assert time.perf_counter() < deadline, f"the child did not save {saved.name} in {timeout:.0f} s"
+        time.sleep(0.001)
+    return True
+
+
 def test_kill_9_at_random_points_always_resumes_exactly(tmp_path):
     # One intra-op thread here as in the forked children (forking a multi-threaded OpenMP runtime can hang):
     # CPU reductions round differently with another thread count, and bit equality is the claim.
@@ -63,11 +77,14 @@ def _trials(tmp_path) -> None:
     for trial in range(TRIALS):
         run = tmp_path / f"trial-{trial}"
         run.mkdir()
-        pid = _train_in_child(run)
-        time.sleep(rng.uniform(0.0, duration))
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
         checkpoints = run / "checkpoints"
+        after_step = rng.randrange(STEPS)
+        pid = _train_in_child(run)
+        alive = _wait_for_save(pid, checkpoints / f"step-{after_step}") if after_step else True
+        if alive:
+            time.sleep(rng.uniform(0.0, 1.5 * duration / STEPS))
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
         done = (
             sorted(int(p.name[5:]) for p in checkpoints.glob("step-*") if p.name[5:].isdigit())
             if checkpoints.is_dir()
