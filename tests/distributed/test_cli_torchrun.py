@@ -12,7 +12,7 @@ import shutil
 import sys
 
 import pytest
-from cli_runs import read_metrics, run_cli
+from cli_runs import read_metrics, run_cli, train_forked
 
 pytestmark = pytest.mark.distributed
 
@@ -37,7 +37,7 @@ COMMON = [
 
 def test_torchrun_resumes_one_process_checkpoint_with_expert_parallel(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    run_cli([sys.executable, "-m", "moecore", "train", *COMMON, f"train.run_dir={a}"])
+    train_forked([*COMMON, f"train.run_dir={a}"])
     shutil.copytree(a, b)
     shutil.rmtree(b / "checkpoints" / "step-2")
     (b / "metrics.jsonl").unlink()
@@ -57,7 +57,7 @@ def test_torchrun_data_parallel_with_gradient_accumulation_equals_one_process(tm
     """dp2 with two micro-batches per rank: the deferred gradient reduction must see every micro-batch once."""
     a, b = tmp_path / "a", tmp_path / "b"
     accum = [*COMMON, "train.steps=3", "train.global_batch_size=8", "checkpoint.interval=0"]
-    run_cli([sys.executable, "-m", "moecore", "train", *accum, f"train.run_dir={a}"])
+    train_forked([*accum, f"train.run_dir={a}"])
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moecore", "train"]
     run_cli([*torchrun, *accum, f"train.run_dir={b}"])
     ref, got = read_metrics(a), read_metrics(b)
@@ -77,7 +77,7 @@ def test_torchrun_global_aux_loss_with_one_micro_batch_per_replica_equals_one_pr
     # (the per-micro-batch aux_loss is a product of averages, so it depends on the split: left out here)
     loss = ["moe.router_load_balancing_type=global_aux_loss", "moe.aux_loss_coeff=1.0"]
     run = [*COMMON, *loss, "train.steps=3", "train.global_batch_size=8", "checkpoint.interval=0"]
-    run_cli([sys.executable, "-m", "moecore", "train", *run, "train.micro_batch_size=8", f"train.run_dir={a}"])
+    train_forked([*run, "train.micro_batch_size=8", f"train.run_dir={a}"])
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moecore", "train"]
     run_cli([*torchrun, *run, "train.micro_batch_size=4", f"train.run_dir={b}"])
     for r, g in zip(read_metrics(a), read_metrics(b)):
@@ -100,7 +100,7 @@ def test_torchrun_bf16_equals_one_process(tmp_path):
     bf16 = [*COMMON, "train.steps=3", "train.precision=bf16"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moecore", "train"]
     one = tmp_path / "one"
-    run_cli([sys.executable, "-m", "moecore", "train", *bf16, f"train.run_dir={one}"])
+    train_forked([*bf16, f"train.run_dir={one}"])
     ref = {m["step"]: m for m in read_metrics(one)}
     dp2 = tmp_path / "dp2"
     run_cli([*torchrun, *bf16, f"train.run_dir={dp2}", "checkpoint.interval=0"])

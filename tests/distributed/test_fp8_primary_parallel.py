@@ -1,5 +1,6 @@
-"""FP8 primary weights under data, expert and tensor parallelism, the distributed optimizer and FSDP (`moecore
-train` under torchrun, 2 gloo processes, emulated rowwise FP8; tensorwise under the distributed optimizer and FSDP,
+"""FP8 primary weights under data, expert and tensor parallelism, the distributed optimizer and FSDP (the training
+loop on 2 or 4 forked gloo processes, `run_local`: what `moecore train` runs under torchrun, without each rank
+importing torch again; emulated rowwise FP8; tensorwise under the distributed optimizer and FSDP,
 whose weights are gathered as FP8 bytes): each rank rebuilds the FP8 copies of the weights it holds from its fp32
 masters after every step (the distributed optimizer: from the gathered weights; FSDP: at every all-gather), so the
 run must compute exactly what the same layout computes without primary weights (the same quantised weights either way: losses and gradient norms equal bit for bit), and resuming
@@ -8,15 +9,17 @@ its checkpoint (fp32 masters, as always) reproduces its next step."""
 from __future__ import annotations
 
 import shutil
-import sys
 
 import pytest
-from cli_runs import read_metrics, run_cli
+from cli_runs import read_metrics
+
+from moecore.config import load_config
+from moecore.parallel.launch import run_local
+from moecore.train.loop import train
 
 pytestmark = pytest.mark.distributed
 
 RUN = [  # every GEMM dimension a multiple of 16
-    "tiny-moe",
     "train.steps=3",
     "train.global_batch_size=4",
     "train.micro_batch_size=2",
@@ -42,6 +45,10 @@ RUN = [  # every GEMM dimension a multiple of 16
 ]
 
 
+def _train(rank: int, world: int, overrides: list[str]) -> None:
+    train(load_config("tiny-moe", overrides))
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -57,12 +64,11 @@ RUN = [  # every GEMM dimension a multiple of 16
     ids=["ep2", "tp2-sp", "dist-opt", "dist-opt-fp8-gather", "fsdp-fp8-gather", "fsdp-tp2-ep2-fp8-gather"],
 )
 def test_primary_weights_equal_the_run_without_them(tmp_path, layout):
-    nproc = "4" if "parallel.tp=2" in layout and "parallel.ep=2" in layout else "2"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", nproc, "-m", "moecore", "train"]
+    world = 4 if "parallel.tp=2" in layout and "parallel.ep=2" in layout else 2
     runs = {}
     for name, extra in (("plain", []), ("primary", ["fp8.primary_weights=true"])):
         run_dir = tmp_path / name
-        run_cli([*torchrun, *RUN, *layout, *extra, f"train.run_dir={run_dir}"], retry_dir=run_dir)
+        run_local(_train, world, [*RUN, *layout, *extra, f"train.run_dir={run_dir}"])
         runs[name] = read_metrics(run_dir)
     assert [m["step"] for m in runs["primary"]] == [1, 2, 3]
     for ref, got in zip(runs["plain"], runs["primary"]):
@@ -82,7 +88,7 @@ def test_primary_weights_equal_the_run_without_them(tmp_path, layout):
     shutil.rmtree(resumed / "checkpoints" / "step-3", ignore_errors=True)
     (resumed / "metrics.jsonl").unlink()
     primary = [*RUN, *layout, "fp8.primary_weights=true", f"train.run_dir={resumed}", "checkpoint.resume=true"]
-    run_cli([*torchrun, *primary], retry_dir=None)
+    run_local(_train, world, primary)
     got = read_metrics(resumed)
     assert [m["step"] for m in got] == [3]
     assert got[0]["loss"] == runs["primary"][2]["loss"], (got, runs["primary"][2])

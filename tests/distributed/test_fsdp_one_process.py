@@ -8,10 +8,8 @@ FSDP (layout-free files).
 
 from __future__ import annotations
 
-import sys
-
 import pytest
-from cli_runs import metrics_by_step, run_cli
+from cli_runs import metrics_by_step, train_forked
 
 TINY = [
     "tiny-moe",
@@ -27,7 +25,7 @@ TINY = [
 
 
 def _train(run_dir, *extra: str) -> dict[int, dict]:
-    run_cli([sys.executable, "-m", "moecore", "train", *TINY, f"train.run_dir={run_dir}", *extra])
+    train_forked([*TINY, f"train.run_dir={run_dir}", *extra])  # `moecore train ...` without re-importing torch
     return metrics_by_step(run_dir, having="loss")
 
 

@@ -40,7 +40,7 @@ def test_at_least_eight_configurations_have_an_estimate(pa) -> None:
         assert 1 < est["estimate_gib"] < 139  # fits an H200
         ok.append(name)
     assert len(ok) >= 8
-    assert {n.split("-")[0] for n in ok} == {"qwen3", "dsv2lite"}
+    assert {n.split("-")[0] for n in ok} == {"qwen3", "qwen3next", "dsv2lite"}
 
 
 def test_markdown_table(pa) -> None:

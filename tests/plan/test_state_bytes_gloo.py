@@ -41,16 +41,39 @@ def _config(par: dict) -> Config:
     return cfg
 
 
-def _real_bytes_bf16(rank: int, world: int, par: dict) -> dict:
+def _fp8(cfg: Config, fp8: tuple[str, bool] | None) -> Config:
+    """bf16, or train.precision=fp8 (emulated) with (recipe, primary_weights): every width here is a multiple of
+    16, the alignment of the one-byte and rowwise recipes."""
+    cfg.train.precision = "bf16"
+    if fp8 is not None:
+        cfg.train.precision = "fp8"
+        cfg.fp8.recipe, cfg.fp8.primary_weights, cfg.fp8.emulate = fp8[0], fp8[1], True
+    return cfg
+
+
+def _param_bytes(p: torch.Tensor) -> int:
+    """A parameter's own bytes (0 for an FP8 primary weight's storage-less placeholder) and its FP8 copies."""
+    own = lambda t: t.numel() * t.element_size() if t.numel() and 0 not in t.stride() else 0  # noqa: E731
+    copies = [c for c in (getattr(p, a, None) for a in ("fp8_primary", "fp8_primary_t")) if c is not None]
+    return own(p) + sum(own(c.q) + own(c.s) for c in copies)
+
+
+def _real_bytes_bf16(rank: int, world: int, par: dict, fp8: tuple[str, bool] | None = None) -> dict:
     """The same through the runtime with bf16 parameters: fp32 masters, fp32 main gradients, the
-    distributed optimizer driven on the masters (moecore.train.runtime)."""
+    distributed optimizer driven on the masters (moecore.train.runtime); with `fp8`, FP8 GEMMs and, with primary
+    weights, the FP8 GEMMs' weights held as their FP8 copies only (rebuilt from the gathered masters)."""
     from moecore.optim.mixed_precision import grad_of
     from moecore.train.runtime import Runtime
 
-    cfg = _config(par)
-    cfg.train.precision = "bf16"
+    cfg = _fp8(_config(par), fp8)
     dims = ParallelDims(cfg.parallel, world, rank, "cpu", num_experts=8, num_attention_heads=4, vocab_size=64)
-    rt = Runtime(dims=dims, device=torch.device("cpu"), autocast_dtype=torch.bfloat16, precision="bf16")
+    rt = Runtime(
+        dims=dims,
+        device=torch.device("cpu"),
+        autocast_dtype=torch.bfloat16,
+        precision=cfg.train.precision,
+        fp8=cfg.fp8 if fp8 is not None else None,
+    )
     torch.manual_seed(0)
     model = rt.wrap_model(MoETransformer(cfg, dims), 1)
     opt = rt.build_optimizer(model, cfg)
@@ -63,7 +86,7 @@ def _real_bytes_bf16(rank: int, world: int, par: dict) -> dict:
     rt.optimizer_step(opt)
     moments = [t for s in opt.inner.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
     return {
-        "params": size(model.parameters()),
+        "params": sum(_param_bytes(p) for p in model.parameters()),
         "grads": grads,
         "optimizer": size(rt.mixed.masters.values()) + size(moments) + size(opt.master.values()),
     }
@@ -126,9 +149,24 @@ BF16 = [(2, {"ep": 2, "distributed_optimizer": True}), (4, {"tp": 2, "ep": 2, "d
 @pytest.mark.parametrize("world,par", BF16, ids=[f"{w}-{'-'.join(f'{k}{v}' for k, v in p.items())}" for w, p in BF16])
 def test_planner_bf16_bytes_equal_the_runtime(world: int, par: dict) -> None:
     real = run_local(_real_bytes_bf16, world, par)
-    cfg = _config(par)
-    cfg.train.precision = "bf16"
+    cfg = _fp8(_config(par), None)
     layout = layout_of(cfg, world)
     planned = state_bytes(cfg, layout, 0, precision_mode(cfg, layout, micro_batches=1, device="cpu"))
+    for rank, r in enumerate(real):
+        assert r == planned, f"rank {rank}: real {r} planned {planned}"
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_planner_fp8_primary_bytes_under_the_distributed_optimizer(recipe: str) -> None:
+    """FP8 primary weights over dp2 x ep2 with the distributed optimizer: each rank's FP8 copies (tensorwise: one
+    byte per element and a scale; rowwise: both layouts), its fp32 master shards and their moments, and its reduced
+    gradient shards, as the planner counts them."""
+    par = {"ep": 2, "distributed_optimizer": True}
+    real = run_local(_real_bytes_bf16, 4, par, (recipe, True))
+    cfg = _fp8(_config(par), (recipe, True))
+    layout = layout_of(cfg, 4)
+    mode = precision_mode(cfg, layout, micro_batches=1, device="cpu")
+    assert mode.fp8_primary
+    planned = state_bytes(cfg, layout, 0, mode)
     for rank, r in enumerate(real):
         assert r == planned, f"rank {rank}: real {r} planned {planned}"
