@@ -44,6 +44,7 @@ from moecore.kernels.fp8_transpose import transpose_last2
 from moecore.kernels.grouped_ffn import gemm_tn
 from moecore.kernels.grouped_gemm import TileConfig, group_bounds
 from moecore.kernels.grouped_gemm_fp8 import fp8_tiles, grouped_mm_scaled, grouped_wgrad_scaled
+from moecore.kernels.permute import scatter_rows
 from moecore.kernels.swiglu import swiglu, swiglu_backward
 
 # ---------------------------------------------------------------- padding
@@ -71,8 +72,8 @@ def pad_plan(
 
 
 def pad_rows(x: torch.Tensor, dst: torch.Tensor, P: int) -> torch.Tensor:
-    """[N, ...] -> [P, ...] with row i at dst[i], zeros elsewhere (differentiable)."""
-    return x.new_zeros(P, *x.shape[1:]).index_copy(0, dst, x)
+    """[N, ...] -> [P, ...] with row i at dst[i], zeros elsewhere (differentiable; keeps only dst for backward)."""
+    return scatter_rows(x, dst, P)
 
 
 class _Unpad(torch.autograd.Function):
@@ -88,7 +89,7 @@ class _Unpad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (dst,) = ctx.saved_tensors
-        return pad_rows(grad.contiguous(), dst, ctx.rows), None
+        return scatter_rows(grad.contiguous(), dst, ctx.rows), None
 
 
 # ---------------------------------------------------------------- grouped operands

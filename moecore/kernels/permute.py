@@ -100,6 +100,65 @@ def make_permutation(idx_TK: torch.Tensor, num_experts: int) -> Permutation:
     return Permutation(order, inv, counts, T, K)
 
 
+# ---------------------------------------------------------------- scattering rows into a zero buffer
+
+
+def scatter_rows(x: torch.Tensor, dst: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[N, ...] -> [num_rows, ...] with row i at dst[i], zeros elsewhere; differentiable, keeping only dst for
+    backward. Autograd's own `index_copy` keeps its source as well: a copy of every scattered row, for a backward
+    that needs only the destinations. dst may repeat a row (a scratch row the caller cuts off): which copy lands
+    there is unspecified, and each source row's gradient is the gradient of its destination."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return _ScatterRows.apply(x, dst, num_rows)
+    return _scatter(x, dst, num_rows)
+
+
+def _scatter(x: torch.Tensor, dst: torch.Tensor, num_rows: int) -> torch.Tensor:
+    return x.new_zeros(num_rows, *x.shape[1:]).index_copy(0, dst, x)
+
+
+class _ScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dst: torch.Tensor, num_rows: int) -> torch.Tensor:
+        ctx.save_for_backward(dst)
+        return _scatter(x, dst, num_rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (dst,) = ctx.saved_tensors
+        return grad.index_select(0, dst), None, None
+
+
+def weighted_sum_k(slots_TKH: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
+    """sum_k weight[t, k] * slots[t, k] ([T, K, H] -> [T, H]) with fp32 products and sums, rounded to the slots'
+    dtype. Backward keeps the slots as they are (bf16: 2 bytes per element), where autograd through
+    `(slots.float() * w).sum(1)` would keep their fp32 copy (twice the bytes of every routed row)."""
+    if torch.is_grad_enabled() and (slots_TKH.requires_grad or weight_TK.requires_grad):
+        return _WeightedSumK.apply(slots_TKH, weight_TK)
+    return _weighted_sum(slots_TKH, weight_TK)
+
+
+def _weighted_sum(slots_TKH: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
+    acc = torch.promote_types(slots_TKH.dtype, torch.float32)
+    return (slots_TKH.to(acc) * weight_TK.to(acc).unsqueeze(-1)).sum(dim=1).to(slots_TKH.dtype)
+
+
+class _WeightedSumK(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, slots_TKH: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(slots_TKH, weight_TK)
+        return _weighted_sum(slots_TKH, weight_TK)
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor):
+        slots, w = ctx.saved_tensors
+        acc = torch.promote_types(slots.dtype, torch.float32)
+        g = d_out.to(acc).unsqueeze(1)  # [T, 1, H]
+        d_slots = (g * w.to(acc).unsqueeze(-1)).to(slots.dtype) if ctx.needs_input_grad[0] else None
+        d_w = (g * slots.to(acc)).sum(-1).to(w.dtype) if ctx.needs_input_grad[1] else None
+        return d_slots, d_w
+
+
 # ---------------------------------------------------------------- references (autograd through torch ops)
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moecore.kernels.permute import permute_rows, unpermute_rows
+from moecore.kernels.permute import permute_rows, scatter_rows, unpermute_rows, weighted_sum_k
 
 
 @dataclass
@@ -132,8 +132,7 @@ def permute(
     starts = torch.cat([starts, starts.new_zeros(1)])  # the sentinel's start (its rows go to the scratch row)
     rank = torch.arange(T * K, device=x_TH.device) - starts[sorted_flat]
     dest_rows = torch.where(sorted_flat < num_experts, sorted_flat * C + rank, num_experts * C)
-    buf = x_TH.new_zeros(num_experts * C + 1, x_TH.shape[-1])
-    rows = buf.index_copy(0, dest_rows, x_TH.index_select(0, order // K))[: num_experts * C]
+    rows = scatter_rows(x_TH.index_select(0, order // K), dest_rows, num_experts * C + 1)[: num_experts * C]
     per_expert = torch.full_like(kept_per_expert, C)
     return rows, PermuteCtx(T, K, order, dest_rows, num_experts * C, per_expert, kept_per_expert)
 
@@ -143,7 +142,7 @@ def permute_probs(weight_TK: torch.Tensor, ctx: PermuteCtx) -> torch.Tensor:
     w = weight_TK.reshape(-1).index_select(0, ctx.src_flat)
     if ctx.dest_rows is None:
         return w
-    return w.new_zeros(ctx.num_rows + 1).index_copy(0, ctx.dest_rows, w)[: ctx.num_rows]  # + the scratch row
+    return scatter_rows(w, ctx.dest_rows, ctx.num_rows + 1)[: ctx.num_rows]  # + the scratch row
 
 
 def unpermute(rows_NH: torch.Tensor, ctx: PermuteCtx, weight_TK: torch.Tensor | None = None) -> torch.Tensor:
@@ -165,10 +164,8 @@ def unpermute(rows_NH: torch.Tensor, ctx: PermuteCtx, weight_TK: torch.Tensor | 
             return unpermute_rows(rows, ctx.src_flat, inv, weight_TK, T, K)
         slots = rows.index_select(0, inv)
     else:
-        slots = rows.new_zeros(T * K, H).index_copy(0, ctx.src_flat, rows)
+        slots = scatter_rows(rows, ctx.src_flat, T * K)
     slots_TKH = slots.view(T, K, H)
     if weight_TK is None:
         return slots_TKH.sum(dim=1)
-    acc = torch.promote_types(slots.dtype, torch.float32)
-    out = (slots_TKH.to(acc) * weight_TK.to(acc).unsqueeze(-1)).sum(dim=1)
-    return out.to(rows_NH.dtype)
+    return weighted_sum_k(slots_TKH, weight_TK)  # fp32 maths; backward keeps the rows in their dtype

@@ -73,3 +73,39 @@ def test_kernels_match_reference(backend, with_probs):
     for a, b in zip(res["triton"][1:], res["torch"][1:]):
         if b is not None:
             assert rel_err(a, b) < tol
+
+
+def test_scatter_rows_keeps_only_the_destinations():
+    from moecore.kernels.permute import scatter_rows
+
+    x = torch.randn(4, 3, requires_grad=True)
+    dst = torch.tensor([5, 0, 2, 6])  # row 6: a scratch row past what the caller keeps
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = scatter_rows(x, dst, 7)
+    assert len(saved) == 1 and saved[0] is dst
+    assert torch.equal(out[dst], x) and out[[1, 3, 4]].abs().sum() == 0
+    g = torch.randn(7, 3)
+    out.backward(g)
+    assert torch.equal(x.grad, g[dst])
+
+
+def test_weighted_sum_k_keeps_the_rows_in_their_dtype_and_equals_autograd():
+    """The unfused unpermutation's weighted sum (fp32 products, bf16 rows): the same values and gradients as
+    autograd through the fp32 formula, bit for bit, while backward keeps the bf16 rows, not their fp32 copy."""
+    from moecore.kernels.permute import weighted_sum_k
+
+    torch.manual_seed(0)
+    slots = torch.randn(6, 3, 8, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(6, 3, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = weighted_sum_k(slots, w)
+    assert {t.dtype for t in saved if t.dim() == 3} == {torch.bfloat16}
+    ref_slots, ref_w = slots.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = (ref_slots.float() * ref_w.unsqueeze(-1)).sum(1).to(torch.bfloat16)
+    assert torch.equal(out, ref)
+    g = torch.randn(6, 8, dtype=torch.bfloat16)
+    out.backward(g)
+    ref.backward(g)
+    assert torch.equal(slots.grad, ref_slots.grad) and torch.equal(w.grad, ref_w.grad)
