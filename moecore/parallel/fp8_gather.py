@@ -7,8 +7,9 @@ of such weights (their own buckets: `fp8_bucket_params` picks them, and the buck
 parameters, so every element of a shard travels as one byte):
 
 1. every rank takes the largest magnitude of its elements in each scale group (of their bf16 rounding, as the
-   weights are quantised without the distributed optimizer), and one all-reduce (max) over the bucket's group
-   gives every rank the whole groups' maxima;
+   weights are quantised without the distributed optimizer; per row and 128-column block first, `RowBlocks`, so
+   nothing is indexed per element), and one all-reduce (max) over the bucket's group gives every rank the whole
+   groups' maxima;
 2. the scales follow from them (`fp8_quant.scale_from_amax`) and each rank quantises its own elements with them;
 3. the bytes are all-gathered (asynchronously, finished by the forward hooks as the bf16 gathers are), and each
    weight's FP8 tensor is a view of the gathered bucket, with the scales of step 2.
@@ -38,25 +39,6 @@ def fp8_bucket_params(params: list[torch.nn.Parameter]) -> set[torch.nn.Paramete
     return {p for p in params if getattr(getattr(p, "fp8_gemm_recipe", None), "scaling", None) in ONE_BYTE_RECIPES}
 
 
-def scale_groups(
-    shape: torch.Size | tuple[int, ...], gran: str, start: int, end: int, device: torch.device
-) -> tuple[torch.Tensor, int]:
-    """(scale group of each element start..end of a weight of `shape` flattened, number of groups) for its one-byte
-    FP8 copy: `gran` "128x128" (tiles of the weight viewed as [rows, K]; experts stacked, N a multiple of 128) or
-    "tensorwise" (one group per expert of an [E, N, K] tensor, one for a linear's). The groups are numbered in the
-    order of the copy's scale tensor (`scale_shape`)."""
-    j = torch.arange(start, end, device=device)
-    K = shape[-1]
-    if gran == "128x128":
-        tiles_k = -(-K // fq.BLOCK)
-        rows = math.prod(shape) // K
-        return (j // K // fq.BLOCK) * tiles_k + (j % K) // fq.BLOCK, -(-rows // fq.BLOCK) * tiles_k
-    if len(shape) == 3:
-        per_expert = shape[1] * K
-        return j // per_expert, shape[0]
-    return torch.zeros_like(j), 1
-
-
 def scale_shape(shape: torch.Size | tuple[int, ...], gran: str) -> tuple[int, ...]:
     """The shape of the scales of a weight's one-byte FP8 copy (as fp8_grouped.quant_weights / fp8_gemm.quant_rows
     give them): tensorwise [] (a linear) or [E] (experts); 128x128 [ceil(N/128), ceil(K/128)] or [E, N/128, ...]."""
@@ -66,10 +48,52 @@ def scale_shape(shape: torch.Size | tuple[int, ...], gran: str) -> tuple[int, ..
     return (shape[0],) if len(shape) == 3 else ()
 
 
-def group_maxima(x: torch.Tensor, gid: torch.Tensor, groups: int) -> torch.Tensor:
-    """fp32 [groups]: the largest |x| of each scale group among x's elements (0 where none)."""
-    part = torch.zeros(groups, dtype=torch.float32, device=x.device)
-    return part.scatter_reduce_(0, gid, x.abs().float(), "amax")
+def as_rows(x: torch.Tensor, start: int, K: int) -> tuple[torch.Tensor, int, int]:
+    """Elements start.. of a weight flattened (x, 1-D) as whole rows of the weight viewed as [rows, K]: (rows [n, K]
+    fp32, zero outside x — zeros change no maximum; the first row's index; x's offset in the rows flattened)."""
+    if x.numel() == 0:  # none of the weight here (start may lie past its end)
+        return x.new_zeros(0, K, dtype=torch.float32), 0, 0
+    row_lo, skip = divmod(start, K)
+    n = -(-(skip + x.numel()) // K)
+    if skip == 0 and x.numel() == n * K:
+        return x.float().view(n, K), row_lo, 0
+    rows = torch.zeros(n * K, dtype=torch.float32, device=x.device)
+    rows[skip : skip + x.numel()] = x
+    return rows.view(n, K), row_lo, skip
+
+
+class RowBlocks:
+    """Rows row_lo.. of a weight of `shape` viewed as [rows, K] (`rows` [n, K] fp32) split into the blocks of its
+    one-byte FP8 copy's scale groups: 128 columns for "128x128" (groups: 128-row tiles of [rows, K], experts stacked
+    with N a multiple of 128), all K for "tensorwise" (groups: an expert of [E, N, K], or the whole tensor). Maxima
+    are taken per row and block first, so nothing per element is indexed (a few bytes of transient per element)."""
+
+    def __init__(self, rows: torch.Tensor, row_lo: int, shape: tuple[int, ...], gran: str) -> None:
+        n, K = rows.shape
+        self.width = fq.BLOCK if gran == "128x128" else K
+        self.K, nb = K, -(-K // self.width)
+        if nb * self.width != K:
+            rows = torch.nn.functional.pad(rows, (0, nb * self.width - K))
+        self.blocks = rows.view(n, nb, self.width)
+        row = torch.arange(row_lo, row_lo + n, device=rows.device)
+        if gran == "128x128":
+            row_group, self.groups = row // fq.BLOCK, -(-math.prod(shape[:-1]) // fq.BLOCK) * nb
+        elif len(shape) == 3:
+            row_group, self.groups = row // shape[1], shape[0]
+        else:
+            row_group, self.groups = torch.zeros_like(row), 1
+        self.gid = row_group[:, None] * nb + torch.arange(nb, device=rows.device)  # [n, nb], in scale_shape order
+
+    def maxima(self) -> torch.Tensor:
+        """fp32 [groups]: the largest |x| of each scale group among these rows (0 where none)."""
+        amax = torch.zeros(self.groups, dtype=torch.float32, device=self.blocks.device)
+        return amax.scatter_reduce_(0, self.gid.reshape(-1), self.blocks.abs().amax(-1).reshape(-1), "amax")
+
+    def cast(self, s: torch.Tensor) -> torch.Tensor:
+        """The rows quantised to e4m3 with the groups' scales s [groups]: [n, K]."""
+        q = fq.cast_to_fp8(self.blocks, s[self.gid].unsqueeze(-1), torch.float8_e4m3fn)
+        n, nb, width = q.shape
+        return q.view(n, nb * width)[:, : self.K]
 
 
 def quantize_shard(
@@ -85,21 +109,22 @@ def quantize_shard(
         off += p.numel()
     amax, sizes, mine = [], [], []
     for p, poff, a, e in spans:
-        gid, groups = scale_groups(p.shape, p.fp8_primary.gran, a - poff, e - poff, shard.device)
-        x = shard[a - lo : e - lo].to(p.dtype).float()  # rounded as the rebuild rounds (empty: none of p here)
-        amax.append(group_maxima(x, gid, groups))
-        sizes.append(groups)
-        mine.append((gid, x))
+        x = shard[a - lo : e - lo].to(p.dtype)  # rounded as the rebuild rounds (empty: none of p here)
+        rows, row_lo, skip = as_rows(x, a - poff, p.shape[-1])
+        blocks = RowBlocks(rows, row_lo, tuple(p.shape), p.fp8_primary.gran)
+        amax.append(blocks.maxima())
+        sizes.append(blocks.groups)
+        mine.append((blocks, skip))
     amax_all = torch.cat(amax)
     if group.size > 1:
         torch.distributed.all_reduce(amax_all, op=torch.distributed.ReduceOp.MAX, group=group.pg)
     out = torch.zeros(shard.numel(), dtype=torch.uint8, device=shard.device)  # the padding stays 0
     scales = {}
-    for (p, _, a, e), part, (gid, x) in zip(spans, amax_all.split(sizes), mine):
+    for (p, _, a, e), part, (blocks, skip) in zip(spans, amax_all.split(sizes), mine):
         s = fq.scale_from_amax(part, torch.float8_e4m3fn, p.fp8_gemm_recipe.pow2)
         scales[p] = s
-        if x.numel():
-            out[a - lo : e - lo] = fq.cast_to_fp8(x, s[gid], torch.float8_e4m3fn).view(torch.uint8)
+        if e > a:
+            out[a - lo : e - lo] = blocks.cast(s).reshape(-1)[skip : skip + e - a].view(torch.uint8)
     return out, scales
 
 

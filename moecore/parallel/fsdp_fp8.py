@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from moecore.kernels import fp8_quant as fq
-from moecore.parallel.fp8_gather import ONE_BYTE_RECIPES, scale_shape
+from moecore.parallel.fp8_gather import ONE_BYTE_RECIPES, RowBlocks, scale_shape
 
 E4M3 = torch.float8_e4m3fn
 
@@ -62,37 +62,6 @@ def _wrapper(cls, like: torch.Tensor, dtype: torch.dtype, requires_grad: bool = 
         cls, like.size(), strides=like.stride(), storage_offset=like.storage_offset(), dtype=dtype,
         layout=like.layout, device=like.device, requires_grad=requires_grad,
     )  # fmt: skip
-
-
-def quantize_rows(
-    x: torch.Tensor, lo_row: int, shape: tuple[int, ...], gran: str, pow2: bool, group=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows lo_row.. of a weight of `shape` viewed as [rows, K] (x: [n, K] fp32) quantised to e4m3 with the whole
-    weight's scales: each row's maxima per scale block (128 columns for "128x128", all K for "tensorwise"), reduced
-    into the weight's scale groups (128-row tiles; an expert; the tensor), all-reduced (max) over `group` (the ranks
-    holding the other rows). Returns (q [n, K], the scales flat in `scale_shape` order). Transient memory is a few
-    bytes per element, not an index per element."""
-    n, K = x.shape
-    width = fq.BLOCK if gran == "128x128" else K
-    blocks_k = -(-K // width)
-    if blocks_k * width != K:
-        x = torch.nn.functional.pad(x, (0, blocks_k * width - K))
-    blocks = x.view(n, blocks_k, width)
-    row = torch.arange(lo_row, lo_row + n, device=x.device)
-    if gran == "128x128":  # tiles of [rows, K]; experts stacked along rows (N a multiple of 128)
-        row_group, groups = row // fq.BLOCK, -(-math.prod(shape[:-1]) // fq.BLOCK) * blocks_k
-    elif len(shape) == 3:  # tensorwise experts: one scale per expert
-        row_group, groups = row // shape[1], shape[0]
-    else:
-        row_group, groups = torch.zeros_like(row), 1
-    gid = row_group[:, None] * blocks_k + torch.arange(blocks_k, device=x.device)  # [n, blocks_k]
-    amax = torch.zeros(groups, dtype=torch.float32, device=x.device)
-    amax.scatter_reduce_(0, gid.reshape(-1), blocks.abs().amax(-1).reshape(-1), "amax")
-    if group is not None:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    s = fq.scale_from_amax(amax, E4M3, pow2)
-    q = fq.cast_to_fp8(blocks, s[gid].unsqueeze(-1), E4M3).view(n, blocks_k * width)[:, :K]
-    return q, s
 
 
 class Fp8ShardedWeight(torch.Tensor):
@@ -142,12 +111,14 @@ class Fp8ShardedWeight(torch.Tensor):
         # FSDP2 gives rank r the r-th chunk of ceil(rows / world) slices of dim 0; the all-gather input is that padded
         padded = (-(-outer_size[0] // world), *outer_size[1:])
         K = outer_size[-1]
-        x = shard.reshape(-1, K).to(dtype).float()  # whole rows of the weight viewed as [rows, K]
-        lo_row = rank * math.prod(padded) // K
-        group = mesh.get_group() if world > 1 else None
-        q, s = quantize_rows(x, lo_row, tuple(outer_size), self.gran, self.pow2, group)
+        # whole rows of the weight viewed as [rows, K], rounded as the weights are without FSDP
+        blocks = RowBlocks(shard.reshape(-1, K).to(dtype).float(), rank * math.prod(padded) // K, outer_size, self.gran)
+        amax = blocks.maxima()
+        if world > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        s = fq.scale_from_amax(amax, E4M3, self.pow2)
         out = torch.zeros(math.prod(padded), dtype=torch.uint8, device=shard.device)  # the padding stays 0
-        out[: q.numel()] = q.view(torch.uint8).reshape(-1)
+        out[: shard.numel()] = blocks.cast(s).view(torch.uint8).reshape(-1)
         return (out.view(padded),), (s.view(scale_shape(outer_size, self.gran)),)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype: torch.dtype, *, out=None):

@@ -105,9 +105,15 @@ def test_fsdp_gathers_the_fp8_copy_of_the_whole_weight(scaling, pow2):
         assert all(got["equal"].values()), got["equal"]
 
 
-def test_fsdp_run_computes_with_the_gathered_fp8_copies(tmp_path):
+@pytest.mark.parametrize(
+    "recompute",
+    [[], ["model.recompute_granularity=selective", "model.recompute_modules=[moe_act,norm]"]],
+    ids=["", "recompute"],
+)
+def test_fsdp_run_computes_with_the_gathered_fp8_copies(tmp_path, recompute):
     """`moecore train ... parallel.fsdp=true fp8.primary_weights=true` (one process: FSDP2 over a one-rank mesh):
-    every FP8 GEMM weight is gathered as FP8, and the layers compute with the gathered copy."""
+    every FP8 GEMM weight is gathered as FP8, and the layers compute with the gathered copy (also where selective
+    recomputation's saved-tensor hooks see the gathered weights)."""
     from moecore.config import load_config
     from moecore.moe.experts import GroupedExperts
     from moecore.parallel.fsdp_fp8 import Fp8GatheredWeight
@@ -118,7 +124,7 @@ def test_fsdp_run_computes_with_the_gathered_fp8_copies(tmp_path):
     run = ["train.device=cpu", "train.seq_length=16", "train.global_batch_size=2", "train.micro_batch_size=1"]
     run += ["log.progress=false", "log.tensorboard=false", "moe.num_experts=4", "moe.first_k_dense_replace=1"]
     fp8 = ["train.precision=fp8", "fp8.emulate=true", "fp8.recipe=blockwise", "fp8.primary_weights=true"]
-    cfg = load_config("tiny-moe", dims + run + fp8 + ["parallel.fsdp=true", f"train.run_dir={tmp_path}"])
+    cfg = load_config("tiny-moe", dims + run + fp8 + recompute + ["parallel.fsdp=true", f"train.run_dir={tmp_path}"])
     trainer = Trainer(cfg)
     try:
         gathered = trainer.rt.grad_reducer.fp8_gathered
