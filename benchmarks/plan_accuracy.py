@@ -5,7 +5,7 @@ writes OUT.json (one record per configuration) and OUT.md (the table of docs/pla
 
 Each configuration is a recipe plus overrides (Qwen3-30B-A3B and DeepSeek-V2-Lite cut to a few
 layers, ep 1, sequence 4096, several micro-batch sizes, recomputation options, precisions and
-optimizer-state dtypes). It is built by the real `moecore.train.loop.Trainer` on the embedded corpus
+optimizer-state dtypes, FP8 recipes with and without primary weights). It is built by the real `moecore.train.loop.Trainer` on the embedded corpus
 and runs `--steps` optimizer steps (`Trainer.train_step`, no checkpoint); the measured peak is
 torch.cuda.max_memory_allocated over the whole build and the steps, minus what was allocated before.
 The estimate is `estimate_memory(cfg, layout).peak_allocated` for the same config (the framework
@@ -26,7 +26,7 @@ from pathlib import Path
 # (name, recipe, overrides); all on one GPU with ep 1 and a 4096-token sequence
 COMMON = ["parallel.ep=1", "train.seq_length=4096", "train.eval_interval=0", "log.progress=false",
           "log.tensorboard=false", "checkpoint.interval=0"]  # fmt: skip
-Q, D = "qwen3-30b-a3b", "deepseek-v2-lite"
+Q, D, N = "qwen3-30b-a3b", "deepseek-v2-lite", "qwen3-next-80b-a3b"
 CONFIGS = [
     ("qwen3-4L-none-mbs1x2", Q, ["model.num_layers=4", "model.recompute_granularity=none",
                                  "train.micro_batch_size=1", "train.global_batch_size=2"]),
@@ -43,6 +43,17 @@ CONFIGS = [
     ("qwen3-8L-offload-moe_act-mbs4", Q, ["model.num_layers=8", "model.recompute_modules=[norm]",
                                           "model.offload_modules=[moe_act]",
                                           "train.micro_batch_size=4", "train.global_batch_size=4"]),
+    *[(f"qwen3-4L-fp8-{r}{'-primary' if p else ''}-mbs2", Q,
+       ["model.num_layers=4", "train.micro_batch_size=2", "train.global_batch_size=2", "train.precision=fp8",
+        f"fp8.recipe={r}", f"fp8.primary_weights={str(p).lower()}"]) for r in ("rowwise", "blockwise") for p in (False, True)],
+    ("qwen3-4L-capacity-mbs2", Q, ["model.num_layers=4", "moe.expert_capacity_factor=1.0",
+                                   "moe.pad_expert_input_to_capacity=true", "train.micro_batch_size=2",
+                                   "train.global_batch_size=2"]),
+    # gated DeltaNet (3 of 4 layers) and 512 experts; bf16 state so that 4 layers fit an 80 GB GPU
+    ("qwen3next-4L-recipe-mbs1", N, ["model.num_layers=4", "model.layer_types=[" + ",".join(
+                                         ["linear_attention"] * 3 + ["full_attention"]) + "]",
+                                     "optim.state_dtype=bf16", "optim.master_weights=bf16",
+                                     "train.micro_batch_size=1", "train.global_batch_size=1"]),
     ("dsv2lite-4L-none-mbs2", D, ["model.num_layers=4", "model.recompute_granularity=none",
                                   "train.micro_batch_size=2", "train.global_batch_size=2"]),
     ("dsv2lite-4L-recipe-mbs1x2", D, ["model.num_layers=4", "train.micro_batch_size=1",

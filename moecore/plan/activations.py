@@ -19,8 +19,9 @@ expert rank holds: T/tp x top-k x etp, times the load-imbalance margin when ep >
 | mlp | dense SwiGLU: gate, up, silu(gate), product (GeLU: up and gelu) | mlp |
 | router | router logits (fp32), top-k indices (int64), valid mask | moe |
 | permute | permutation indices; with probabilities applied at combine also the expert outputs | moe |
-| experts | expert input rows [N, H], w13 output [N, 2F/etp], probabilities; unfused: activation intermediates | moe (moe_act: the intermediates) |
+| experts | expert input rows [N, H], w13 output [N, 2F/etp], probabilities (FP8 blockwise: N padded per expert to 128); unfused: activation intermediates | moe (moe_act: the intermediates) |
 | (minimal) | `moe.activation_memory=minimal`: permute = order, inverse, probabilities; experts = w13 output [N, 2F] | moe |
+| (chunked) | `moe.activation_memory=chunked`: permute as minimal; experts = nothing (FC1 is computed again) | moe |
 | shared_experts | the shared expert MLP's intermediates | shared_experts, moe |
 
 With full recomputation a layer keeps only its input (T/tp x H x b). `model.offload_modules` moves the
@@ -52,6 +53,11 @@ class ActContext:
     residual_bytes: int  # element size of the residual stream (4 under autocast on fp32 parameters)
     fused: bool  # GPU kernels (fused router, permute, expert FFN, cross-entropy)
     imbalance: float  # margin on routed rows per expert rank when ep > 1
+    # FP8 recipes that pad every expert GEMM's rows to their alignment (fp8.padding=all: blockwise's 128): the
+    # alignment, else 0 (rowwise pads only its weight-gradient operands, which it does not keep)
+    expert_row_alignment: int = 0
+    # whether that padding is the fixed bound (GEMMs that read their offsets on the GPU) or exact (host counts)
+    expert_row_bound: bool = False
 
 
 def _recompute_set(layout: Layout) -> set[str]:
@@ -107,6 +113,30 @@ def routed_rows(cfg: Config, layout: Layout, c: ActContext) -> float:
     return rows * (c.imbalance if layout.ep > 1 else 1.0)
 
 
+def padded_rows(cfg: Config, layout: Layout, c: ActContext, n: float) -> float:
+    """Rows of the expert FFN's operands once FP8 padding rounds each local expert's rows up to the alignment
+    a (moecore/kernels/fp8_grouped.py pad_plan): the fixed bound N + E (a - 1), rounded up to a, where the GEMMs
+    read their offsets on the GPU (no host sync: torch's grouped GEMM, rowwise's Triton kernels); otherwise the exact
+    padding (blockwise, and the CPU), (a - 1) / 2 rows per expert on average."""
+    a = c.expert_row_alignment
+    if not a:
+        return n
+    experts = cfg.moe.num_experts // layout.ep
+    if c.expert_row_bound:
+        return -(-(n + experts * (a - 1)) // a) * a
+    return n + experts * (a - 1) / 2
+
+
+def expert_memory_mode(cfg: Config, layout: Layout, c: ActContext) -> str:
+    """moe.activation_memory as the MoE layer runs it (moecore/moe/layer.py `_minimal_memory`): minimal and chunked
+    need one expert rank, dropless SwiGLU grouped experts in bf16 on GPUs (any dtype on CPU), not FP8 experts."""
+    e = cfg.moe
+    fp8_experts = cfg.train.precision == "fp8" and "experts" in cfg.fp8.modules
+    runs = cfg.model.activation == "swiglu" and e.grouped_gemm and e.expert_capacity_factor is None
+    runs = runs and layout.ep == 1 and layout.etp == 1 and (c.act_bytes == 2 or not c.fused) and not fp8_experts
+    return e.activation_memory if runs else "standard"
+
+
 def ffn_modules(cfg: Config, is_moe: bool, layout: Layout, c: ActContext) -> dict[str, float]:
     """Saved bytes of one layer's feed-forward half (norm, dense MLP or MoE block), by module key."""
     m, e = cfg.model, cfg.moe
@@ -129,13 +159,14 @@ def ffn_modules(cfg: Config, is_moe: bool, layout: Layout, c: ActContext) -> dic
     if not e.apply_probs_on_input:
         perm += n * h * b + n * 4  # unpermute keeps the expert outputs and probabilities to weight them
     out["permute"] = perm
-    minimal = e.activation_memory == "minimal" and swiglu and e.grouped_gemm and e.expert_capacity_factor is None
-    if minimal and layout.ep == 1 and layout.etp == 1 and (b == 2 or not c.fused):  # moecore/moe/minimal.py
+    memory_mode = expert_memory_mode(cfg, layout, c)
+    if memory_mode != "standard":  # moecore/moe/minimal.py, chunked.py
         out["permute"] = n * (8 + 8 + 4)  # sort order, its inverse, per-row probability (x is norm_out)
-        out["experts"] = n * 2 * f * b  # the w13 output only
+        out["experts"] = n * 2 * f * b if memory_mode == "minimal" else 0.0  # the w13 output (minimal)
         out["moe_act"] = 0.0
     elif swiglu and c.fused and e.grouped_gemm and b == 2:  # the fused expert FFN runs in bf16 on GPUs
-        out["experts"] = n * h * b + n * 2 * f * b + n * 4
+        p = padded_rows(cfg, layout, c, n)  # FP8 with every GEMM padded keeps x and h padded (n otherwise)
+        out["experts"] = p * h * b + p * 2 * f * b + p * 4
         out["moe_act"] = 0.0
     else:
         rows13 = 2 * f if swiglu else f
@@ -257,6 +288,11 @@ def layer_backward_workspace(cfg: Config, is_moe: bool, layout: Layout, c: ActCo
     if is_moe:
         n = routed_rows(cfg, layout, c)
         f = e.ffn_hidden_size // layout.etp
+        if expert_memory_mode(cfg, layout, c) == "chunked":  # moecore/moe/chunked.py backward, per chunk
+            rows = min(n, max(e.activation_chunk_rows, n / e.num_experts))  # whole experts: at least one's rows
+            # the fp32 input-gradient accumulator, and the larger of: x, dOut gathered, h, da, dh, a*p (after
+            # the SwiGLU backward) or dh, the chunk's input gradient and its fp32 copy (the last GEMM)
+            return T / layout.tp * h * 4 + rows * max(b * (2 * h + 6 * f), b * (2 * f + h) + 4 * h)
         ws = n * b * (2 * h + 3 * f)
         if layout.ep > 1:
             ws += 2 * n * h * b  # all-to-all send and receive buffers of the gradient

@@ -5,7 +5,8 @@ For every pipeline stage the estimate adds, per rank:
 - `activations`: what one micro-batch's decoder layers keep for backward (moecore.plan.activations),
   times the micro-batches in flight on that stage (1F1B: stage s holds min(m, pp - s); interleaved
   with vpp chunks: (pp - s) + (pp - 1 - s) / vpp, Korthikanti et al. 2022); under autocast on fp32
-  parameters, the bf16 weight copies the matmuls keep are counted here too;
+  parameters, the bf16 weight copies the matmuls keep are counted here too, and under FP8 (tensorwise,
+  blockwise) without primary weights the FP8 weight copies the forward saves for the backward;
 - `loss`: the logits / loss chunk of the last stage (one micro-batch);
 - `workspace`: the largest transient of backward: a layer's activation gradients (routed rows with
   the load-imbalance margin and the all-to-all buffers under ep), the activations a recomputed layer
@@ -113,7 +114,19 @@ def in_flight(layout: Layout, stage: int, m: int) -> float:
 def act_context(cfg: Config, layout: Layout, mode: PrecisionMode, opts: PlanOptions) -> ActContext:
     tokens = layout.micro_batch_size * cfg.train.seq_length // layout.cp
     residual = 4 if mode.autocast else mode.act_bytes
-    return ActContext(tokens, mode.act_bytes, residual, opts.device == "cuda", opts.imbalance)
+    align = _expert_row_alignment(cfg, mode)
+    cuda = opts.device == "cuda"
+    # kernels/fp8_grouped.py _device_offsets_only: every recipe's GEMMs but blockwise's read offsets on the GPU
+    bound = bool(align) and cuda and mode.fp8 != "blockwise"
+    return ActContext(tokens, mode.act_bytes, residual, cuda, opts.imbalance, align, bound)
+
+
+def _expert_row_alignment(cfg: Config, mode: PrecisionMode) -> int:
+    """The alignment FP8 pads every expert GEMM's rows to (fp8.padding=all), when the experts run in FP8; else 0."""
+    f8 = cfg.fp8
+    if not mode.fp8 or "experts" not in f8.modules or f8.resolved("padding") != "all":
+        return 0
+    return f8.alignment  # apply_fp8 makes every SwiGLU expert FFN FP8 (the config refuses unaligned widths)
 
 
 def _optimizer_step_transient(layout: Layout, summary: ParamSummary) -> float:
@@ -131,13 +144,17 @@ def _optimizer_step_transient(layout: Layout, summary: ParamSummary) -> float:
 
 
 def _weight_copies(layout: Layout, summary: ParamSummary, mode: PrecisionMode) -> float:
-    """Autocast on fp32 parameters: the bf16 copies of the matrices the kept matmuls saved (one micro-batch)."""
-    if not mode.autocast or layout.recompute_granularity == "full":
+    """The weight copies the kept matmuls saved for backward (one micro-batch): under autocast on fp32 parameters
+    the bf16 casts of the matrices; under FP8 without primary weights the one-byte recipes' FP8 copies."""
+    if layout.recompute_granularity == "full":
         return 0.0
-    n = summary.matmuls
-    if layout.recompute_granularity == "selective" and "moe" in layout.recompute_modules:
-        n -= summary.moe_matmuls
-    return 2.0 * n
+    moe_recomputed = layout.recompute_granularity == "selective" and "moe" in layout.recompute_modules
+    if mode.autocast:
+        return 2.0 * (summary.matmuls - (summary.moe_matmuls if moe_recomputed else 0))
+    if mode.fp8_kept_per_micro_batch:
+        kept = sum(b for _, b in summary.fp8_weights.values())
+        return float(kept - (summary.fp8_moe_copy if moe_recomputed else 0))
+    return 0.0
 
 
 def _stage_kinds(cfg: Config, pp: int, stage: int, cache: dict) -> list[tuple[int, int]]:

@@ -17,6 +17,7 @@ over the expert data-parallel group, not dp x cp).
 | fp32 | 4 | - | 4 | 8 |
 | bf16 | 2 | 4 (0 with master_weights=bf16) | 4 when summed, else 2 | 8 (4 with state_dtype=bf16) |
 | fp16 (autocast on fp32 parameters) | 4 | - | 4 | 8 |
+| fp8 | as bf16; with `fp8.primary_weights` the FP8 GEMMs' weights 1 (+ scales), rowwise 2 (both layouts) | 4 | as bf16 | as bf16 |
 
 "Summed" gradients: more than one micro-batch per step, or more than one rank. With the
 distributed optimizer the master weights and moments of each (parameter group, reduction domain)
@@ -30,7 +31,7 @@ and moments are all sharded.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moecore.config import Config
 from moecore.plan.layout import Layout
@@ -44,6 +45,8 @@ class ParamEntry:
     numel: int
     decay: bool
     expert: bool = False
+    # a weight FP8 GEMMs can compute with: (fp8.modules kind, G, N, K) for G matrices of [N, K] (None: never FP8)
+    gemm: tuple[str, int, int, int] | None = None
 
 
 def _linear_attention_numels(cfg: Config, tp: int = 1) -> list[tuple[str, int, int]]:
@@ -70,9 +73,10 @@ def _attention(cfg: Config, layer: int, tp: int, prefix: str) -> list[ParamEntry
     h = m.hidden_size
     out: list[ParamEntry] = []
 
-    def add(name: str, numel: int, ndim: int) -> None:
+    def add(name: str, numel: int, ndim: int, n_k: tuple[int, int] | None = None) -> None:
         full = prefix + name
-        out.append(ParamEntry(full, numel, decay=ndim >= 2 and not name.endswith(".bias") and "norm" not in full))
+        decay = ndim >= 2 and not name.endswith(".bias") and "norm" not in full
+        out.append(ParamEntry(full, numel, decay, gemm=None if n_k is None else ("attention", 1, *n_k)))
 
     if m.layer_types is not None and m.layer_types[layer] == "linear_attention":
         for name, numel, ndim in _linear_attention_numels(cfg, tp):
@@ -82,15 +86,17 @@ def _attention(cfg: Config, layer: int, tp: int, prefix: str) -> list[ParamEntry
         n = m.num_attention_heads // tp  # up-projections split by heads; down-projections and indexer whole
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         if m.q_lora_rank is None:
-            add("attn.q_proj.weight", h * n * qk, 2)
+            add("attn.q_proj.weight", h * n * qk, 2, (n * qk, h))
         else:
-            add("attn.q_a_proj.weight", h * m.q_lora_rank, 2)
+            add("attn.q_a_proj.weight", h * m.q_lora_rank, 2, (m.q_lora_rank, h))
             add("attn.q_a_layernorm.weight", m.q_lora_rank, 1)
-            add("attn.q_b_proj.weight", m.q_lora_rank * n * qk, 2)
-        add("attn.kv_a_proj_with_mqa.weight", h * (m.kv_lora_rank + m.qk_rope_head_dim), 2)
+            add("attn.q_b_proj.weight", m.q_lora_rank * n * qk, 2, (n * qk, m.q_lora_rank))
+        kv_a = m.kv_lora_rank + m.qk_rope_head_dim
+        add("attn.kv_a_proj_with_mqa.weight", h * kv_a, 2, (kv_a, h))
         add("attn.kv_a_layernorm.weight", m.kv_lora_rank, 1)
-        add("attn.kv_b_proj.weight", m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim), 2)
-        add("attn.o_proj.weight", n * m.v_head_dim * h, 2)
+        kv_b = n * (m.qk_nope_head_dim + m.v_head_dim)
+        add("attn.kv_b_proj.weight", m.kv_lora_rank * kv_b, 2, (kv_b, m.kv_lora_rank))
+        add("attn.o_proj.weight", n * m.v_head_dim * h, 2, (h, n * m.v_head_dim))
         if m.attention_type == "dsa":  # reads the q latent, so q_lora_rank is set (the model refuses None)
             nh, d = m.index_n_heads, m.index_head_dim
             add("attn.indexer.wq_b.weight", m.q_lora_rank * nh * d, 2)
@@ -102,14 +108,14 @@ def _attention(cfg: Config, layer: int, tp: int, prefix: str) -> list[ParamEntry
     hd = m.resolved_head_dim
     nq, nkv = m.num_attention_heads * hd, m.kv_heads * hd
     q_out = nq * (2 if m.attn_output_gate else 1)
-    add("attn.q_proj.weight", h * q_out // tp, 2)
-    add("attn.k_proj.weight", h * nkv // tp, 2)
-    add("attn.v_proj.weight", h * nkv // tp, 2)
+    add("attn.q_proj.weight", h * q_out // tp, 2, (q_out // tp, h))
+    add("attn.k_proj.weight", h * nkv // tp, 2, (nkv // tp, h))
+    add("attn.v_proj.weight", h * nkv // tp, 2, (nkv // tp, h))
     if m.qkv_bias:
         add("attn.q_proj.bias", q_out // tp, 1)
         add("attn.k_proj.bias", nkv // tp, 1)
         add("attn.v_proj.bias", nkv // tp, 1)
-    add("attn.o_proj.weight", nq // tp * h, 2)
+    add("attn.o_proj.weight", nq // tp * h, 2, (h, nq // tp))
     if m.attn_out_bias:
         add("attn.o_proj.bias", h, 1)
     if m.qk_norm:
@@ -124,23 +130,29 @@ def _ffn(cfg: Config, is_moe: bool, layout: Layout, prefix: str) -> list[ParamEn
     m, e = cfg.model, cfg.moe
     h = m.hidden_size
     mats = 3 if m.activation == "swiglu" else 2
+    # gate / up [F / tp, H] and down [H, F / tp]: as mats x [F / tp, H] in numel and in the scales of every FP8 copy
+    # the plan counts (tensorwise, 128x128 tiles, rowwise primary weights' two layouts)
     if not is_moe:
-        return [ParamEntry(prefix + "mlp.proj", mats * h * m.ffn_hidden_size // layout.tp, True)]
+        f = m.ffn_hidden_size // layout.tp
+        return [ParamEntry(prefix + "mlp.proj", mats * h * f, True, gemm=("dense_mlp", mats, f, h))]
     out = [ParamEntry(prefix + "mlp.router.weight", e.num_experts * h, True)]
     gated = 2 if m.activation in ("swiglu", "swiglu_clamped") else 1  # w13 rows per FFN column: gate and up, or up
     if getattr(m, "router_logit_bias", False):  # gpt-oss: a learned bias [E] on the router logits
         out.append(ParamEntry(prefix + "mlp.router.bias", e.num_experts, False))
     f_loc = e.ffn_hidden_size // layout.etp
     e_loc = e.num_experts // layout.ep
-    out.append(ParamEntry(prefix + "mlp.experts.w13", e_loc * gated * f_loc * h, True, expert=True))
-    out.append(ParamEntry(prefix + "mlp.experts.w2", e_loc * h * f_loc, True, expert=True))
+    swiglu = m.activation == "swiglu"  # the FP8 expert FFN is SwiGLU's (moecore/models/fp8.py)
+    w13, w2 = ("experts", e_loc, gated * f_loc, h), ("experts", e_loc, h, f_loc)
+    out.append(ParamEntry(prefix + "mlp.experts.w13", e_loc * gated * f_loc * h, True, True, w13 if swiglu else None))
+    out.append(ParamEntry(prefix + "mlp.experts.w2", e_loc * h * f_loc, True, True, w2 if swiglu else None))
     if getattr(m, "expert_linear_bias", False):
         # gpt-oss's expert biases b13 [E, 2F] and b2 [E, H] (moecore/models/biased_moe.py; etp = 1 only), trained
         # without weight decay like every bias (moecore.optim.groups.no_decay).
         out.append(ParamEntry(prefix + "mlp.experts.b13", e_loc * gated * f_loc, False, expert=True))
         out.append(ParamEntry(prefix + "mlp.experts.b2", e_loc * h, False, expert=True))
     if e.shared_expert_intermediate_size:
-        out.append(ParamEntry(prefix + "mlp.shared_experts", mats * h * e.shared_expert_intermediate_size, True))
+        sh = e.shared_expert_intermediate_size
+        out.append(ParamEntry(prefix + "mlp.shared_experts", mats * h * sh, True, gemm=("shared_experts", mats, sh, h)))
         if e.shared_expert_gate:
             out.append(ParamEntry(prefix + "mlp.shared_expert_gate.weight", h, True))
     return out
@@ -202,6 +214,14 @@ class PrecisionMode:
     moments: int
     autocast: bool  # bf16 / fp16 autocast on fp32 parameters: casts of the weights live per micro-batch
     act_bytes: int  # activation element size
+    fp8: str = ""  # train.precision=fp8: the recipe (tensorwise | rowwise | blockwise)
+    fp8_primary: bool = False  # fp8.primary_weights: the FP8 GEMMs' weights live as their FP8 copies only
+
+    @property
+    def fp8_kept_per_micro_batch(self) -> bool:
+        """The FP8 copies of the weights a forward quantises are saved for its backward (one-byte recipes without
+        primary weights; rowwise re-quantises w^T in backward: moecore/kernels/fp8_gemm.py, fp8_grouped.py)."""
+        return self.fp8 in ("tensorwise", "blockwise") and not self.fp8_primary
 
 
 PRECISIONS = ("", "adam_bf16", "master_bf16")  # Layout.precision: the config's; bf16 moments; bf16 master and moments
@@ -225,8 +245,23 @@ def precision_mode(cfg: Config, layout: Layout, micro_batches: int, device: str 
     master_bf16 = getattr(o, "master_weights", "fp32") == "bf16" or layout.precision == "master_bf16"
     state_bf16 = getattr(o, "state_dtype", "fp32") == "bf16" or layout.precision in ("adam_bf16", "master_bf16")
     summed = micro_batches > 1 or layout.world > 1  # as moecore.train.runtime decides sum_in_fp32
-    name = "bf16" + ("/bf16-master" if master_bf16 else "") + ("/bf16-adam" if state_bf16 else "")
-    return PrecisionMode(name, 2, 0 if master_bf16 else 4, 4 if summed else 2, 4 if state_bf16 else 8, False, 2)
+    fp8, primary = (cfg.fp8.recipe, cfg.fp8.primary_weights) if prec == "fp8" else ("", False)
+    name = f"fp8-{fp8}" + ("/primary" if primary else "") if fp8 else "bf16"
+    name += ("/bf16-master" if master_bf16 else "") + ("/bf16-adam" if state_bf16 else "")
+    master = 0 if master_bf16 else 4
+    return PrecisionMode(name, 2, master, 4 if summed else 2, 4 if state_bf16 else 8, False, 2, fp8, primary)
+
+
+def fp8_copy_bytes(recipe: str, groups: int, n: int, k: int, primary: bool = False) -> int:
+    """Bytes of the FP8 copy of `groups` matrices of [n, k]: one byte per element and fp32 scales (tensorwise: one
+    per matrix; blockwise: per 128x128 tile; rowwise: per row). A rowwise primary weight keeps its transpose too
+    (scales per column): moecore/models/fp8.py's quantize_primary."""
+    if recipe == "tensorwise":
+        return groups * (n * k + 4)
+    if recipe == "blockwise":
+        return groups * (n * k + 4 * -(-n // 128) * -(-k // 128))
+    one = groups * (n * k + 4 * n)
+    return one + groups * (n * k + 4 * k) if primary else one
 
 
 def _flat_shard(n: int, g: int) -> int:
@@ -242,6 +277,10 @@ class ParamSummary:
     largest_layer: int  # elements of the largest decoder layer
     matmuls: int  # decayed (matrix) elements outside the embedding: what autocast casts to bf16
     moe_matmuls: int  # of which router and routed experts (dropped from the casts by "moe" recomputation)
+    # train.precision=fp8: (decay, expert) -> (elements of the weights FP8 GEMMs compute with, bytes of their FP8
+    # copies as fp8.primary_weights keeps them); and the bytes of the routed experts' copies a forward quantises
+    fp8_weights: dict = field(default_factory=dict)
+    fp8_moe_copy: int = 0
 
     @property
     def total(self) -> int:
@@ -270,10 +309,41 @@ def param_summary(cfg: Config, layout: Layout, stage: int = 0, cache: dict | Non
             matmuls += e.numel
             if ".mlp.experts" in e.name or ".mlp.router" in e.name:
                 moe_matmuls += e.numel
-    out = ParamSummary(groups, max(per_layer.values(), default=0), matmuls, moe_matmuls)
+    fp8, fp8_moe = _fp8_summary(cfg, entries)
+    out = ParamSummary(groups, max(per_layer.values(), default=0), matmuls, moe_matmuls, fp8, fp8_moe)
     if cache is not None:
         cache[key] = out
     return out
+
+
+def _fp8_summary(cfg: Config, entries: list[ParamEntry]) -> tuple[dict, int]:
+    """`ParamSummary.fp8_weights` and `.fp8_moe_copy`: the entries whose GEMMs apply_fp8 makes FP8 (a kind in
+    fp8.modules; linears with both dimensions multiples of the recipe's alignment, as moecore/models/fp8.py)."""
+    if cfg.train.precision != "fp8":
+        return {}, 0
+    f = cfg.fp8
+    align = f.alignment
+    out: dict = {}
+    moe_copy = 0
+    for e in entries:
+        if e.gemm is None or e.gemm[0] not in f.modules:
+            continue
+        kind, g, n, k = e.gemm
+        if kind != "experts" and (n % align or k % align):
+            continue
+        key = (e.decay, e.expert)
+        numel, kept = out.get(key, (0, 0))
+        out[key] = (numel + e.numel, kept + fp8_copy_bytes(f.recipe, g, n, k, primary=f.primary_weights))
+        if kind == "experts":
+            moe_copy += fp8_copy_bytes(f.recipe, g, n, k)
+    return out, moe_copy
+
+
+def _param_bytes(n: int, group: tuple, summary: ParamSummary, mode: PrecisionMode) -> int:
+    """Bytes of one rank's whole parameters of a group: FP8 primary weights as their FP8 copies, the rest in the
+    parameter dtype."""
+    numel, kept = summary.fp8_weights.get(group, (0, 0)) if mode.fp8_primary else (0, 0)
+    return (n - numel) * mode.param + kept
 
 
 def state_bytes(
@@ -284,9 +354,10 @@ def state_bytes(
     moments = mode.moments if cfg.optim.name == "adamw" else mode.moments // 2
     params = grads = opt = 0
     sharded = layout.distributed_optimizer or layout.fsdp
-    for (_, expert), n in summary.groups.items():
+    for group, n in summary.groups.items():
         if not n:
             continue
+        expert = group[1]
         g = layout.edp if expert else layout.dp_cp
         if sharded and g > 1 and layout.fsdp:
             # FSDP's sharded parameters are the master weights (fp32; bf16 with optim.master_weights=bf16),
@@ -302,11 +373,11 @@ def state_bytes(
             # shard only (moecore/parallel/distributed_optimizer.py); a domain of one rank is one shard
             shard = _flat_shard(n, g)
             opt += shard * (4 + moments)
-            params += n * mode.param
+            params += _param_bytes(n, group, summary, mode)
             grads += shard * 4
         else:
             opt += n * (mode.master + moments)
-            params += n * mode.param
+            params += _param_bytes(n, group, summary, mode)
             grads += n * mode.grad
     return {"params": params, "grads": grads, "optimizer": opt}
 

@@ -209,7 +209,9 @@ def run(args: argparse.Namespace) -> int:
     if not any(c.fits for c in cands):
         print(smallest_fit(cfg, args.gpus, args.gpu_mem, hw, opts))
     print(
-        f"assumptions: matmuls at {hw.efficiency:g} x {hw.peak_tflops:g} TFLOP/s, optimizer at {hw.hbm_gbps:g} GB/s, "
+        f"assumptions: matmuls at {hw.efficiency:g} x {hw.peak_tflops:g} TFLOP/s"
+        + (" (FP8 GEMMs timed as bf16's)" if cfg.train.precision == "fp8" else "")
+        + f", optimizer at {hw.hbm_gbps:g} GB/s, "
         f"NVLink {hw.intra_gbps:g} GB/s, "
         f"inter-node {hw.inter_gbps:g} GB/s per GPU, expert load imbalance x{opts.imbalance:g}, "
         "framework = 1 GiB + 0.25 GiB per NCCL group + 5%; 'other' = loss, backward workspace, step buffers, framework"

@@ -157,9 +157,11 @@ def search(
     hw = hw or Hardware()
     opts = opts or PlanOptions()
     out = _evaluate(cfg, candidate_layouts(cfg, gpus, hw.gpus_per_node), gpu_mem_gib, hw, opts)
-    bf16 = cfg.train.precision in ("bf16", "auto") and cfg.optim.name == "adamw" and opts.device == "cuda"
+    bf16 = cfg.train.precision in ("bf16", "auto", "fp8") and cfg.optim.name == "adamw" and opts.device == "cuda"
     if bf16 and not any(c.fits for c in out):  # what bf16 optimizer state would make fit
-        out += _evaluate(cfg, candidate_layouts(cfg, gpus, hw.gpus_per_node, PRECISIONS[1:]), gpu_mem_gib, hw, opts)
+        # FP8 primary weights are quantised from fp32 masters: bf16 moments only
+        extra = PRECISIONS[1:2] if cfg.train.precision == "fp8" and cfg.fp8.primary_weights else PRECISIONS[1:]
+        out += _evaluate(cfg, candidate_layouts(cfg, gpus, hw.gpus_per_node, extra), gpu_mem_gib, hw, opts)
     out.sort(key=rank_key)
     return out
 

@@ -68,3 +68,32 @@ def test_peak_of_the_trainer_steps_measured_on_an_h200() -> None:
         cfg = load_config(recipe, [*overrides, *MODES[r["precision"]]])
         est = estimate_memory(cfg, layout_of(cfg, 1))
         assert est.peak_allocated / GiB == pytest.approx(r["peak_mem_gb"], rel=0.03), (model, r["precision"])
+
+
+@pytest.mark.parametrize("primary", [False, True])
+def test_blockwise_fp8_keeps_the_expert_rows_padded(primary: bool) -> None:
+    """fp8.recipe=blockwise pads every expert GEMM's rows to 128 (moecore/kernels/fp8_grouped.py: exactly, from the
+    counts on the host: 63.5 rows per expert on average), and the FFN keeps its input and w13 output padded: the
+    experts' saved bytes are bf16's times P / N; rowwise (padding only its weight-gradient operands) keeps bf16's;
+    rowwise with fp8.padding=all pads to the fixed bound N + E x 15, rounded up to 16 (its GEMMs read offsets on
+    the GPU)."""
+    from moecore.plan.activations import ffn_modules
+    from moecore.plan.memory import act_context
+    from moecore.plan.params import precision_mode
+
+    base = ["model.num_layers=2", "train.micro_batch_size=2", "train.global_batch_size=2", "parallel.ep=1"]
+
+    def experts(extra: list[str]) -> float:
+        cfg = load_config("qwen3-30b-a3b", base + extra)
+        layout = layout_of(cfg, 1)
+        c = act_context(cfg, layout, precision_mode(cfg, layout, 1), PlanOptions())
+        return ffn_modules(cfg, True, layout, c)["experts"]
+
+    fp8 = ["train.precision=fp8", f"fp8.primary_weights={str(primary).lower()}"]
+    cfg = load_config("qwen3-30b-a3b", base)
+    n = 2 * cfg.train.seq_length * cfg.moe.router_topk
+    p = n + cfg.moe.num_experts * 127 / 2
+    assert experts([*fp8, "fp8.recipe=blockwise"]) == pytest.approx(experts([]) * p / n, rel=1e-12)
+    assert experts([*fp8, "fp8.recipe=rowwise"]) == experts([])
+    p = -(-(n + cfg.moe.num_experts * 15) // 16) * 16
+    assert experts([*fp8, "fp8.recipe=rowwise", "fp8.padding=all"]) == pytest.approx(experts([]) * p / n, rel=1e-12)
