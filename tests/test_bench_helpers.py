@@ -125,6 +125,13 @@ def test_moe_layer_variants_build_on_cpu():
             assert recipe.wgrad_fp8 == ("bf16wgrad" not in options)
 
 
+def test_chunked_variants_carry_their_chunk_rows():
+    assert moe_layer.is_variant("moecore-chunked-2048") and not moe_layer.is_variant("moecore-chunked-0")
+    for name, rows in (("moecore-chunked", 8192), ("moecore-chunked-2048", 2048)):
+        cfg = moe_layer._moecore_layer(32, 32, 4, 2, name, tokens=64).cfg
+        assert (cfg.activation_memory, cfg.activation_chunk_rows) == ("chunked", rows), name
+
+
 def test_fp8_variants_compose_options():
     assert moe_layer.is_variant("moecore-fp8-rowwise-primary-triton")
     assert moe_layer.is_variant("moecore-fp8-rowwise-allpad-torchgemm")

@@ -58,6 +58,8 @@ VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore"
     "moecore-all-triton": "every expert GEMM through moecore's Triton grouped GEMMs (no host sync, one launch each)",
     "moecore-streams": "default_plan with its per-expert GEMM loops on two CUDA streams",
     "moecore-minimal": "moe.activation_memory=minimal: experts, permute and combine as one Function (x, h, routing kept)",
+    "moecore-chunked": "moe.activation_memory=chunked: as minimal, keeping x and routing only, in chunks of 8192 rows"
+    " (moecore-chunked-<rows>: chunks of <rows>)",
     "moecore-sync-free": "moe.sync_free=true: no host synchronisation from routing to combine",
     "moecore-fp8-tensorwise": "experts' GEMMs in FP8, one scale per tensor (fp8.recipe=tensorwise)",
     "moecore-fp8-rowwise": "experts' GEMMs in FP8, a scale per row (fp8.recipe=rowwise)",
@@ -98,12 +100,18 @@ def _fp8_config(variant: str):
     return fp8
 
 
+def _chunk_rows(variant: str) -> int | None:
+    """`moecore-chunked-<rows>`: the chunked mode with moe.activation_chunk_rows=<rows>; None for other names."""
+    head, _, rows = variant.rpartition("-")
+    return int(rows) if head == "moecore-chunked" and rows.isdigit() and int(rows) > 0 else None
+
+
 def is_variant(name: str) -> bool:
     """A name of VARIANTS, or an FP8 variant composed of a recipe and options (FP8_VARIANT_OPTIONS, `primary`)."""
     from moecore.config.errors import ConfigError
 
     parts = name.split("-")
-    if name in VARIANTS:
+    if name in VARIANTS or _chunk_rows(name) is not None:
         return True
     if parts[:2] != ["moecore", "fp8"] or len(parts) < 3:
         return False
@@ -131,7 +139,10 @@ def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore", tok
         aux_loss_coeff=0.0,
         apply_probs_on_input=True,  # weights inside the SwiGLU (Megatron-Core's fused weighted SwiGLU)
         router_fusion=variant != "moecore-unfused-router",
-        activation_memory="minimal" if variant == "moecore-minimal" else "standard",
+        activation_memory="chunked"
+        if _chunk_rows(variant)
+        else {"moecore-minimal": "minimal", "moecore-chunked": "chunked"}.get(variant, "standard"),
+        activation_chunk_rows=_chunk_rows(variant) or MoEConfig.activation_chunk_rows,
         sync_free=variant == "moecore-sync-free",
     )
     cfg.validate()

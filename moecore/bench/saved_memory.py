@@ -6,8 +6,8 @@ once; storages in `exclude`, e.g. the parameters, not at all). `moe_saved_bytes`
 MoE layer forward and splits the total into activations (storages with more than `T * max(K, E)`
 elements: hidden- or FFN-sized rows) and routing (indices, probabilities, logits, counts).
 
-`python -m moecore.bench.saved_memory` prints the table of docs/design.md: the standard and the
-minimal mode (`moe.activation_memory`) at fixed hidden size and active parameters (top-k x expert FFN
+`python -m moecore.bench.saved_memory` prints the table of docs/design.md: the standard, minimal and
+chunked modes (`moe.activation_memory`) at fixed hidden size and active parameters (top-k x expert FFN
 width) as the granularity grows. The standard numbers are for the fused expert FFN path of a GPU
 (moecore/kernels/grouped_ffn.py, run here on CPU through torch._grouped_mm).
 """
@@ -94,17 +94,17 @@ def moe_saved_bytes(
 def main() -> None:
     hidden, tokens, active = 256, 1024, 256  # topk * ffn = active expert FFN width per token
     print(f"saved for backward by one MoE layer: hidden {hidden}, {tokens} tokens, fp32, top-k x ffn = {active}")
-    print("| experts | top-k | ffn | standard activations | standard routing | minimal activations | minimal routing |")
-    print("|---|---|---|---|---|---|---|")
+    modes = ("standard", "minimal", "chunked")
+    print("| experts | top-k | ffn | " + " | ".join(f"{m} activations | {m} routing" for m in modes) + " |")
+    print("|---|---|---" + "|---|---" * len(modes) + "|")
+    mib = 2**20
     for e, k in ((8, 2), (32, 8), (64, 16)):
         f = active // k
-        s = moe_saved_bytes(e, k, f, hidden, tokens, "standard")
-        m = moe_saved_bytes(e, k, f, hidden, tokens, "minimal")
-        mib = 2**20
-        print(
-            f"| {e} | {k} | {f} | {s['activations'] / mib:.2f} MiB | {s['routing'] / mib:.2f} MiB "
-            f"| {m['activations'] / mib:.2f} MiB | {m['routing'] / mib:.2f} MiB |"
-        )
+        cells = []
+        for mode in modes:
+            b = moe_saved_bytes(e, k, f, hidden, tokens, mode)
+            cells += [f"{b['activations'] / mib:.2f} MiB", f"{b['routing'] / mib:.2f} MiB"]
+        print(f"| {e} | {k} | {f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -45,9 +45,11 @@ class MoEConfig:
     apply_probs_on_input: bool = False  # multiply routing probs inside the activation instead of at combine
     router_replay_mode: str = "none"  # none | record | replay: save / reuse every forward's top-k experts (RL)
     router_replay_path: str | None = None  # the file recorded to (record) or read from (replay)
-    # standard | minimal: minimal keeps only the layer input, the FC1 output and the routing for backward
-    # (no top-k copies of hidden-sized rows; moecore/moe/minimal.py)
+    # standard | minimal | chunked: minimal keeps only the layer input, the FC1 output and the routing for
+    # backward (no top-k copies of hidden-sized rows; moecore/moe/minimal.py); chunked keeps the input and the
+    # routing only, computes FC1 again in backward and walks the routed rows in chunks (moecore/moe/chunked.py)
     activation_memory: str = "standard"
+    activation_chunk_rows: int = 8192  # chunked: routed rows per chunk (whole experts; one bigger expert alone)
     sync_free: bool = False  # no host synchronisation from routing to combine (CUDA-graph capturable)
 
     BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -82,7 +84,8 @@ class MoEConfig:
         replay_files = (Path(str(self.router_replay_path)), Path(f"{self.router_replay_path}.rank-0"))
         if self.router_replay_mode == "replay" and not any(f.is_file() for f in replay_files):
             _fail("moe.router_replay_path", self.router_replay_path, "no such file to replay (record it first)")
-        _check_choice("moe.activation_memory", self.activation_memory, ("standard", "minimal"))
+        _check_choice("moe.activation_memory", self.activation_memory, ("standard", "minimal", "chunked"))
+        _check_range("moe.activation_chunk_rows", self.activation_chunk_rows, 1)
         if not isinstance(self.sync_free, bool):
             _fail("moe.sync_free", self.sync_free, "true | false")
         if self.num_experts == 0:

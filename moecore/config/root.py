@@ -94,16 +94,21 @@ class Config:
 def _validate_moe_perf(cfg: Config) -> None:
     """Cross-section rules of moe.activation_memory, moe.sync_free and train.cuda_graphs (docs/train.md)."""
     e, p, m, t = cfg.moe, cfg.parallel, cfg.model, cfg.train
-    if e.num_experts and (e.activation_memory == "minimal" or e.sync_free):
-        name, value = (
-            ("moe.activation_memory", "minimal") if e.activation_memory == "minimal" else ("moe.sync_free", True)
-        )
+    low_memory = e.activation_memory in ("minimal", "chunked")
+    if e.num_experts and (low_memory or e.sync_free):
+        name, value = ("moe.activation_memory", e.activation_memory) if low_memory else ("moe.sync_free", True)
         if p.ep > 1 or p.etp > 1:
             _fail(name, value, "needs parallel.ep=1 and parallel.etp=1 (expert-parallel dispatch reads split sizes)")
         if m.activation != "swiglu" or m.expert_linear_bias:
             _fail(name, value, f"needs SwiGLU experts without biases (model.activation={m.activation})")
-    if e.num_experts and e.activation_memory == "minimal" and e.expert_capacity_factor is not None:
-        _fail("moe.activation_memory", "minimal", "needs dropless routing (moe.expert_capacity_factor unset)")
+    if e.num_experts and low_memory and e.expert_capacity_factor is not None:
+        _fail("moe.activation_memory", e.activation_memory, "needs dropless routing (moe.expert_capacity_factor unset)")
+    if e.num_experts and e.activation_memory == "chunked" and e.sync_free:
+        _fail(
+            "moe.activation_memory",
+            "chunked",
+            "reads the expert bounds on the host once per layer: moe.sync_free=false",
+        )
     if e.num_experts and e.sync_free and e.expert_capacity_factor is not None and not e.pad_expert_input_to_capacity:
         _fail(
             "moe.sync_free", True, "with a capacity factor needs moe.pad_expert_input_to_capacity=true (static shapes)"

@@ -176,24 +176,32 @@ def gemm_tn(
     impl: str,
     out_dtype: torch.dtype,
     kind: str = "wgrad13",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[e] = a[rows of e]^T @ b[rows of e]; a [M, N1], b [M, N2] -> [E, N1, N2] (zeros for empty experts)."""
+    """out[e] = a[rows of e]^T @ b[rows of e]; a [M, N1], b [M, N2] -> [E, N1, N2] (zeros for empty experts).
+
+    `out`: a contiguous [E, N1, N2] tensor of out_dtype to fill and return (e.g. a slice of a larger gradient);
+    "triton" and "loop" write into it, "grouped" copies its result there."""
     E = bounds.numel() - 1
     N1, N2 = a.shape[1], b.shape[1]
     if impl == "grouped":
-        return torch._grouped_mm(a.t(), b, offs=bounds[1:]).to(out_dtype)
+        res = torch._grouped_mm(a.t(), b, offs=bounds[1:]).to(out_dtype)
+        return res if out is None else out.copy_(res)
     if impl == "triton":
-        return grouped_wgrad(a, b, bounds, out_dtype, tiles_for(kind, a))
-    out = torch.empty(E, N1, N2, dtype=a.dtype, device=a.device)
+        return grouped_wgrad(a, b, bounds, out_dtype, tiles_for(kind, a), out)
+    direct = out is not None and out.dtype == a.dtype
+    res = out if direct else torch.empty(E, N1, N2, dtype=a.dtype, device=a.device)
 
     def gemm(e: int, s: int, n: int) -> None:
         if n:
-            torch.mm(a[s : s + n].t(), b[s : s + n], out=out[e])
+            torch.mm(a[s : s + n].t(), b[s : s + n], out=res[e])
         else:
-            out[e].zero_()
+            res[e].zero_()
 
     _per_expert(counts, impl, a.device, gemm)
-    return out.to(out_dtype)
+    if direct:
+        return res
+    return res.to(out_dtype) if out is None else out.copy_(res)
 
 
 # ---------------------------------------------------------------- the fused expert FFN

@@ -322,13 +322,23 @@ def _launch_mm(a, b, bounds, trans_b, cfg, out_dtype, scales=None, imprecise_acc
 
 
 def grouped_wgrad(
-    a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, out_dtype: torch.dtype, cfg: TileConfig
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bounds: torch.Tensor,
+    out_dtype: torch.dtype,
+    cfg: TileConfig,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[e] = a[rows of e]^T @ b[rows of e]; a [M, N1], b [M, N2] -> [E, N1, N2] (zeros for empty experts)."""
+    """out[e] = a[rows of e]^T @ b[rows of e]; a [M, N1], b [M, N2] -> [E, N1, N2] (zeros for empty experts).
+
+    `out`: a contiguous [E, N1, N2] tensor of out_dtype to write into (e.g. a slice of a larger gradient)."""
     E = bounds.numel() - 1
     N1, N2 = a.shape[1], b.shape[1]
     a, b = a.contiguous(), b.contiguous()
-    out = torch.empty(E, N1, N2, dtype=out_dtype, device=a.device)
+    if out is None:
+        out = torch.empty(E, N1, N2, dtype=out_dtype, device=a.device)
+    elif out.shape != (E, N1, N2) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype}: a contiguous [{E}, {N1}, {N2}] {out_dtype} is needed")
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     tma = cfg.tma and a.shape[0] > 0 and _tma_ok(a, b)
     a_desc = _descriptor(a, [bk, bm]) if tma else None

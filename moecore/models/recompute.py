@@ -50,13 +50,14 @@ def recompute_output(fn: Callable, inputs: tuple, consumer: Callable):
     backward instead of saved by the consumer's ops."""
     out = fn(*inputs)
     outs = out if isinstance(out, tuple) else (out,)
-    keys = {(o.untyped_storage().data_ptr(), o.dtype, o.device): i for i, o in enumerate(outs)}
+    keys = {_storage_key(o): i for i, o in enumerate(outs)}
+    keys.pop(None, None)
     outer = _outer_hooks()
     saved = [outer[0](t) if outer is not None and isinstance(t, torch.Tensor) else _detach(t) for t in inputs]
     cache: list[tuple] = []
 
     def pack(t: torch.Tensor):
-        i = keys.get((t.untyped_storage().data_ptr(), t.dtype, t.device))
+        i = keys.get(_storage_key(t))
         return t if i is None else _Recompute(i, t)
 
     def unpack(p):
@@ -72,6 +73,14 @@ def recompute_output(fn: Callable, inputs: tuple, consumer: Callable):
     pack._moecore_recompute = True  # lets a nested recompute_output save its inputs through these hooks
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         return consumer(out)
+
+
+def _storage_key(t: torch.Tensor) -> tuple | None:
+    """What identifies t's memory; None for a wrapper tensor subclass, which has no storage of its own (an FSDP
+    weight gathered as FP8, moecore/parallel/fsdp_fp8.py) and is never one of fn's outputs."""
+    if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        return None
+    return (t.untyped_storage().data_ptr(), t.dtype, t.device)
 
 
 def _detach(v):

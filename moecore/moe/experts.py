@@ -197,7 +197,7 @@ class GroupedExperts(nn.Module):
         self.sync_free = False  # moe.sync_free: no GEMM that reads the counts on the host
         self.name = "experts"  # the module's name in the model, for the slow-path warning (set by the model)
         self.warned = False
-        self.last_path = None  # "fused" | "grouped_mm" | "loop" | "fp8": what the last forward ran (tests, diagnostics)
+        self.last_path = None  # "fused" | "grouped_mm" | "loop" | "fp8" | "minimal" | "chunked": what the last forward ran (tests, diagnostics)
         self.fp8_recipe = None  # an Fp8Recipe under train.precision=fp8 (moecore/models/fp8.py): FP8 GEMMs
         rows = 2 * ffn_hidden_size if activation == "swiglu" else ffn_hidden_size
         self.w13 = nn.Parameter(torch.empty(num_experts, rows, hidden_size))

@@ -36,6 +36,7 @@ from moecore.kernels._triton import use_triton
 from moecore.kernels.router import FusedRouting
 from moecore.moe import expert_parallel as ep_util
 from moecore.moe import losses
+from moecore.moe.chunked import chunked_experts
 from moecore.moe.dispatch import LocalDispatcher
 from moecore.moe.experts import GroupedExperts
 from moecore.moe.minimal import minimal_experts
@@ -201,13 +202,19 @@ class MoELayer(nn.Module):
                 pad = capacity
 
         # 3. permute + dispatch, 4. experts, 5. combine + unpermute
-        if self._minimal_memory(x_TH, keep_TK, pad):  # one Function keeping x, h and routing (moe/minimal.py)
+        if self._minimal_memory(x_TH, keep_TK, pad):  # one Function keeping x, (h) and routing (moe/minimal.py)
             with nvtx_range("moe/experts"):
-                e = self.experts
-                y_TH, _ = minimal_experts(
-                    x_TH, idx_TK, weight_TK, e.w13, e.w2, self.cfg.apply_probs_on_input, routed.presorted, e.gemm_plan
-                )
-                e.last_path = "minimal"
+                e, probs_in_act = self.experts, self.cfg.apply_probs_on_input
+                if self.cfg.activation_memory == "chunked":  # x and routing only, in chunks (moe/chunked.py)
+                    rows = self.cfg.activation_chunk_rows
+                    y_TH, _ = chunked_experts(
+                        x_TH, idx_TK, weight_TK, e.w13, e.w2, rows, probs_in_act, routed.presorted, e.gemm_plan
+                    )
+                else:
+                    y_TH, _ = minimal_experts(
+                        x_TH, idx_TK, weight_TK, e.w13, e.w2, probs_in_act, routed.presorted, e.gemm_plan
+                    )
+                e.last_path = self.cfg.activation_memory
         else:
             with nvtx_range("moe/dispatch"):
                 if routed.presorted is not None and keep_TK is None:  # sorted already (LocalDispatcher only)
@@ -243,9 +250,9 @@ class MoELayer(nn.Module):
         return use_triton("auto", x_TH)
 
     def _minimal_memory(self, x_TH: torch.Tensor, keep_TK: torch.Tensor | None, pad: int | None) -> bool:
-        """moe.activation_memory=minimal where it runs: one device, dropless, SwiGLU, torch._grouped_mm for
-        these rows (else the standard path, e.g. fp64 on CPU)."""
-        if self.cfg.activation_memory != "minimal" or keep_TK is not None or pad is not None:
+        """moe.activation_memory=minimal | chunked where it runs: one device, dropless, SwiGLU, torch._grouped_mm
+        for these rows (else the standard path, e.g. fp64 on CPU)."""
+        if self.cfg.activation_memory == "standard" or keep_TK is not None or pad is not None:
             return False
         e = self.experts
         if e.fp8_recipe is not None:  # FP8 experts (train.precision=fp8) run their own Function

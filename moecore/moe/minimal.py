@@ -54,15 +54,20 @@ def sort_by_expert(
     return s.order, inv, bounds
 
 
+def row_operands(
+    x_TH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight_TK: torch.Tensor, order_M: torch.Tensor
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(K, w13 and w2 in x's dtype, each sorted row's token [M], each sorted row's probability [M])."""
+    K = order_M.numel() // max(x_TH.shape[0], 1)
+    p_M = weight_TK.reshape(-1).index_select(0, order_M)
+    return K, w13.to(x_TH.dtype), w2.to(x_TH.dtype), order_M // K, p_M
+
+
 class _MinimalExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, probs_in_act: bool, plan: GemmPlan):
-        T, H = x_TH.shape
-        K = order_M.numel() // max(T, 1)
-        dt = x_TH.dtype
-        w13c, w2c = w13.to(dt), w2.to(dt)
-        tok_M = order_M // K
-        p_M = weight_TK.reshape(-1).index_select(0, order_M)
+        T = x_TH.shape[0]
+        K, w13c, w2c, tok_M, p_M = row_operands(x_TH, w13, w2, weight_TK, order_M)
         xg = x_TH.index_select(0, tok_M)
         h = gemm_nt(xg, w13c, bounds, None, plan.fwd13, "fwd13")
         del xg

@@ -11,6 +11,7 @@ Routing variants besides the base one:
   summed over all ranks), aux + sequence aux loss, routing weights scaled and applied on the
   expert input;
 - `capacity`: capacity factor 1 with padding to capacity (static shapes through the dispatchers).
+The `minimal` and `chunked` expert paths (`moe.activation_memory`) are compared with the standard path's reference.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ LAYOUTS = {
         "tp2-sp-bias": ({"tp": 2}, "bias", {}),
         "ep2-alltoall-capacity": ({"ep": 2}, "capacity", A2A),
         "ep2-allgather-capacity": ({"ep": 2}, "capacity", AG),
+        # the low-memory expert paths (moe.activation_memory) against the standard path's reference
+        "dp2-minimal": ({}, "base", {"activation_memory": "minimal"}),
+        "tp2-sp-chunked": ({"tp": 2}, "base", {"activation_memory": "chunked", "activation_chunk_rows": 5}),
     },
     4: {
         "ep4-alltoall": ({"ep": 4}, "base", A2A),

@@ -115,10 +115,13 @@ def test_grouped_mm_rejects_mismatched_reduction():
         grouped_mm(a, torch.zeros(2, 5, 7), _bounds([2, 2], "cpu"), True, TileConfig())
 
 
-def test_minimal_experts_through_triton_gemms_match_torchs(backend):
-    """moe.activation_memory=minimal with its six GEMMs planned on moecore's Triton kernels gives what it gives
-    with torch._grouped_mm (fp32 in the interpreter: summation orders only; bf16 on the GPU)."""
+@pytest.mark.parametrize("mode", ["minimal", "chunked"])
+def test_low_memory_experts_through_triton_gemms_match_torchs(backend, mode):
+    """moe.activation_memory=minimal / chunked with the GEMMs planned on moecore's Triton kernels (chunked: weight
+    gradients written into slices) gives what it gives with torch._grouped_mm (fp32 in the interpreter: summation
+    orders only; bf16 on the GPU)."""
     from moecore.kernels.grouped_ffn import GemmPlan
+    from moecore.moe.chunked import chunked_experts
     from moecore.moe.minimal import minimal_experts
 
     dev, dt = setup(backend)
@@ -133,11 +136,32 @@ def test_minimal_experts_through_triton_gemms_match_torchs(backend):
     res = []
     for plan in (GemmPlan(), GemmPlan.uniform("triton")):
         ts = [t.clone().requires_grad_() for t in (x, w13, w2, weight)]
-        y, _ = minimal_experts(ts[0], idx, ts[3], ts[1], ts[2], plan=plan)
+        if mode == "chunked":
+            y, _ = chunked_experts(ts[0], idx, ts[3], ts[1], ts[2], chunk_rows=T * K // 3, plan=plan)
+        else:
+            y, _ = minimal_experts(ts[0], idx, ts[3], ts[1], ts[2], plan=plan)
         y.backward(dy)
         res.append([y] + [t.grad for t in ts])
     for got, want in zip(res[1], res[0]):
         assert rel_err(got, want) < (1e-2 if dt == torch.bfloat16 else 1e-5)
+
+
+def test_grouped_wgrad_writes_into_a_slice_only(backend):
+    """`out=`: the kernel fills a contiguous slice of a larger gradient (moe.activation_memory=chunked) and
+    touches nothing outside it."""
+    dev, dt = setup(backend)
+    g = torch.Generator().manual_seed(5)
+    counts = [3, 0, 20]
+    a = torch.randn(23, 24, generator=g).to(dev, dt)
+    b = torch.randn(23, 40, generator=g).to(dev, dt)
+    full = torch.full((5, 24, 40), 7.0, device=dev)
+    got = grouped_wgrad(a, b, _bounds(counts, dev), torch.float32, _config(backend, True, False), out=full[1:4])
+    assert got.data_ptr() == full[1].data_ptr()
+    ref = grouped_wgrad_reference(a, b, _bounds(counts, "cpu"))
+    assert rel_err(full[1], ref[0]) < 1e-2 and rel_err(full[3], ref[2]) < 1e-2
+    assert torch.count_nonzero(full[2]) == 0 and (full[0] == 7).all() and (full[4] == 7).all()
+    with pytest.raises(ValueError, match="contiguous"):
+        grouped_wgrad(a, b, _bounds(counts, dev), torch.float32, TileConfig(), out=full[1:4, :, :20])
 
 
 def test_persistent_launch_size_does_not_follow_the_rows():

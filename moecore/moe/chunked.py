@@ -1,0 +1,151 @@
+"""The routed experts in chunks of whole experts, keeping for backward only the layer input and the routing.
+
+Legend as in moecore/moe/minimal.py: T tokens, K experts per token, E experts, H hidden, F expert FFN width,
+M = T*K routed rows sorted by expert, C the rows of one chunk.
+
+`moe.activation_memory=chunked` computes what the minimal mode computes (gather -> FC1 -> SwiGLU -> FC2 ->
+weighted combine, one autograd Function, the same backward formulas) with two differences:
+
+- Nothing of the routed rows is kept for backward, not even the FC1 output h [M, 2F]: only x [T, H] and the
+  routing (sort order, its inverse, per-row probability, expert bounds). The backward computes FC1 again.
+  The saved state depends on T, H and K (the routing indices) only: not on the expert FFN width or the
+  number of experts, and it holds no hidden- or FFN-sized row per assignment.
+- Forward and backward walk the sorted rows in chunks of whole experts holding at most
+  `moe.activation_chunk_rows` rows (an expert with more rows is a chunk of its own), so the largest
+  transient is [C, max(H, 2F)] instead of [M, H]. The output and the input gradient are summed chunk by
+  chunk into fp32 [T, H] accumulators; each chunk's weight gradients are written into their experts' slice
+  of dW13 / dW2 (`gemm_tn(out=)`), so no buffer of the whole gradient is made twice.
+
+Cost: the FC1 GEMM once more in backward (4·M·H·F FLOPs on top of the expert FFN's 18·M·H·F: +22%), the
+launches once per chunk, and one host synchronisation per forward (the expert bounds cut
+the chunks), so the mode cannot be captured in a CUDA graph (the config refuses it with moe.sync_free and
+train.cuda_graphs=full).
+
+Determinism: a chunk adds its rows into an accumulator with index_put_(accumulate=True) on CUDA (torch's
+sort-based kernel) and index_add_ on CPU (a serial loop), both deterministic. A token's K rows are summed in
+expert order where the standard path sums them in top-k order, so outputs match it to fp32 rounding of the
+sum, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moecore.kernels.grouped_ffn import GemmPlan, default_plan, gemm_nn, gemm_nt, gemm_tn
+from moecore.kernels.swiglu import swiglu, swiglu_backward
+from moecore.moe.minimal import row_operands, sort_by_expert
+from moecore.moe.permute import SortedAssignments
+
+
+def expert_chunks(bounds: list[int], max_rows: int) -> list[tuple[int, int]]:
+    """Consecutive expert ranges [e0, e1) covering every expert, each holding at most `max_rows` rows
+    (bounds[e1] - bounds[e0]) unless one expert alone holds more; greedy, so there are fewest such ranges.
+    An expert without rows joins the range before it (or, at the start, the one after)."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows={max_rows} is invalid: must be >= 1")
+    chunks, e0 = [], 0
+    for e in range(1, len(bounds)):  # may expert e - 1 join the range [e0, e - 1)?
+        adds_rows, has_rows = bounds[e] > bounds[e - 1], bounds[e - 1] > bounds[e0]
+        if adds_rows and has_rows and bounds[e] - bounds[e0] > max_rows:
+            chunks.append((e0, e - 1))
+            e0 = e - 1
+    chunks.append((e0, len(bounds) - 1))
+    return chunks
+
+
+def add_rows(acc: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """acc[index[i]] += rows[i] for every i, duplicates included, in a deterministic order."""
+    if acc.is_cuda:
+        acc.index_put_((index,), rows, accumulate=True)  # sorts the indices: deterministic on CUDA
+    else:
+        acc.index_add_(0, index, rows)  # a serial loop on CPU (index_put_ accumulates with atomics there)
+
+
+class _ChunkedExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, probs_in_act, plan, chunk_rows):
+        T, H = x_TH.shape
+        K, w13c, w2c, tok_M, p_M = row_operands(x_TH, w13, w2, weight_TK, order_M)
+        host = bounds.tolist()  # the one host synchronisation: where the chunks start and end
+        chunks = expert_chunks(host, chunk_rows)
+        out = torch.zeros(T, H, dtype=torch.float32, device=x_TH.device)
+        for e0, e1 in chunks:
+            r0, r1 = host[e0], host[e1]
+            if r0 == r1:
+                continue
+            tok, p, b = tok_M[r0:r1], p_M[r0:r1], bounds[e0 : e1 + 1] - r0
+            h = gemm_nt(x_TH.index_select(0, tok), w13c[e0:e1], b, None, plan.fwd13, "fwd13")
+            a = swiglu(h, p if probs_in_act else None)
+            del h
+            y = gemm_nt(a, w2c[e0:e1], b, None, plan.fwd2, "fwd2").float()
+            del a
+            add_rows(out, tok, y if probs_in_act else y * p.float()[:, None])
+            del y
+        ctx.save_for_backward(x_TH, w13c, w2c, p_M, order_M, inv_M, bounds)
+        ctx.K, ctx.chunks, ctx.host, ctx.plan = K, chunks, host, plan
+        ctx.w_dtypes, ctx.p_dtype = (w13.dtype, w2.dtype), weight_TK.dtype
+        return out.to(x_TH.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x_TH, w13c, w2c, p_M, order_M, inv_M, bounds = ctx.saved_tensors
+        T, K, plan, host = x_TH.shape[0], ctx.K, ctx.plan, ctx.host
+        tok_M = order_M // K
+        d_out = d_out.to(x_TH.dtype).contiguous()
+        need_x, need_w13, need_w2, need_p = ctx.needs_input_grad[:4]
+        dx = torch.zeros(T, x_TH.shape[1], dtype=torch.float32, device=x_TH.device) if need_x else None
+        dw13 = torch.empty(w13c.shape, dtype=ctx.w_dtypes[0], device=w13c.device) if need_w13 else None
+        dw2 = torch.empty(w2c.shape, dtype=ctx.w_dtypes[1], device=w2c.device) if need_w2 else None
+        dp = torch.empty(p_M.shape, dtype=torch.float32, device=p_M.device) if need_p else None
+        for e0, e1 in ctx.chunks:
+            r0, r1 = host[e0], host[e1]
+            if r0 == r1:  # experts without rows: zero weight gradients
+                for dw in (dw13, dw2):
+                    if dw is not None:
+                        dw[e0:e1].zero_()
+                continue
+            tok, p, b = tok_M[r0:r1], p_M[r0:r1], bounds[e0 : e1 + 1] - r0
+            xg = x_TH.index_select(0, tok)
+            h = gemm_nt(xg, w13c[e0:e1], b, None, plan.fwd13, "fwd13")  # FC1 again
+            g = d_out.index_select(0, tok)  # dOut of each row's token
+            da_u = gemm_nn(g, w2c[e0:e1], b, None, plan.dgrad2, "dgrad2")
+            dh, dp_c, a_p = swiglu_backward(h, p, da_u)  # dp = <da_u, a> = <dOut_t, expert output of the row>
+            del h, da_u
+            if dp is not None:
+                dp[r0:r1] = dp_c
+            if dw2 is not None:
+                gemm_tn(g, a_p, b, None, plan.wgrad2, ctx.w_dtypes[1], "wgrad2", out=dw2[e0:e1])
+            del g, a_p
+            if dw13 is not None:
+                gemm_tn(dh, xg, b, None, plan.wgrad13, ctx.w_dtypes[0], "wgrad13", out=dw13[e0:e1])
+            del xg
+            if dx is not None:
+                add_rows(dx, tok, gemm_nn(dh, w13c[e0:e1], b, None, plan.dgrad13, "dgrad13").float())
+        dw = None if dp is None else dp.index_select(0, inv_M).view(T, K).to(ctx.p_dtype)
+        return None if dx is None else dx.to(x_TH.dtype), dw13, dw2, dw, None, None, None, None, None, None
+
+
+def chunked_experts(
+    x_TH: torch.Tensor,
+    idx_TK: torch.Tensor,
+    weight_TK: torch.Tensor,
+    w13_EFH: torch.Tensor,
+    w2_EHF: torch.Tensor,
+    chunk_rows: int,
+    probs_in_act: bool = False,
+    presorted: SortedAssignments | None = None,
+    plan: GemmPlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum_k weight[t, k] * expert_{idx[t, k]}(x[t]) for SwiGLU experts, in chunks of at most `chunk_rows`
+    routed rows, keeping only x and the routing for backward (module docstring).
+
+    Returns (out [T, H] in x's dtype, rows per expert [E] int64), as `minimal_experts` does; differentiable in
+    x, the weights and weight_TK. `plan`: the GEMMs' implementations (None: `default_plan` for the layer's
+    shape); loops over host counts run as torch._grouped_mm.
+    """
+    E, F2, H = w13_EFH.shape
+    order, inv, bounds = sort_by_expert(idx_TK, E, presorted)
+    plan = (plan or default_plan(E, idx_TK.numel(), H, F2 // 2, x_TH.device)).without_host_sync()
+    x = x_TH.contiguous()
+    out = _ChunkedExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plan, chunk_rows)
+    return out, (bounds[1:] - bounds[:-1]).long()
