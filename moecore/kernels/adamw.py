@@ -146,3 +146,6 @@ def adamw_step(
         beta1, beta2, eps, decay, step_size, bc2_sqrt, float(grad_scale),
         HAS_MASTER=master is not None, BLOCK=block, num_warps=8,
     )  # fmt: skip
+    # in place, as the reference is: bump the version counters the kernel's writes leave alone, so that autograd
+    # still detects a tensor it saved for backward being changed by the update
+    torch.autograd.graph.increment_version([t for t in (param, master, exp_avg, exp_avg_sq) if t is not None])

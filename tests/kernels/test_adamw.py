@@ -85,9 +85,12 @@ def test_kernel_matches_reference(backend, master_dtype):
         m = torch.zeros(n, device=device, dtype=state_dtype)
         v = torch.zeros(n, device=device, dtype=state_dtype)
         gen = torch.Generator(device=device).manual_seed(5)
+        versions = [t._version for t in (param, master, m, v) if t is not None]
         for step in range(1, 4):
             g = torch.randn(n, device=device, generator=gen).to(low)
             adamw_step(param, master, g, m, v, step=step, grad_scale=0.7, impl=impl, **HYPER)
+        # every tensor written in place has a new version, as after any in-place torch op
+        assert all(t._version > v0 for t, v0 in zip([t for t in (param, master, m, v) if t is not None], versions))
         runs[impl] = (param, master, m, v)
     for impl, (param, master, _, _) in runs.items():  # the compute weight is the rounded master, exactly
         if master is not None:
