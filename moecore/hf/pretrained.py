@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from moecore.config import Config
-from moecore.hf.families import TensorMap, family_names, get_family
+from moecore.hf.families import TensorMap, export_order, family_names, get_family
 from moecore.hf.fp8 import SCALE_SUFFIX, dequantize_fp8, fp8_block_size
 from moecore.hf.io import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -174,7 +174,13 @@ def load_weights(
         is_param = mp.ours in params
         value = torch.empty(target.shape, dtype=dtype if is_param else target.dtype)
         if mp.combine is not None:  # e.g. quantized blocks + scales, dequantized (families/gpt_oss.py)
-            value.copy_(mp.combine([reader.get(name) for name in mp.hf_names()]))
+            parts = [
+                dequantize_fp8(reader.get(name), reader.get(name + SCALE_SUFFIX), fp8_block)
+                if fp8_block is not None and name + SCALE_SUFFIX in available
+                else reader.get(name)
+                for name in mp.hf_names()
+            ]  # block-wise FP8 parts dequantized first, as for every other map
+            value.copy_(mp.combine(parts))
             if on_tensor is not None:
                 for name in mp.hf_names():
                     on_tensor(name)
@@ -251,7 +257,7 @@ def pick_family(cfg: Config) -> str:
     if cfg.model.family in family_names():
         return cfg.model.family
     reasons = []
-    for name in family_names():
+    for name in export_order():
         try:
             get_family(name).config_to_hf(cfg)
             return name
@@ -270,6 +276,16 @@ def _planned(maps: list[TensorMap], state: dict[str, torch.Tensor], dtype: torch
     plan = []
     for mp in maps:
         src = state[mp.ours]
+        if mp.combine is not None:  # one of ours makes several Hugging Face tensors (TensorMap.combined)
+            if mp.split is None:
+                raise ValueError(f"our {mp.ours!r} has an import-only map: it cannot be written back")
+            for k, name in enumerate(mp.hf_names()):
+
+                def produce_part(src=src, k=k, mp=mp) -> torch.Tensor:
+                    return mp.split(src)[k].detach().to(dtype)
+
+                plan.append(PlannedTensor(name, tuple(mp.hf_shapes[k]), dtype, produce_part))
+            continue
         for s, parts in enumerate(mp.hf):
             sl = src[s] if mp.stacked else src
             rows = sl.shape[0] // len(parts) if sl.dim() else 0

@@ -93,6 +93,11 @@ def _grad_pairs(ours, hf_model):
     ours_params = dict(ours.named_parameters())
     for mp in maps:
         names = mp.hf_names()
+        if mp.combine is not None:  # ours is made of several tensors (a re-layout): their gradients, combined alike
+            grads = [hf_params[n].grad for n in names]
+            hg = None if any(g is None for g in grads) else mp.combine(grads)
+            yield mp.ours, ours_params[mp.ours].grad, " + ".join(names), hg
+            continue
         assert len(names) == 1, f"in-memory layout of {mp.ours} should be one tensor, got {names}"
         if mp.ours == "lm_head.weight" and names[0] not in hf_params:
             continue

@@ -41,7 +41,11 @@ _FAMILY_MODULES = {
     "qwen3_next": "moecore.hf.families.qwen3_next",
     "glm4_moe": "moecore.hf.families.glm4_moe",
     "gpt_oss": "moecore.hf.families.gpt_oss",
+    "qwen3_5_moe_text": "moecore.hf.families.qwen3_5_moe",
+    "glm4_moe_lite": "moecore.hf.families.glm4_moe_lite",
 }
+# model_types we import through another family and never write: a multimodal Qwen3.5-MoE checkpoint's language model
+_IMPORT_ONLY = {"qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def family_names() -> list[str]:
@@ -49,10 +53,20 @@ def family_names() -> list[str]:
     return sorted(_FAMILY_MODULES)
 
 
+def export_order() -> list[str]:
+    """The families in the order an export tries them for a config that names none: alphabetical, except that a
+    config Qwen3-Next can express is written as Qwen3-Next rather than Qwen3.5-MoE (the same maths, an older layout
+    more tools read)."""
+    last = ("qwen3_5_moe_text",)
+    return sorted(n for n in _FAMILY_MODULES if n not in last) + list(last)
+
+
 def get_family(model_type: str | None) -> ModuleType:
     """The family module for a Hugging Face `model_type`, or a ValueError listing the supported ones."""
+    model_type = _IMPORT_ONLY.get(model_type, model_type)
     if model_type not in _FAMILY_MODULES:
-        raise ValueError(f"model_type={model_type!r} is not supported; supported: {' | '.join(family_names())}")
+        known = " | ".join(sorted([*family_names(), *_IMPORT_ONLY]))
+        raise ValueError(f"model_type={model_type!r} is not supported; supported: {known}")
     return importlib.import_module(_FAMILY_MODULES[model_type])
 
 
@@ -72,10 +86,12 @@ class TensorMap:
     to_ours: Callable[[torch.Tensor], torch.Tensor] | None = None
     to_hf: Callable[[torch.Tensor], torch.Tensor] | None = None
     hf_shape: tuple[int, ...] | None = None  # the one Hugging Face tensor's shape when to_ours/to_hf change it
-    # Import only: our tensor is combine([the Hugging Face tensors of hf[0], read whole]), each of the shape in
-    # hf_shapes (e.g. quantized blocks and their scales, dequantized).
+    # Our tensor is combine([the Hugging Face tensors of hf[0], read whole]), each of the shape in hf_shapes (e.g.
+    # quantized blocks and their scales, dequantized; projections interleaved). Import only, unless `split` (our
+    # tensor -> those Hugging Face tensors, in hf[0]'s order) is given for the export.
     combine: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
     hf_shapes: tuple[tuple[int, ...], ...] | None = None
+    split: Callable[[torch.Tensor], list[torch.Tensor]] | None = None
 
     @staticmethod
     def transformed(
@@ -109,9 +125,12 @@ class TensorMap:
         hf_names: list[str],
         combine: Callable[[list[torch.Tensor]], torch.Tensor],
         hf_shapes: list[tuple[int, ...]],
+        split: Callable[[torch.Tensor], list[torch.Tensor]] | None = None,
     ) -> TensorMap:
-        """Import only: our tensor is `combine` of several Hugging Face tensors (shapes `hf_shapes`)."""
-        return TensorMap(ours, (tuple(hf_names),), combine=combine, hf_shapes=tuple(tuple(x) for x in hf_shapes))
+        """Our tensor is `combine` of several Hugging Face tensors (shapes `hf_shapes`); exported through `split`
+        (import only without it)."""
+        shapes = tuple(tuple(x) for x in hf_shapes)
+        return TensorMap(ours, (tuple(hf_names),), combine=combine, hf_shapes=shapes, split=split)
 
     def hf_names(self) -> list[str]:
         return [name for parts in self.hf for name in parts]

@@ -211,7 +211,8 @@ def _balancing_to_hf(cfg: Config, model_type: str) -> dict:
     return {"aux_loss_alpha": coeffs.get(kind, 0.0) if types else 0.0, "seq_aux": kind == "seq_aux_loss"}
 
 
-def deepseek_base_to_hf(cfg: Config, model_type: str) -> dict:
+def mla_experts_to_hf(cfg: Config) -> dict:
+    """The decoder, multi-latent attention and expert fields of a DeepSeek-style config.json (also GLM-4.7-Flash's)."""
     m, e = cfg.model, cfg.moe
     out = {
         **base_to_hf(m),
@@ -226,13 +227,19 @@ def deepseek_base_to_hf(cfg: Config, model_type: str) -> dict:
         "num_experts_per_tok": e.router_topk,
         "moe_intermediate_size": e.ffn_hidden_size,
         "n_shared_experts": (e.shared_expert_intermediate_size or 0) // e.ffn_hidden_size,
-        "first_k_dense_replace": e.first_k_dense_replace,
-        "moe_layer_freq": 1,
         "routed_scaling_factor": e.router_topk_scaling_factor or 1.0,
-        **_balancing_to_hf(cfg, model_type),
     }
     del out["head_dim"]  # MLA's head sizes are the qk_*_head_dim / v_head_dim fields
     return out
+
+
+def deepseek_base_to_hf(cfg: Config, model_type: str) -> dict:
+    return {
+        **mla_experts_to_hf(cfg),
+        "first_k_dense_replace": cfg.moe.first_k_dense_replace,
+        "moe_layer_freq": 1,
+        **_balancing_to_hf(cfg, model_type),
+    }
 
 
 def config_to_hf(cfg: Config) -> dict:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from moecore.config import Config, ModelConfig
+from moecore.config import Config, ModelConfig, MoEConfig
 from moecore.hf.families import TensorMap
 from moecore.hf.families.common import (
     HFFields,
@@ -127,6 +127,39 @@ def sigmoid_router_from_hf(f: HFFields, cfg: Config) -> None:
         e.router_num_groups, e.router_group_topk, e.router_group_score = n_group, topk_group, "top2_sum"
 
 
+def sigmoid_router_checks(e: MoEConfig) -> list[tuple]:
+    """`refuse_export_unless` checks of the router `sigmoid_router_from_hf` reads (GLM's families)."""
+    grouped = e.router_num_groups is not None and e.router_num_groups > 1
+    return [
+        ("moe.router_score_function", e.router_score_function, e.router_score_function == "sigmoid", "sigmoid"),
+        ("moe.router_enable_expert_bias", e.router_enable_expert_bias, e.router_enable_expert_bias, "needs it"),
+        (
+            "moe.router_group_score",
+            e.router_group_score,
+            not grouped or e.router_group_score == "top2_sum",
+            "a group is scored by its top-2 sum",
+        ),
+    ]
+
+
+def glm_balancing(e: MoEConfig) -> None:
+    """GLM-4.5's published balancing recipe (config.json carries none): the aux-loss-free bias and a sequence-level
+    balance loss."""
+    e.router_load_balancing_type, e.aux_loss_coeff = "seq_aux_loss", SEQ_AUX_COEFF
+    e.router_bias_update_rate = BIAS_UPDATE_RATE
+
+
+def sigmoid_router_to_hf(e: MoEConfig) -> dict:
+    """The config.json fields of that router (the reverse of `sigmoid_router_from_hf`)."""
+    grouped = e.router_num_groups is not None and e.router_num_groups > 1
+    return {
+        "norm_topk_prob": e.norm_topk_prob,
+        "routed_scaling_factor": e.router_topk_scaling_factor or 1.0,
+        "n_group": e.router_num_groups if grouped else 1,
+        "topk_group": e.router_group_topk if grouped else 1,
+    }
+
+
 def config_from_hf(hf: dict, available: Collection[str] | None = None) -> Config:
     """config.json -> Config; with `available` (the checkpoint's tensor names), MTP modules it lacks are dropped."""
     hf, partial = split_partial_rotary(hf, DEFAULTS["partial_rotary_factor"])
@@ -148,8 +181,7 @@ def config_from_hf(hf: dict, available: Collection[str] | None = None) -> Config
     e.first_k_dense_replace = f.integer("first_k_dense_replace", lo=0)
     e.layer_freq = 1
     sigmoid_router_from_hf(f, cfg)
-    e.router_load_balancing_type, e.aux_loss_coeff = "seq_aux_loss", SEQ_AUX_COEFF
-    e.router_bias_update_rate = BIAS_UPDATE_RATE
+    glm_balancing(e)
     m.mtp_num_layers = mtp_count(f, m.num_layers, available, DEFAULTS["num_nextn_predict_layers"])
     f.finish()
     return validated(cfg)
@@ -170,7 +202,6 @@ def config_to_hf(cfg: Config) -> dict:
     """Our Config -> config.json, refusing options Glm4MoeForCausalLM cannot express."""
     m, e = cfg.model, cfg.moe
     shared = e.shared_expert_intermediate_size or 0
-    grouped = e.router_num_groups is not None and e.router_num_groups > 1
     refuse_export_unless(
         MODEL_TYPE,
         [
@@ -184,14 +215,7 @@ def config_to_hf(cfg: Config) -> dict:
             ("model.activation", m.activation, m.activation == "swiglu", "SwiGLU only"),
             ("moe.num_experts", e.num_experts, e.num_experts > 0, "needs routed experts"),
             ("moe.layer_freq", e.layer_freq, dense_then_moe(cfg), "every layer after moe.first_k_dense_replace is MoE"),
-            ("moe.router_score_function", e.router_score_function, e.router_score_function == "sigmoid", "sigmoid"),
-            ("moe.router_enable_expert_bias", e.router_enable_expert_bias, e.router_enable_expert_bias, "needs it"),
-            (
-                "moe.router_group_score",
-                e.router_group_score,
-                not grouped or e.router_group_score == "top2_sum",
-                "a group is scored by its top-2 sum",
-            ),
+            *sigmoid_router_checks(e),
             (
                 "moe.shared_expert_gate",
                 e.shared_expert_gate,
@@ -216,10 +240,7 @@ def config_to_hf(cfg: Config) -> dict:
         "moe_intermediate_size": e.ffn_hidden_size,
         "n_shared_experts": shared // e.ffn_hidden_size,
         "first_k_dense_replace": e.first_k_dense_replace,
-        "norm_topk_prob": e.norm_topk_prob,
-        "routed_scaling_factor": e.router_topk_scaling_factor or 1.0,
-        "n_group": e.router_num_groups if grouped else 1,
-        "topk_group": e.router_group_topk if grouped else 1,
+        **sigmoid_router_to_hf(e),
         "num_nextn_predict_layers": m.mtp_num_layers,
     }
 

@@ -155,7 +155,13 @@ def config_from_hf(hf: dict, available: Collection[str] | None = None) -> Config
     """config.json -> our Config (model and moe sections); with `available` (the checkpoint's tensor names)
     the MTP module is imported when the weights hold it."""
     hf, partial = _split_partial_rotary(hf)
-    f = HFFields(hf, MODEL_TYPE, DEFAULTS)
+    return build_config(HFFields(hf, MODEL_TYPE, DEFAULTS), partial, available)
+
+
+def build_config(f: HFFields, partial: float, available: Collection[str] | None, moe_pattern: bool = True) -> Config:
+    """The Config of a Qwen3-Next-style config.json read through `f` (also Qwen3.5-MoE's, families/qwen3_5_moe.py).
+    `moe_pattern=False`: every layer is MoE and top-k weights are renormalised (no `decoder_sparse_step`,
+    `mlp_only_layers`, `norm_topk_prob` fields)."""
     cfg = base_config(f)
     m, e = cfg.model, cfg.moe
     # Qwen3-Next attention always has a head_dim of its own, zero-centred q/k norms and the output gate.
@@ -183,24 +189,20 @@ def config_from_hf(hf: dict, available: Collection[str] | None = None) -> Config
         e.ffn_hidden_size = f.integer("moe_intermediate_size")
         e.shared_expert_intermediate_size = f.integer("shared_expert_intermediate_size")
         e.shared_expert_gate = True
-        e.norm_topk_prob = bool(f.get("norm_topk_prob"))
-        e.layer_freq = moe_pattern_from_hf(f, m.num_layers, e.num_experts)
+        e.norm_topk_prob = bool(f.get("norm_topk_prob")) if moe_pattern else True
+        e.layer_freq = moe_pattern_from_hf(f, m.num_layers, e.num_experts) if moe_pattern else 1
     else:
-        for key in (
-            "moe_intermediate_size",
-            "shared_expert_intermediate_size",
-            "norm_topk_prob",
-            "decoder_sparse_step",
-            "mlp_only_layers",
-        ):
+        pattern = ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers") if moe_pattern else ()
+        for key in ("moe_intermediate_size", "shared_expert_intermediate_size", *pattern):
             f.get(key)
         e.layer_freq = 1
     f.finish()
     return validated(cfg)
 
 
-def config_to_hf(cfg: Config) -> dict:
-    """Our Config -> config.json, refusing options Qwen3NextForCausalLM cannot express."""
+def config_to_hf(cfg: Config, model_type: str = MODEL_TYPE, moe_pattern: bool = True) -> dict:
+    """Our Config -> config.json, refusing options Qwen3NextForCausalLM cannot express (`model_type` and
+    `moe_pattern` as in `build_config`: Qwen3.5-MoE's refuses dense layers and top-k weights left unnormalised)."""
     m, e = cfg.model, cfg.moe
     checks = [
         ("model.attention_type", m.attention_type, m.attention_type == "gqa", "only gqa attention"),
@@ -230,7 +232,14 @@ def config_to_hf(cfg: Config) -> dict:
             ("moe.shared_expert_intermediate_size", shared, bool(shared), "Qwen3-Next always has a shared expert"),
             ("moe.shared_expert_gate", e.shared_expert_gate, e.shared_expert_gate, "the shared expert is always gated"),
         ]
-    refuse_export_unless(MODEL_TYPE, checks)
+        if not moe_pattern:
+            n = m.num_layers
+            all_moe = all(e.is_moe_layer(i, n) for i in range(n))
+            checks += [
+                ("moe.norm_topk_prob", e.norm_topk_prob, renormalises(e), "top-k weights are always renormalised"),
+                ("moe.layer_freq", e.layer_freq, all_moe, "every layer is MoE (no dense layers)"),
+            ]
+    refuse_export_unless(model_type, checks)
     layer_types = list(m.layer_types or ["full_attention"] * m.num_layers)
     out = {
         **base_to_hf(m),
@@ -252,10 +261,10 @@ def config_to_hf(cfg: Config) -> dict:
             num_experts_per_tok=e.router_topk,
             moe_intermediate_size=e.ffn_hidden_size,
             shared_expert_intermediate_size=e.shared_expert_intermediate_size,
-            norm_topk_prob=renormalises(e),
             router_aux_loss_coef=aux_coef_to_hf(e),
-            **moe_pattern_to_hf(cfg),
         )
+        if moe_pattern:
+            out.update(norm_topk_prob=renormalises(e), **moe_pattern_to_hf(cfg))
     return out
 
 
