@@ -215,7 +215,9 @@ def report(record: dict) -> None:
               f"over the same steps), validation {r['final_val_loss'] or float('nan'):.4f} "
               f"({100 * (val or 0.0):+.2f}%), {r['steps_logged']} of {steps} steps logged, "
               f"{r['tokens_per_s']:.0f} tokens/s", flush=True)  # fmt: skip
-    print(f"bf16 final loss spread over {len(record['seeds'])} seed(s): {100 * summary['bf16']['spread_over_seeds']:.2f}%")
+    print(
+        f"bf16 final loss spread over {len(record['seeds'])} seed(s): {100 * summary['bf16']['spread_over_seeds']:.2f}%"
+    )
     for name, s in summary.items():
         if name != "bf16":
             print(f"{name:22s} mean difference from bf16: final loss {100 * s['final_loss_rel_diff_mean']:+.2f}%, "

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import pickle
 import threading
-import time
 
 import pytest
 import rich.style  # noqa: F401  (imported first: it draws from Python's global random at import)
@@ -34,6 +33,13 @@ def test_async_save_overlaps_steps_and_equals_sync_save(tmp_path, monkeypatch):
     write_state = saver_mod.write_state
     active, seen = [], {"max_active": 0, "final_existed": False, "buffers": []}
     lock = threading.Lock()
+    note_step = CheckpointSaver.note_step
+    two_steps_overlapped = threading.Event()
+
+    def counting_note_step(self) -> None:
+        note_step(self)
+        if self.steps_overlapped >= 2:
+            two_steps_overlapped.set()
 
     def slow_write(tmp, *args, **kwargs):  # a slow file system: the loop must not wait for it
         with lock:
@@ -42,12 +48,15 @@ def test_async_save_overlaps_steps_and_equals_sync_save(tmp_path, monkeypatch):
         final = tmp.with_name(tmp.name[: -len(".tmp")])
         seen["final_existed"] |= final.exists() or (tmp / "manifest.json").exists()
         seen["buffers"].append(sorted(t.data_ptr() for t in args[0]["model"].values()))
-        time.sleep(0.4)
+        # The write ends once the loop has run two steps beside it (however slow the machine), or after 30 s:
+        # a loop that waited for the save would run none, and the assertion below would fail.
+        two_steps_overlapped.wait(timeout=30.0)
         write_state(tmp, *args, **kwargs)
         with lock:
             active.remove(tmp)
 
     monkeypatch.setattr(saver_mod, "write_state", slow_write)
+    monkeypatch.setattr(CheckpointSaver, "note_step", counting_note_step)
     asyn = _run(tmp_path / "asyn", async_save=True)
 
     assert asyn.saver.steps_overlapped >= 2  # steps 3 and 4 (and 5, 6) ran while step 2's save was written
