@@ -8,7 +8,7 @@ from moecore.config.errors import _check_choice, _check_range, _fail
 
 MODEL_FAMILIES = (
     "moecore", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "qwen3_next",
-    "glm4_moe", "gpt_oss", "qwen3_5_moe_text", "glm4_moe_lite",
+    "glm4_moe", "gpt_oss", "qwen3_5_moe_text", "glm4_moe_lite", "minimax_m2",
 )  # fmt: skip
 
 
@@ -33,7 +33,8 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     qkv_bias: bool = False
     attn_out_bias: bool = False  # bias on o_proj
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    qk_norm: bool = False  # RMSNorm on q and k before RoPE (Qwen3: per head; see qk_norm_scope)
+    qk_norm_scope: str = "head"  # head: one norm per head (Qwen3) | projection: over all heads at once (MiniMax-M2)
     attn_output_gate: bool = False  # sigmoid gate on the attention output from q_proj (Qwen3-Next)
     sliding_window: int | None = None
     attention_dropout: float = 0.0
@@ -124,6 +125,9 @@ class ModelConfig:
             )
         if self.expert_linear_bias and self.activation == "gelu":
             _fail("model.expert_linear_bias", True, "biased experts take swiglu | swiglu_clamped")
+        _check_choice("model.qk_norm_scope", self.qk_norm_scope, ("head", "projection"))
+        if self.qk_norm_scope == "projection" and not self.qk_norm:
+            _fail("model.qk_norm_scope", self.qk_norm_scope, "needs model.qk_norm=true")
         _check_choice("model.attention_type", self.attention_type, ("gqa", "mla", "dsa"))
         _check_choice("model.dsa_stage", self.dsa_stage, ("dense_warmup", "sparse"))
         _check_range("model.dsa_indexer_loss_coeff", self.dsa_indexer_loss_coeff, 0.0)

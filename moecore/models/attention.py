@@ -2,7 +2,9 @@
 
 Options that change the maths, each as the Hugging Face families define it:
 - `qkv_bias` / `attn_out_bias`: biases on q/k/v and on o_proj (Qwen2-MoE has the former only);
-- `qk_norm`: per-head RMSNorm on q and k before RoPE (Qwen3);
+- `qk_norm`: RMSNorm on q and k before RoPE, per head (Qwen3) or, with `qk_norm_scope=projection`, over
+  the whole q (k) projection, every head's channels at once (MiniMax-M2; weight num_heads * head_dim wide;
+  under tensor parallel the weight is split with the heads and the mean of squares is all-reduced);
 - `attn_output_gate`: q_proj emits, per head, head_dim query channels followed by head_dim gate
   channels; the attention output is multiplied by sigmoid(gate) before o_proj (Qwen3-Next);
 - `partial_rotary_factor`: RoPE on the first fraction of each head's channels;
@@ -28,7 +30,13 @@ from moecore.models.norms import RMSNorm
 from moecore.models.rope import RotaryEmbedding, apply_rotary
 from moecore.parallel.cp_attention import context_parallel_attention
 from moecore.parallel.sharding import mark_tp_partial, set_shard
-from moecore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, tp_region_input, tp_size
+from moecore.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    sharded_rms_norm,
+    tp_region_input,
+    tp_size,
+)
 
 _BACKENDS = {
     "flash": [SDPBackend.FLASH_ATTENTION],
@@ -106,7 +114,15 @@ class Attention(nn.Module):
         self.k_proj = ColumnParallelLinear(h, n_kv, cfg.qkv_bias, dims, name="model.num_kv_heads * head_dim")
         self.v_proj = ColumnParallelLinear(h, n_kv, cfg.qkv_bias, dims, name="model.num_kv_heads * head_dim")
         self.o_proj = RowParallelLinear(n_q, h, cfg.attn_out_bias, dims, name="model.num_attention_heads * head_dim")
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_scope == "projection":
+            # One norm over all heads' channels (MiniMax-M2): this rank holds its heads' share of each weight.
+            self.q_norm = RMSNorm(self.num_heads * self.head_dim, cfg.norm_eps, cfg.norm_zero_centered)
+            self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, cfg.norm_eps, cfg.norm_zero_centered)
+            if tp > 1:
+                for norm, full in ((self.q_norm, n_q), (self.k_norm, n_kv)):
+                    local = norm.weight.shape[0]
+                    set_shard(norm.weight, "tensor_parallel", (full,), (dims.tp_group.rank * local,))
+        elif cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.norm_zero_centered)
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, cfg.norm_zero_centered)
             if tp > 1:  # each rank normalises its own heads: partial gradients over TP
@@ -138,7 +154,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
         if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._qk_norm(q, self.q_norm), self._qk_norm(k, self.k_norm)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         cos, sin = self.rotary(position_ids, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -163,6 +179,15 @@ class Attention(nn.Module):
         else:
             out = attention_core(*args, dropout_p=dropout)
         return self._project(out, gate, b, s)
+
+    def _qk_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """x [B, S, heads, D] normalised per head, or over all heads' channels (`qk_norm_scope=projection`)."""
+        if self.cfg.qk_norm_scope == "head":
+            return norm(x)
+        flat = x.flatten(2)
+        if tp_size(self.dims) == 1:
+            return norm(flat).view_as(x)
+        return sharded_rms_norm(flat, norm.weight, norm.eps, norm.zero_centered, self.dims).view_as(x)
 
     def _project(self, out: torch.Tensor, gate: torch.Tensor | None, b: int, s: int) -> torch.Tensor:
         """[B, heads, S, D] attention output -> (gated) o_proj output [B, S, H]."""

@@ -15,6 +15,8 @@ A TP block (attention, dense MLP) reads:
   partial embeddings are summed (SP: reduce-scattered along the sequence).
 - `vocab_parallel_cross_entropy`: cross-entropy of logits sharded along the vocabulary, with three
   small all-reduces (max, target logit, sum of exponentials); no rank ever holds all logits.
+- `sharded_rms_norm`: RMSNorm over a feature dim split over the TP ranks (MiniMax-M2's q/k norm over all
+  heads, `model.qk_norm_scope=projection`): one all-reduce of each row's sum of squares, forward and backward.
 
 With dims None or tp == 1 every layer is the plain single-device one (the classes subclass
 `nn.Linear` / `nn.Embedding` so initialisation code treats them alike) and nothing communicates.
@@ -217,3 +219,26 @@ def gather_sequence(x: torch.Tensor, dims: ParallelDims | None) -> torch.Tensor:
     if tp_size(dims) == 1 or not dims.sequence_parallel:
         return x
     return comm.gather_from_region(x, dims.tp_group, dim=1)
+
+
+def sharded_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool, dims: ParallelDims | None
+) -> torch.Tensor:
+    """RMSNorm over the last dim of x when that dim is this rank's 1/tp share of the row (weight: the same share).
+
+    Statistics in fp32, the result in x's dtype, as `moecore.models.norms.rms_norm`; with tp == 1 it is that norm.
+    1. Each rank sums the squares of its part of every row.
+    2. The sums are all-reduced over TP, so every rank divides by the mean of squares of the whole row. The
+       backward all-reduces too: the whole-row sum scales every rank's part, so its gradient is the sum of the
+       ranks' partial gradients (`copy_to_region` then `reduce_from_region`: all-reduce both ways).
+    3. Each rank scales its part by 1/rms and by its shard of the weight.
+    """
+    h = x.float()
+    sq = h.pow(2).sum(-1, keepdim=True)
+    n = x.shape[-1]
+    if tp_size(dims) > 1:
+        sq = comm.reduce_from_region(comm.copy_to_region(sq, dims.tp_group), dims.tp_group)
+        n *= dims.tp
+    h = h * torch.rsqrt(sq / n + eps)
+    w = weight.float() + 1.0 if zero_centered else weight.float()
+    return (h * w).to(x.dtype)

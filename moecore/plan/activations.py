@@ -11,7 +11,7 @@ expert rank holds: T/tp x top-k x etp, times the load-imbalance margin when ep >
 |---|---|---|
 | norm_in | the norm's input (the residual stream) and 1/rms (fp32) | full |
 | norm_out | the norm's output kept by the next projections / router / shared experts | norm (not for attention under tp > 1: its consumers keep the gathered copy) |
-| qk_norm | q and k projections (inputs of the per-head norms) | full |
+| qk_norm | q and k projections (inputs of the norms) and 1/rms (fp32; per head, or per token with `qk_norm_scope=projection`; under tp > 1 that norm is unfused and keeps two fp32 tensors instead of the input) | full |
 | core_attn | SDPA's q, k and v (k, v expanded to every query head), output and log-sum-exp | core_attn (keeps q, k, v unexpanded) |
 | mla_up | MLA's up-projected q, k and the key/value projection v is a view of | mla_up_proj |
 | mla_latent | MLA's latent (its whole down-projection) and its normed copy; the q LoRA pair | full |
@@ -98,7 +98,12 @@ def attention_modules(cfg: Config, layer: int, layout: Layout, c: ActContext) ->
     hd = m.resolved_head_dim
     nh, nkv = m.num_attention_heads // tp, m.kv_heads // tp
     kv_saved = nh if nkv < nh else nkv  # grouped-query keys/values are expanded before SDPA
-    if m.qk_norm:
+    if m.qk_norm and m.qk_norm_scope == "projection":
+        # one 1/rms per token for q and one for k; under tp > 1 (tensor_parallel.sharded_rms_norm, autograd ops)
+        # the input in fp32 and the fp32 normalised values instead of the input
+        per_value = b if tp == 1 else 8
+        out["qk_norm"] = T * (nh + nkv) * hd * per_value + 2 * T * 4
+    elif m.qk_norm:
         out["qk_norm"] = T * (nh + nkv) * (hd * b + 4)
     out["core_attn"] = T * hd * b * (2 * nh + 2 * kv_saved) + T * nh * 4
     out["attn_out"] = T * nh * hd * b

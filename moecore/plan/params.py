@@ -118,7 +118,10 @@ def _attention(cfg: Config, layer: int, tp: int, prefix: str) -> list[ParamEntry
     add("attn.o_proj.weight", nq // tp * h, 2, (h, nq // tp))
     if m.attn_out_bias:
         add("attn.o_proj.bias", h, 1)
-    if m.qk_norm:
+    if m.qk_norm and m.qk_norm_scope == "projection":  # over all heads' channels, split with the heads
+        add("attn.q_norm.weight", nq // tp, 1)
+        add("attn.k_norm.weight", nkv // tp, 1)
+    elif m.qk_norm:
         add("attn.q_norm.weight", hd, 1)
         add("attn.k_norm.weight", hd, 1)
     if getattr(m, "attn_sinks", False):  # one learned logit per head (gpt-oss), split with the heads

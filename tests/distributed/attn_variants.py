@@ -4,7 +4,8 @@
 - `deltanet_config`: Qwen3-Next style, gated DeltaNet layers (2 key heads, 4 value heads, chunk 3, so the
   sequence of 8 is not a multiple of the chunk) around one gated GQA layer with q/k norms, and one MTP layer.
 - `oss_config`: gpt-oss (attention sinks, sliding windows, biases, biased experts);
-- `dsa_config`: DeepSeek-V3.2 sparse attention (MLA + lightning indexer), sparse or dense_warmup stage.
+- `dsa_config`: DeepSeek-V3.2 sparse attention (MLA + lightning indexer), sparse or dense_warmup stage;
+- `minimax_config`: MiniMax-M2 (q/k norms over the whole projection, partial RoPE, sigmoid router with expert bias).
 `with_indexer_in_aux` wraps MoETransformer.forward so that the DSA indexers' loss joins `aux_loss`, which the
 harness's objective scales as the training loop scales it (moecore/train/loop.py); the harness adds the MTP
 loss itself.
@@ -64,6 +65,18 @@ def oss_config() -> Config:
     m.expert_linear_bias = m.router_logit_bias = True
     cfg.moe.first_k_dense_replace, cfg.moe.shared_expert_intermediate_size = 0, None
     cfg.moe.router_pre_softmax = False
+    return cfg
+
+
+def minimax_config() -> Config:
+    """MiniMax-M2's layers: q/k RMSNorm over all heads' channels at once (its mean of squares spans the TP ranks'
+    heads), half of each head rotated, head_dim 8 != hidden/heads; every layer MoE with the sigmoid router and expert
+    bias, no shared expert."""
+    cfg = tiny_config(token_dispatcher_type="alltoall")
+    m, e = cfg.model, cfg.moe
+    m.head_dim, m.partial_rotary_factor, m.qk_norm, m.qk_norm_scope = 8, 0.5, True, "projection"
+    e.first_k_dense_replace, e.shared_expert_intermediate_size = 0, None
+    e.router_score_function, e.router_pre_softmax, e.router_enable_expert_bias = "sigmoid", False, True
     return cfg
 
 

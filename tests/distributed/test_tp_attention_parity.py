@@ -9,7 +9,9 @@ shared harness (dist_parity.py) on the tiny models of attn_variants.py:
 - `dsa`: DeepSeek-V3.2 sparse attention (top-3 of 8 tokens) in the sparse stage, its indexer loss included
   (and one forward/backward of the dense_warmup stage, where only the indexers learn);
 - `deltanet`: Qwen3-Next style gated DeltaNet + gated attention layers and one MTP layer;
-- `oss`: gpt-oss's attention sinks (sharded by head), sliding windows and biased experts.
+- `oss`: gpt-oss's attention sinks (sharded by head), sliding windows and biased experts;
+- `minimax`: MiniMax-M2's q/k norms over the whole projection (weights split with the heads, the mean of squares
+  all-reduced over TP, forward and backward).
 Each layout's own seeded initialisation is also checked to give every rank its shard of the one-process
 weights bit for bit, and the planner to count each rank's parameters exactly. Layouts: tp2 with and without sequence parallel, and tp2 x ep2 (4 processes) for MLA + MTP.
 The harness's objective is the LM loss plus `aux_loss`; the MTP and indexer losses are folded into it here.
@@ -21,7 +23,7 @@ import copy
 
 import pytest
 import torch
-from attn_variants import deltanet_config, dsa_config, mla_config, oss_config, with_indexer_in_aux
+from attn_variants import deltanet_config, dsa_config, minimax_config, mla_config, oss_config, with_indexer_in_aux
 from dist_parity import build, compare, make_data, make_dims, reference, run_layout
 
 from moecore.models.transformer import MoETransformer
@@ -47,6 +49,7 @@ VARIANTS = {
     "dsa": dsa_config,
     "deltanet": deltanet_config,
     "oss": oss_config,
+    "minimax": minimax_config,
 }
 
 # world -> name -> (parallel overrides, variant)
@@ -58,6 +61,7 @@ LAYOUTS = {
         "deltanet-tp2-sp": ({"tp": 2}, "deltanet"),
         "deltanet-tp2-nosp": ({"tp": 2, "sequence_parallel": False}, "deltanet"),
         "oss-tp2-sp": ({"tp": 2}, "oss"),
+        "minimax-tp2-sp": ({"tp": 2}, "minimax"),
     },
     4: {"mla-tp2xep2-sp": ({"tp": 2, "ep": 2}, "mla")},
 }

@@ -153,7 +153,7 @@ def train_step_parity(ours, hf_model) -> None:
 MODEL_FIELDS = (
     "family vocab_size hidden_size num_layers num_attention_heads num_kv_heads resolved_head_dim ffn_hidden_size "
     "activation max_position_embeddings rope_theta rope_scaling norm_eps qkv_bias attn_out_bias qk_norm "
-    "sliding_window tie_embeddings"
+    "qk_norm_scope sliding_window tie_embeddings"
 ).split()
 MOE_FIELDS = (
     "num_experts router_topk router_score_function router_pre_softmax norm_topk_prob ffn_hidden_size "

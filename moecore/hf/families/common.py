@@ -321,6 +321,12 @@ def softmax_router_checks(e: MoEConfig) -> list[tuple[str, object, bool, str]]:
     ]
 
 
+def qk_norm_scope_checks(m: ModelConfig) -> list[tuple[str, object, bool, str]]:
+    """Families whose q/k norms are per head cannot write MiniMax-M2's norm over the whole projection."""
+    scope = m.qk_norm_scope
+    return [("model.qk_norm_scope", scope, not m.qk_norm or scope == "head", "q/k norms per head only")]
+
+
 def check_exportable(cfg: Config, model_type: str) -> None:
     """Refuse our options that no Llama-style family here can express in config.json (Mixtral, Qwen2/3-MoE)."""
     m, e = cfg.model, cfg.moe
@@ -339,6 +345,7 @@ def check_exportable(cfg: Config, model_type: str) -> None:
             ),
             ("model.activation", m.activation, m.activation == "swiglu", "SwiGLU only"),
             ("model.mtp_num_layers", m.mtp_num_layers, m.mtp_num_layers == 0, "no multi-token prediction"),
+            *qk_norm_scope_checks(m),
             ("moe.num_experts", e.num_experts, e.num_experts > 0, "needs routed experts"),
             *softmax_router_checks(e),
         ],

@@ -34,6 +34,7 @@ from moecore.hf.families.common import (
     dense_mlp_maps,
     embed_maps,
     num_experts,
+    qk_norm_scope_checks,
     refuse_export_unless,
     validated,
 )
@@ -213,6 +214,7 @@ def config_to_hf(cfg: Config) -> dict:
             ("model.norm_zero_centered", m.norm_zero_centered, not m.norm_zero_centered, "plain RMSNorm only"),
             ("model.sliding_window", m.sliding_window, m.sliding_window is None, "no sliding window"),
             ("model.activation", m.activation, m.activation == "swiglu", "SwiGLU only"),
+            *qk_norm_scope_checks(m),
             ("moe.num_experts", e.num_experts, e.num_experts > 0, "needs routed experts"),
             ("moe.layer_freq", e.layer_freq, dense_then_moe(cfg), "every layer after moe.first_k_dense_replace is MoE"),
             *sigmoid_router_checks(e),

@@ -40,6 +40,7 @@ from moecore.hf.families.common import (
     moe_pattern_from_hf,
     moe_pattern_to_hf,
     norm_maps,
+    qk_norm_scope_checks,
     qwen_tensor_maps,
     refuse_export_unless,
     renormalises,
@@ -207,6 +208,7 @@ def config_to_hf(cfg: Config, model_type: str = MODEL_TYPE, moe_pattern: bool = 
     checks = [
         ("model.attention_type", m.attention_type, m.attention_type == "gqa", "only gqa attention"),
         ("model.qk_norm", m.qk_norm, m.qk_norm, "Qwen3-Next always normalises q and k"),
+        *qk_norm_scope_checks(m),
         ("model.attn_output_gate", m.attn_output_gate, m.attn_output_gate, "Qwen3-Next always gates attention"),
         ("model.norm_zero_centered", m.norm_zero_centered, m.norm_zero_centered, "Qwen3-Next norms are zero-centred"),
         (
