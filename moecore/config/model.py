@@ -8,7 +8,7 @@ from moecore.config.errors import _check_choice, _check_range, _fail
 
 MODEL_FAMILIES = (
     "moecore", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "qwen3_next",
-    "glm4_moe", "gpt_oss", "qwen3_5_moe_text", "glm4_moe_lite", "minimax_m2",
+    "glm4_moe", "gpt_oss", "qwen3_5_moe_text", "glm4_moe_lite", "minimax_m2", "glm_moe_dsa",
 )  # fmt: skip
 
 
@@ -57,6 +57,11 @@ class ModelConfig:
     index_topk: int = 2048
     dsa_stage: str = "sparse"  # dense_warmup | sparse
     dsa_indexer_loss_coeff: float = 1.0
+    # GLM-5 (glm_moe_dsa): the indexer's RoPE channels in interleaved pairs (DeepSeek-V3.2's are half-split), and per
+    # layer whether it runs its own indexer (full) or reuses the top-k of the last full layer before it (shared,
+    # no indexer weights). None: every layer full.
+    indexer_rope_interleave: bool = False
+    indexer_types: list | None = None
     # Per-layer attention kind, one entry per layer: full_attention | linear_attention (Qwen3-Next hybrid)
     # | sliding_attention (gpt-oss: model.sliding_window on that layer only).
     layer_types: list | None = None
@@ -148,6 +153,7 @@ class ModelConfig:
                     self.index_head_dim,
                     f"must be >= model.qk_rope_head_dim={self.qk_rope_head_dim}",
                 )
+        self._validate_indexer_types()
         _check_choice(
             "model.attention_backend", self.attention_backend, ("auto", "flash", "cudnn", "efficient", "math")
         )
@@ -181,3 +187,19 @@ class ModelConfig:
                 _fail(
                     "model.sliding_window", None, "set a window for the sliding_attention entries of model.layer_types"
                 )
+
+    def _validate_indexer_types(self) -> None:
+        """GLM-5's per-layer indexer kinds and indexer RoPE layout (DSA layers only)."""
+        for name in ("indexer_types", "indexer_rope_interleave"):
+            value = getattr(self, name)
+            if value not in (None, False) and self.attention_type != "dsa":
+                _fail(f"model.{name}", value, "needs model.attention_type=dsa (it describes the DSA indexers)")
+        types = self.indexer_types
+        if types is None:
+            return
+        if not isinstance(types, list) or len(types) != self.num_layers:
+            _fail("model.indexer_types", types, f"needs one entry per layer (model.num_layers={self.num_layers})")
+        for t in types:
+            _check_choice("model.indexer_types", t, ("full", "shared"))
+        if types[0] != "full":
+            _fail("model.indexer_types", types, "the first layer must be full (a shared layer reuses an earlier top-k)")

@@ -5,6 +5,8 @@
 `build_attention` picks the layer's attention from the config: grouped-query attention (`attention.py`),
 multi-latent attention (`mla.py`), DeepSeek sparse attention (`dsa.py`) or gated DeltaNet
 (`linear_attention.py`). The main model (`transformer.py`) and the MTP blocks (`mtp.py`) stack these layers.
+In a DSA model with shared indexer layers (GLM-5, `passes_topk`) a layer also takes the previous layer's top-k
+indices and returns the ones it used: `(x, aux, topk_idx)` (dsa.py).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class DecoderLayer(nn.Module):
         self.recompute_norm = "norm" in rec
         self.recompute_mlp = ("moe" in rec) if self.is_moe else ("mlp" in rec)
         self.cuda_graphs = None  # LayerGraphs with train.cuda_graphs (moecore/models/cuda_graphs.py)
+        self.passes_topk = getattr(self.attn, "passes_topk", False)  # DSA top-k shared across layers (dsa.py)
 
     def _maybe_checkpoint(self, enabled: bool, fn, *args):
         if enabled and self.training and torch.is_grad_enabled():
@@ -87,19 +90,40 @@ class DecoderLayer(nn.Module):
             return recompute_output(norm, (x,), consumer)
         return consumer(norm(x))
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, loss_mask: torch.Tensor | None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+        topk_idx: torch.Tensor | None = None,
+    ):
         g = self.cuda_graphs
         if g is not None and g.whole is not None:
             return g.layer_forward(x, position_ids, loss_mask)
-        return self.eager_forward(x, position_ids, loss_mask)
+        return self.eager_forward(x, position_ids, loss_mask, topk_idx)
 
-    def eager_forward(self, x: torch.Tensor, position_ids: torch.Tensor, loss_mask: torch.Tensor | None):
-        """The layer op by op, except the parts `train.cuda_graphs` captured (attention, MoE routing)."""
+    def eager_forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+        topk_idx: torch.Tensor | None = None,
+    ):
+        """The layer op by op, except the parts `train.cuda_graphs` captured (attention, MoE routing).
+        Returns (x, MoE aux or None), and with `passes_topk` the DSA top-k indices this layer used as well."""
+        if self.passes_topk:  # train.cuda_graphs refuses DSA: no captured parts here
+            out, topk_idx = self._norm_then(self.attn_norm, x, lambda h: self.attn(h, position_ids, topk_idx))
+            return (*self._feed_forward(x + out, loss_mask), topk_idx)
         g = self.cuda_graphs
         if g is not None and g.attention is not None:
             x = x + g.attention(x, position_ids)[0]
         else:
             x = x + self._norm_then(self.attn_norm, x, lambda h: self.attn(h, position_ids))
+        return self._feed_forward(x, loss_mask)
+
+    def _feed_forward(self, x: torch.Tensor, loss_mask: torch.Tensor | None):
+        """x + mlp(mlp_norm(x)) and the MoE aux (None for a dense layer)."""
+        g = self.cuda_graphs
         if self.is_moe and g is not None and g.moe_head is not None:
             h, routed = g.routed(x, loss_mask)
             out, aux = self._maybe_checkpoint(self.recompute_mlp, self.mlp, h, loss_mask, routed)

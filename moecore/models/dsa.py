@@ -5,7 +5,8 @@ Lightning indexer (its own small heads; `model.index_n_heads` = nh, `model.index
 
     qI_{t,h} = wq_b(cq_t)_h                      cq_t = q_a_layernorm(q_a_proj(x_t)), MLA's query latent
     kI_s     = LayerNorm(wk(x_s))                one key per token, shared by the indexer heads
-    (RoPE, half-split, on the first qk_rope_head_dim channels of qI and kI, the main attention's cos/sin)
+    (RoPE on the first qk_rope_head_dim channels of qI and kI, the main attention's cos/sin: half-split pairs
+     for DeepSeek-V3.2, interleaved pairs with `model.indexer_rope_interleave` for GLM-5)
     w_{t,h}  = weights_proj(x_t)_h / sqrt(nh)
     I_{t,s}  = sum_h w_{t,h} * ReLU(qI_{t,h} . kI_s / sqrt(d))          in fp32, for s <= t
 
@@ -31,6 +32,16 @@ Training (`model.dsa_stage`), as DeepSeek-V3.2 was trained:
 - `sparse`: the main attention attends to S_t; the indexer's inputs (x, cq) are detached so that it learns
   only from its KL loss, now over S_t: KL(P_t|S_t || softmax(I_{t, S_t})).
 The KL loss (mean over tokens and layers) times `model.dsa_indexer_loss_coeff` is `ModelOutput.indexer_loss`.
+
+Shared top-k (GLM-5, `model.indexer_types`): a "shared" layer has no indexer; it attends to the top-k of the last
+"full" layer before it. The indices travel as an explicit tensor argument and result, never as module state: when
+the model has shared layers (`shares_topk(cfg)`), every DSA layer's forward takes the previous layer's indices and
+returns (output, the indices it used) — a full layer its own, a shared layer those it was given — and the decoder
+loop (moecore/models/transformer.py) hands them to the next layer. Activation recomputation stays correct because
+the indices are an input of the checkpointed layer: a recomputed shared layer sees the saved tensor, not whatever a
+later (or recomputed) full layer selected. A full layer learns from the KL loss against its own attention only; a
+shared layer has no indexer and no KL loss. Pipeline and context parallel refuse DSA (moecore/parallel/layout.py),
+so the indices never cross a stage.
 
 Tensor parallel: the main attention's heads split as MLA's do (moecore/models/mla.py); the indexer stays whole
 on every rank (its nh heads and one key are small, and its scores sum over all its heads before the top-k), fed
@@ -58,6 +69,11 @@ from moecore.parallel.tensor_parallel import tp_region_input, tp_size
 _BLOCK_ELEMENTS = 1 << 26
 
 
+def shares_topk(cfg: ModelConfig) -> bool:
+    """Whether some DSA layer reuses the top-k of an earlier one (`model.indexer_types` has a shared entry)."""
+    return cfg.attention_type == "dsa" and cfg.indexer_types is not None and "shared" in cfg.indexer_types
+
+
 class LightningIndexer(nn.Module):
     """The indexer's parameters (transformers' names: wq_b, wk, k_norm, weights_proj) and its scores."""
 
@@ -72,6 +88,7 @@ class LightningIndexer(nn.Module):
                 f"model.index_head_dim={cfg.index_head_dim} is invalid: must be >= model.qk_rope_head_dim={cfg.qk_rope_head_dim}"
             )
         self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.rope_interleave = cfg.indexer_rope_interleave
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
@@ -84,7 +101,9 @@ class LightningIndexer(nn.Module):
         b, s, _ = x.shape
         q = self.wq_b(q_latent).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_norm(self.wk(x)).unsqueeze(1)  # [B, 1, S, d]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # first rope_dim channels, half-split
+        # the first rope_dim channels; interleaved pairs come out half-split, the same reordering for q and k
+        q = apply_rotary(q, cos, sin, interleaved=self.rope_interleave)
+        k = apply_rotary(k, cos, sin, interleaved=self.rope_interleave)
         w = self.weights_proj(x).float() * self.n_heads**-0.5
         return q.float(), k.squeeze(1).float(), w
 
@@ -161,12 +180,15 @@ def kl_to_indexer(target: torch.Tensor, index_logits: torch.Tensor, keep: torch.
 
 
 class DSAttention(MLAttention):
-    """MLA with the lightning indexer; `forward(x, position_ids) -> [B, S, H]` as MLAttention. After a training
-    forward, `indexer_loss` holds this layer's KL loss (mean over tokens) until `pop_indexer_loss()`."""
+    """MLA with the lightning indexer; `forward(x, position_ids) -> [B, S, H]` as MLAttention, or with shared
+    layers in the model (`passes_topk`) `forward(x, position_ids, topk_idx) -> ([B, S, H], indices used)`. After a
+    training forward, `indexer_loss` holds this layer's KL loss (mean over tokens) until `pop_indexer_loss()`."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, dims: Any = None) -> None:
         super().__init__(cfg, layer_idx, dims)
-        self.indexer = LightningIndexer(cfg)
+        self.passes_topk = shares_topk(cfg)
+        shared = self.passes_topk and cfg.indexer_types[layer_idx] == "shared"
+        self.indexer = None if shared else LightningIndexer(cfg)  # a shared layer reuses an earlier top-k
         self.index_topk = cfg.index_topk
         self.stage = cfg.dsa_stage
         self.indexer_loss: torch.Tensor | None = None
@@ -183,14 +205,15 @@ class DSAttention(MLAttention):
         if torch._C._current_graph_task_id() == -1:
             self.indexer_loss = loss
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        if self.stage == "dense_warmup":
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, topk_idx: torch.Tensor | None = None):
+        if self.stage == "dense_warmup":  # dense attention: no top-k to pass on
             out = super().forward(x, position_ids)
-            if self.training and torch.is_grad_enabled():
+            if self.indexer is not None and self.training and torch.is_grad_enabled():
                 # the indexer reads x detached: this second gather of the sequence shards has no backward
                 self._keep_loss(self._dense_indexer_loss(tp_region_input(x.detach(), self.dims), position_ids))
-            return out
-        return self._sparse_forward(tp_region_input(x, self.dims), position_ids)
+            return (out, None) if self.passes_topk else out
+        out, idx = self._sparse_forward(tp_region_input(x, self.dims), position_ids, topk_idx)
+        return (out, idx) if self.passes_topk else out
 
     def _head_mean(self, p: torch.Tensor) -> torch.Tensor:
         """The mean over every head of the main attention's probabilities, from `p` summed over this rank's heads
@@ -224,19 +247,27 @@ class DSAttention(MLAttention):
         c = self.kv_a_layernorm(latent)
         return torch.cat((q_abs, q_rope), dim=-1), torch.cat((c, k_rope), dim=-1)
 
-    def _sparse_forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def _sparse_forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, shared_idx: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output [B, S, H], the top-k indices attended to: this layer's own, or `shared_idx` without an indexer)."""
         b, s, _ = x.shape
         cos, sin, q_latent, latent, k_rope = self._latents(x, position_ids)
-        iq, ik, iw = self._indexer_inputs(x, q_latent, cos, sin)
-        idx = causal_topk(self.indexer, iq, ik, iw, self.index_topk)
+        if self.indexer is None:
+            if shared_idx is None:
+                raise RuntimeError(f"DSA layer {self.layer_idx} is shared (model.indexer_types) but got no top-k")
+            idx = shared_idx
+        else:
+            iq, ik, iw = self._indexer_inputs(x, q_latent, cos, sin)
+            idx = causal_topk(self.indexer, iq, ik, iw, self.index_topk)
         q_t, kv_t = self._absorbed(q_latent, latent, k_rope, cos, sin)
         o_lat, lse = sparse_mqa_attention(q_t, kv_t, idx, self.softmax_scale, self.kv_lora_rank)
         n, dn, r = self.num_heads, self.nope_dim, self.kv_lora_rank
         w_uv = self.kv_b_proj.weight.view(n, dn + self.v_dim, r)[:, dn:]  # [n, dv, r]
         out = torch.einsum("bsnr,nvr->bsnv", o_lat, w_uv).reshape(b, s, n * self.v_dim)
-        if self.training and torch.is_grad_enabled():
+        if self.indexer is not None and self.training and torch.is_grad_enabled():
             self._keep_loss(self._sparse_indexer_loss(q_t.detach(), kv_t.detach(), lse, idx, iq, ik, iw))
-        return self.o_proj(out)
+        return self.o_proj(out), idx
 
     def _sparse_indexer_loss(self, q_t, kv_t, lse, idx, iq, ik, iw) -> torch.Tensor:
         """KL over the selected keys, target = main attention probabilities summed over heads / n."""

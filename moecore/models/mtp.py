@@ -56,11 +56,13 @@ def roll_left(t: torch.Tensor, shift: int, fill: float | int = 0) -> torch.Tenso
 
 
 def mtp_block_config(cfg: Config) -> Config:
-    """The config an MTP block is built from: MoE whenever the model has experts, full attention."""
+    """The config an MTP block is built from: MoE whenever the model has experts, full attention (and, with DSA,
+    its own indexer)."""
     block = copy.deepcopy(cfg)
     block.moe.layer_freq = 1
     block.moe.first_k_dense_replace = 0
     block.model.layer_types = None
+    block.model.indexer_types = None  # DSA: an MTP block runs its own indexer (GLM-5's shared layers are main layers)
     return block
 
 

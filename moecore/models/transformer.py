@@ -70,6 +70,7 @@ class Absent(nn.Module):
     """Placeholder for a decoder layer built elsewhere (another pipeline stage); holds no parameters."""
 
     is_moe = False
+    passes_topk = False
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("this layer is held by another pipeline stage")
@@ -163,11 +164,18 @@ class MoETransformer(nn.Module):
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.embed(input_ids)
         auxes = []
+        topk = None  # DSA with shared indexer layers: the top-k indices the last layer used (moecore/models/dsa.py)
         for layer in self.layers:
+            # an explicit argument, so a checkpointed layer's recomputation sees the indices its forward saw
+            args = (x, position_ids, loss_mask) + ((topk,) if layer.passes_topk else ())
             if self.full_recompute and self.training and torch.is_grad_enabled():
-                x, aux = checkpoint(layer, x, position_ids, loss_mask, use_reentrant=False)
+                out = checkpoint(layer, *args, use_reentrant=False)
             else:
-                x, aux = layer(x, position_ids, loss_mask)
+                out = layer(*args)
+            if layer.passes_topk:
+                x, aux, topk = out
+            else:
+                x, aux = out
             if aux is not None:
                 auxes.append((layer.layer_idx, aux))
         return x, auxes, position_ids

@@ -22,7 +22,8 @@ def check_layout(cfg: Config) -> None:
             ("parallel.fsdp", p.fsdp, p.fsdp, "false"),
             ("train.precision", cfg.train.precision, cfg.train.precision == "fp16", "auto | fp32 | bf16"),
             ("moe.router_replay_mode", e.router_replay_mode, e.router_replay_mode != "none", "none"),
-            # the pipeline step does not collect the DSA indexers' KL loss (moecore/models/dsa.py)
+            # the pipeline step does not collect the DSA indexers' KL loss, nor pass GLM-5's shared top-k indices
+            # between stages (moecore/models/dsa.py)
             ("model.attention_type", m.attention_type, m.attention_type == "dsa", "gqa | mla"),
         ]
         for name, value, refused, allowed in not_yet:

@@ -6,9 +6,9 @@ last), with the sharding moecore applies: q/k/v/gate/up projections split by out
 o/down projections by input rows, embedding and head rows by vocabulary; routed experts E / ep per
 rank, each with F / etp FFN columns; MLA's up-projections and gated DeltaNet's projections, A_log and
 dt_bias split by heads, MLA's down-projections and latent norms, DeltaNet's conv and gated-norm weights,
-the DSA indexer, norms, routers and shared experts replicated. Each entry knows whether AdamW decays it (moecore.optim.adamw:
-matrices only, no embeddings or norms) and whether it is an expert parameter (reduced and sharded
-over the expert data-parallel group, not dp x cp).
+the DSA indexer (absent from GLM-5's shared indexer layers), norms, routers and shared experts replicated.
+Each entry knows whether AdamW decays it (moecore.optim.adamw: matrices only, no embeddings or norms) and
+whether it is an expert parameter (reduced and sharded over the expert data-parallel group, not dp x cp).
 
 `state_bytes` turns the entries into bytes per rank under a precision mode:
 
@@ -97,7 +97,8 @@ def _attention(cfg: Config, layer: int, tp: int, prefix: str) -> list[ParamEntry
         kv_b = n * (m.qk_nope_head_dim + m.v_head_dim)
         add("attn.kv_b_proj.weight", m.kv_lora_rank * kv_b, 2, (kv_b, m.kv_lora_rank))
         add("attn.o_proj.weight", n * m.v_head_dim * h, 2, (h, n * m.v_head_dim))
-        if m.attention_type == "dsa":  # reads the q latent, so q_lora_rank is set (the model refuses None)
+        shared = m.indexer_types is not None and m.indexer_types[layer] == "shared"  # GLM-5: reuses a top-k
+        if m.attention_type == "dsa" and not shared:  # reads the q latent, so q_lora_rank is set (None refused)
             nh, d = m.index_n_heads, m.index_head_dim
             add("attn.indexer.wq_b.weight", m.q_lora_rank * nh * d, 2)
             add("attn.indexer.wk.weight", h * d, 2)
@@ -199,9 +200,9 @@ def param_entries(cfg: Config, layout: Layout, stage: int = 0) -> list[ParamEntr
             out += [ParamEntry(pre + n, h, False) for n in ("enorm.weight", "hnorm.weight", "head_norm.weight")]
             out.append(ParamEntry(pre + "eh_proj.weight", 2 * h * h, True))
             blk = cfg
-            if m.layer_types is not None:  # MTP blocks always use full attention
+            if m.layer_types is not None or m.indexer_types is not None:  # MTP blocks: full attention, own indexer
                 blk = copy.deepcopy(cfg)
-                blk.model.layer_types = None
+                blk.model.layer_types = blk.model.indexer_types = None
             out += decoder_layer_entries(blk, 0, layout, cfg.moe.num_experts > 0, pre + "block.")
     return out
 

@@ -5,6 +5,7 @@
   sequence of 8 is not a multiple of the chunk) around one gated GQA layer with q/k norms, and one MTP layer.
 - `oss_config`: gpt-oss (attention sinks, sliding windows, biases, biased experts);
 - `dsa_config`: DeepSeek-V3.2 sparse attention (MLA + lightning indexer), sparse or dense_warmup stage;
+- `glm5_config`: GLM-5's variant of it (interleaved indexer RoPE; layer 1 reuses the top-k of layer 0);
 - `minimax_config`: MiniMax-M2 (q/k norms over the whole projection, partial RoPE, sigmoid router with expert bias).
 `with_indexer_in_aux` wraps MoETransformer.forward so that the DSA indexers' loss joins `aux_loss`, which the
 harness's objective scales as the training loop scales it (moecore/train/loop.py); the harness adds the MTP
@@ -34,6 +35,13 @@ def dsa_config(stage: str = "sparse") -> Config:
     m = cfg.model
     m.attention_type, m.dsa_stage = "dsa", stage
     m.index_n_heads, m.index_head_dim, m.index_topk = 2, 8, 3
+    return cfg
+
+
+def glm5_config() -> Config:
+    """GLM-5's sparse attention: the indexer rotates interleaved pairs; layers full, shared, full."""
+    cfg = dsa_config()
+    cfg.model.indexer_rope_interleave, cfg.model.indexer_types = True, ["full", "shared", "full"]
     return cfg
 
 

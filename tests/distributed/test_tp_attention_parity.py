@@ -8,6 +8,7 @@ shared harness (dist_parity.py) on the tiny models of attn_variants.py:
   up-projection, attention core and norms recomputed in backward;
 - `dsa`: DeepSeek-V3.2 sparse attention (top-3 of 8 tokens) in the sparse stage, its indexer loss included
   (and one forward/backward of the dense_warmup stage, where only the indexers learn);
+- `glm5`: GLM-5's sparse attention (interleaved indexer RoPE, a shared layer reusing the top-k of the one before);
 - `deltanet`: Qwen3-Next style gated DeltaNet + gated attention layers and one MTP layer;
 - `oss`: gpt-oss's attention sinks (sharded by head), sliding windows and biased experts;
 - `minimax`: MiniMax-M2's q/k norms over the whole projection (weights split with the heads, the mean of squares
@@ -23,7 +24,15 @@ import copy
 
 import pytest
 import torch
-from attn_variants import deltanet_config, dsa_config, minimax_config, mla_config, oss_config, with_indexer_in_aux
+from attn_variants import (
+    deltanet_config,
+    dsa_config,
+    glm5_config,
+    minimax_config,
+    mla_config,
+    oss_config,
+    with_indexer_in_aux,
+)
 from dist_parity import build, compare, make_data, make_dims, reference, run_layout
 
 from moecore.models.transformer import MoETransformer
@@ -47,6 +56,7 @@ VARIANTS = {
     "mla": mla_config,
     "mla-noq": lambda: _recompute(mla_config(q_lora=False, mtp=False)),
     "dsa": dsa_config,
+    "glm5": glm5_config,
     "deltanet": deltanet_config,
     "oss": oss_config,
     "minimax": minimax_config,
@@ -58,6 +68,7 @@ LAYOUTS = {
         "mla-tp2-sp": ({"tp": 2}, "mla"),
         "mla-noq-tp2-nosp": ({"tp": 2, "sequence_parallel": False}, "mla-noq"),
         "dsa-tp2-sp": ({"tp": 2}, "dsa"),
+        "glm5-tp2-sp": ({"tp": 2}, "glm5"),
         "deltanet-tp2-sp": ({"tp": 2}, "deltanet"),
         "deltanet-tp2-nosp": ({"tp": 2, "sequence_parallel": False}, "deltanet"),
         "oss-tp2-sp": ({"tp": 2}, "oss"),

@@ -85,6 +85,18 @@ def config_to_hf(cfg: Config) -> dict:
             ("model.attention_type", m.attention_type, m.attention_type == "dsa", "DeepSeek sparse attention (dsa)"),
             ("model.q_lora_rank", m.q_lora_rank, m.q_lora_rank is not None, "the indexer reads the q latent"),
             ("model.rope_interleave", m.rope_interleave, m.rope_interleave, "RoPE channels are stored interleaved"),
+            (
+                "model.indexer_rope_interleave",
+                True,
+                not m.indexer_rope_interleave,
+                "half-split indexer RoPE (GLM-5's interleaved one: glm_moe_dsa)",
+            ),
+            (
+                "model.indexer_types",
+                m.indexer_types,
+                m.indexer_types is None or "shared" not in m.indexer_types,
+                "every layer runs its indexer (shared layers: glm_moe_dsa)",
+            ),
         ],
     )
     as_v3 = copy.deepcopy(cfg)
