@@ -61,42 +61,62 @@ def add_rows(acc: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None
         acc.index_add_(0, index, rows)  # a serial loop on CPU (index_put_ accumulates with atomics there)
 
 
+def _rows(t: torch.Tensor, tok_M: torch.Tensor | None, r0: int, r1: int) -> torch.Tensor:
+    """Rows r0:r1 of the sorted order: t's rows of those tokens, or a view of t when rows are in order already."""
+    return t[r0:r1] if tok_M is None else t.index_select(0, tok_M[r0:r1])
+
+
 class _ChunkedExperts(torch.autograd.Function):
+    """order_M None: x's rows are the sorted rows themselves (`chunked_sorted_rows`): each row's output and
+    input gradient are written to its own row, in x's dtype, instead of summed into fp32 token accumulators."""
+
     @staticmethod
     def forward(ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, probs_in_act, plan, chunk_rows):
         T, H = x_TH.shape
-        K, w13c, w2c, tok_M, p_M = row_operands(x_TH, w13, w2, weight_TK, order_M)
+        in_order = order_M is None
+        if in_order:
+            K, w13c, w2c, tok_M = 1, w13.to(x_TH.dtype), w2.to(x_TH.dtype), None
+            p_M = None if weight_TK is None else weight_TK.reshape(-1)
+        else:
+            K, w13c, w2c, tok_M, p_M = row_operands(x_TH, w13, w2, weight_TK, order_M)
         host = bounds.tolist()  # the one host synchronisation: where the chunks start and end
         chunks = expert_chunks(host, chunk_rows)
-        out = torch.zeros(T, H, dtype=torch.float32, device=x_TH.device)
+        out = torch.zeros(T, H, dtype=x_TH.dtype if in_order else torch.float32, device=x_TH.device)
         for e0, e1 in chunks:
             r0, r1 = host[e0], host[e1]
             if r0 == r1:
                 continue
-            tok, p, b = tok_M[r0:r1], p_M[r0:r1], bounds[e0 : e1 + 1] - r0
-            h = gemm_nt(x_TH.index_select(0, tok), w13c[e0:e1], b, None, plan.fwd13, "fwd13")
+            p, b = None if p_M is None else p_M[r0:r1], bounds[e0 : e1 + 1] - r0
+            h = gemm_nt(_rows(x_TH, tok_M, r0, r1), w13c[e0:e1], b, None, plan.fwd13, "fwd13")
             a = swiglu(h, p if probs_in_act else None)
             del h
-            y = gemm_nt(a, w2c[e0:e1], b, None, plan.fwd2, "fwd2").float()
+            y = gemm_nt(a, w2c[e0:e1], b, None, plan.fwd2, "fwd2")
             del a
-            add_rows(out, tok, y if probs_in_act else y * p.float()[:, None])
+            if in_order:
+                out[r0:r1] = y
+            else:
+                y = y.float()
+                add_rows(out, tok_M[r0:r1], y if probs_in_act else y * p.float()[:, None])
             del y
         ctx.save_for_backward(x_TH, w13c, w2c, p_M, order_M, inv_M, bounds)
         ctx.K, ctx.chunks, ctx.host, ctx.plan = K, chunks, host, plan
-        ctx.w_dtypes, ctx.p_dtype = (w13.dtype, w2.dtype), weight_TK.dtype
+        ctx.w_dtypes, ctx.p_dtype = (w13.dtype, w2.dtype), None if weight_TK is None else weight_TK.dtype
+        ctx.p_shape = None if weight_TK is None else weight_TK.shape
         return out.to(x_TH.dtype)
 
     @staticmethod
     def backward(ctx, d_out):
         x_TH, w13c, w2c, p_M, order_M, inv_M, bounds = ctx.saved_tensors
         T, K, plan, host = x_TH.shape[0], ctx.K, ctx.plan, ctx.host
-        tok_M = order_M // K
+        in_order = order_M is None
+        tok_M = None if in_order else order_M // K
         d_out = d_out.to(x_TH.dtype).contiguous()
         need_x, need_w13, need_w2, need_p = ctx.needs_input_grad[:4]
-        dx = torch.zeros(T, x_TH.shape[1], dtype=torch.float32, device=x_TH.device) if need_x else None
+        acc = x_TH.dtype if in_order else torch.float32  # in order: each row written once, no sum
+        dx = torch.zeros(T, x_TH.shape[1], dtype=acc, device=x_TH.device) if need_x else None
         dw13 = torch.empty(w13c.shape, dtype=ctx.w_dtypes[0], device=w13c.device) if need_w13 else None
         dw2 = torch.empty(w2c.shape, dtype=ctx.w_dtypes[1], device=w2c.device) if need_w2 else None
-        dp = torch.empty(p_M.shape, dtype=torch.float32, device=p_M.device) if need_p else None
+        dp = torch.zeros(p_M.shape, dtype=torch.float32, device=p_M.device) if need_p else None
         for e0, e1 in ctx.chunks:
             r0, r1 = host[e0], host[e1]
             if r0 == r1:  # experts without rows: zero weight gradients
@@ -104,10 +124,10 @@ class _ChunkedExperts(torch.autograd.Function):
                     if dw is not None:
                         dw[e0:e1].zero_()
                 continue
-            tok, p, b = tok_M[r0:r1], p_M[r0:r1], bounds[e0 : e1 + 1] - r0
-            xg = x_TH.index_select(0, tok)
+            p, b = None if p_M is None else p_M[r0:r1], bounds[e0 : e1 + 1] - r0
+            xg = _rows(x_TH, tok_M, r0, r1)
             h = gemm_nt(xg, w13c[e0:e1], b, None, plan.fwd13, "fwd13")  # FC1 again
-            g = d_out.index_select(0, tok)  # dOut of each row's token
+            g = _rows(d_out, tok_M, r0, r1)  # dOut of each row's token
             da_u = gemm_nn(g, w2c[e0:e1], b, None, plan.dgrad2, "dgrad2")
             dh, dp_c, a_p = swiglu_backward(h, p, da_u)  # dp = <da_u, a> = <dOut_t, expert output of the row>
             del h, da_u
@@ -120,8 +140,14 @@ class _ChunkedExperts(torch.autograd.Function):
                 gemm_tn(dh, xg, b, None, plan.wgrad13, ctx.w_dtypes[0], "wgrad13", out=dw13[e0:e1])
             del xg
             if dx is not None:
-                add_rows(dx, tok, gemm_nn(dh, w13c[e0:e1], b, None, plan.dgrad13, "dgrad13").float())
-        dw = None if dp is None else dp.index_select(0, inv_M).view(T, K).to(ctx.p_dtype)
+                dxg = gemm_nn(dh, w13c[e0:e1], b, None, plan.dgrad13, "dgrad13")
+                if in_order:
+                    dx[r0:r1] = dxg
+                else:
+                    add_rows(dx, tok_M[r0:r1], dxg.float())
+        dw = None
+        if dp is not None:
+            dw = (dp if in_order else dp.index_select(0, inv_M)).view(ctx.p_shape).to(ctx.p_dtype)
         return None if dx is None else dx.to(x_TH.dtype), dw13, dw2, dw, None, None, None, None, None, None
 
 
@@ -149,3 +175,27 @@ def chunked_experts(
     x = x_TH.contiguous()
     out = _ChunkedExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plan, chunk_rows)
     return out, (bounds[1:] - bounds[:-1]).long()
+
+
+def chunked_sorted_rows(
+    x_NH: torch.Tensor,
+    counts_E: torch.Tensor,
+    probs_N: torch.Tensor | None,
+    w13_EFH: torch.Tensor,
+    w2_EHF: torch.Tensor,
+    chunk_rows: int,
+    plan: GemmPlan | None = None,
+) -> torch.Tensor:
+    """The expert FFN of rows already grouped by expert (`counts_E` rows each, in expert order: what an
+    expert-parallel dispatch hands the experts), in chunks, keeping only x and the counts for backward.
+
+    Under expert parallelism the rows an expert rank receives are its input, so what the chunked mode saves
+    there is the FC1 output [N, 2F] and the activation [N, F] that the standard expert FFN keeps beside them.
+    probs_N (or None): multiplied into the SwiGLU output, as the standard expert FFN does. Returns [N, H].
+    """
+    E, F2, H = w13_EFH.shape
+    bounds = torch.zeros(E + 1, dtype=torch.int32, device=x_NH.device)
+    torch.cumsum(counts_E.to(x_NH.device), 0, out=bounds[1:])
+    plan = (plan or default_plan(E, x_NH.shape[0], H, F2 // 2, x_NH.device)).without_host_sync()
+    x = x_NH.contiguous()
+    return _ChunkedExperts.apply(x, w13_EFH, w2_EHF, probs_N, None, None, bounds, True, plan, chunk_rows)

@@ -36,7 +36,7 @@ from moecore.kernels._triton import use_triton
 from moecore.kernels.router import FusedRouting
 from moecore.moe import expert_parallel as ep_util
 from moecore.moe import losses
-from moecore.moe.chunked import chunked_experts
+from moecore.moe.chunked import chunked_experts, chunked_sorted_rows
 from moecore.moe.dispatch import LocalDispatcher
 from moecore.moe.experts import GroupedExperts
 from moecore.moe.minimal import minimal_experts
@@ -226,7 +226,13 @@ class MoELayer(nn.Module):
                         x_TH, idx_TK, weight_TK, keep_TK, pad
                     )
             with nvtx_range("moe/experts"):
-                expert_out = self.experts(expert_in, counts, probs)
+                if self._chunked_sorted_rows(expert_in, keep_TK, pad):  # expert parallel (moe/chunked.py)
+                    e = self.experts
+                    rows = self.cfg.activation_chunk_rows
+                    expert_out = chunked_sorted_rows(expert_in, counts, probs, e.w13, e.w2, rows, e.gemm_plan)
+                    e.last_path = "chunked"
+                else:
+                    expert_out = self.experts(expert_in, counts, probs)
             with nvtx_range("moe/combine"):
                 y_TH = self.dispatcher.token_combine(expert_out, ctx)
 
@@ -259,6 +265,16 @@ class MoELayer(nn.Module):
             return False
         ok = type(self.dispatcher) is LocalDispatcher and e.activation == "swiglu" and x_TH.shape[0] > 0
         return ok and e.uses_grouped_mm(x_TH)
+
+    def _chunked_sorted_rows(self, rows: torch.Tensor, keep_TK: torch.Tensor | None, pad: int | None) -> bool:
+        """moe.activation_memory=chunked behind a dispatcher that moves rows between ranks (expert or expert
+        tensor parallel): the experts' rows arrive grouped by expert, and the chunked expert FFN runs on them
+        (dropless, SwiGLU, torch._grouped_mm for these rows, not FP8)."""
+        if self.cfg.activation_memory != "chunked" or keep_TK is not None or pad is not None:
+            return False
+        e = self.experts
+        ok = e.fp8_recipe is None and e.activation == "swiglu" and rows.shape[0] > 0
+        return ok and e.uses_grouped_mm(rows)
 
     def _shared_expert_output(self, x_TH: torch.Tensor) -> torch.Tensor:
         """The shared experts' output, sigmoid-gated when moe.shared_expert_gate (Qwen2-MoE)."""

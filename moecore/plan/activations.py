@@ -21,7 +21,7 @@ expert rank holds: T/tp x top-k x etp, times the load-imbalance margin when ep >
 | permute | permutation indices; with probabilities applied at combine also the expert outputs | moe |
 | experts | expert input rows [N, H], w13 output [N, 2F/etp], probabilities (FP8 blockwise: N padded per expert to 128); unfused: activation intermediates | moe (moe_act: the intermediates) |
 | (minimal) | `moe.activation_memory=minimal`: permute = order, inverse, probabilities; experts = w13 output [N, 2F] | moe |
-| (chunked) | `moe.activation_memory=chunked`: permute as minimal; experts = nothing (FC1 is computed again) | moe |
+| (chunked) | `moe.activation_memory=chunked`: permute as minimal; experts = nothing (FC1 is computed again); under ep/etp > 1 permute as standard, experts = the received rows (and probabilities) | moe |
 | shared_experts | the shared expert MLP's intermediates | shared_experts, moe |
 
 With full recomputation a layer keeps only its input (T/tp x H x b). `model.offload_modules` moves the
@@ -133,12 +133,15 @@ def padded_rows(cfg: Config, layout: Layout, c: ActContext, n: float) -> float:
 
 
 def expert_memory_mode(cfg: Config, layout: Layout, c: ActContext) -> str:
-    """moe.activation_memory as the MoE layer runs it (moecore/moe/layer.py `_minimal_memory`): minimal and chunked
-    need one expert rank, dropless SwiGLU grouped experts in bf16 on GPUs (any dtype on CPU), not FP8 experts."""
+    """moe.activation_memory as the MoE layer runs it (moecore/moe/layer.py `_minimal_memory`,
+    `_chunked_sorted_rows`): dropless SwiGLU grouped experts in bf16 on GPUs (any dtype on CPU), not FP8
+    experts; minimal needs one expert rank, chunked also runs behind expert (tensor) parallel dispatch."""
     e = cfg.moe
     fp8_experts = cfg.train.precision == "fp8" and "experts" in cfg.fp8.modules
     runs = cfg.model.activation == "swiglu" and e.grouped_gemm and e.expert_capacity_factor is None
-    runs = runs and layout.ep == 1 and layout.etp == 1 and (c.act_bytes == 2 or not c.fused) and not fp8_experts
+    one_rank = layout.ep == 1 and layout.etp == 1
+    runs = runs and (one_rank or e.activation_memory == "chunked")
+    runs = runs and (c.act_bytes == 2 or not c.fused) and not fp8_experts
     return e.activation_memory if runs else "standard"
 
 
@@ -165,7 +168,11 @@ def ffn_modules(cfg: Config, is_moe: bool, layout: Layout, c: ActContext) -> dic
         perm += n * h * b + n * 4  # unpermute keeps the expert outputs and probabilities to weight them
     out["permute"] = perm
     memory_mode = expert_memory_mode(cfg, layout, c)
-    if memory_mode != "standard":  # moecore/moe/minimal.py, chunked.py
+    if memory_mode == "chunked" and (layout.ep > 1 or layout.etp > 1):  # chunked.py `chunked_sorted_rows`
+        # the rows this rank received (its experts' input) and their probabilities: nothing per FFN column
+        out["experts"] = n * h * b + (n * 4 if e.apply_probs_on_input else 0)
+        out["moe_act"] = 0.0
+    elif memory_mode != "standard":  # moecore/moe/minimal.py, chunked.py
         out["permute"] = n * (8 + 8 + 4)  # sort order, its inverse, per-row probability (x is norm_out)
         out["experts"] = n * 2 * f * b if memory_mode == "minimal" else 0.0  # the w13 output (minimal)
         out["moe_act"] = 0.0
@@ -295,9 +302,12 @@ def layer_backward_workspace(cfg: Config, is_moe: bool, layout: Layout, c: ActCo
         f = e.ffn_hidden_size // layout.etp
         if expert_memory_mode(cfg, layout, c) == "chunked":  # moecore/moe/chunked.py backward, per chunk
             rows = min(n, max(e.activation_chunk_rows, n / e.num_experts))  # whole experts: at least one's rows
-            # the fp32 input-gradient accumulator, and the larger of: x, dOut gathered, h, da, dh, a*p (after
-            # the SwiGLU backward) or dh, the chunk's input gradient and its fp32 copy (the last GEMM)
-            return T / layout.tp * h * 4 + rows * max(b * (2 * h + 6 * f), b * (2 * f + h) + 4 * h)
+            # the larger of: x, dOut gathered, h, da, dh, a*p (after the SwiGLU backward) or dh, the chunk's
+            # input gradient and its fp32 copy (the last GEMM)
+            chunk = rows * max(b * (2 * h + 6 * f), b * (2 * f + h) + 4 * h)
+            if layout.ep > 1 or layout.etp > 1:  # received rows: their input gradient [n, H], then all-to-all
+                return n * h * b + chunk + 2 * n * h * b  # (row slices: an upper bound, nothing gathered)
+            return T / layout.tp * h * 4 + chunk  # with the fp32 input-gradient accumulator of the tokens
         ws = n * b * (2 * h + 3 * f)
         if layout.ep > 1:
             ws += 2 * n * h * b  # all-to-all send and receive buffers of the gradient

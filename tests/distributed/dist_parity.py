@@ -130,6 +130,7 @@ def train_steps(
             layer.update_expert_bias()
         out["losses"].append(float(lm_sum / global_tokens))
         out["norms"].append(float(norm))
+    out["expert_paths"] = sorted({str(layer.experts.last_path) for layer in model.moe_layers()})
     return out
 
 

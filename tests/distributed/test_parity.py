@@ -55,6 +55,7 @@ def _skew(model) -> None:
 HOOKS = {"skew": _skew}
 
 A2A, AG = {"token_dispatcher_type": "alltoall"}, {"token_dispatcher_type": "allgather"}
+CHUNKED = {"activation_memory": "chunked", "activation_chunk_rows": 5}  # several chunks per layer
 
 # world -> name -> (parallel overrides, variant, moe overrides)
 LAYOUTS = {
@@ -70,7 +71,8 @@ LAYOUTS = {
         "ep2-allgather-capacity": ({"ep": 2}, "capacity", AG),
         # the low-memory expert paths (moe.activation_memory) against the standard path's reference
         "dp2-minimal": ({}, "base", {"activation_memory": "minimal"}),
-        "tp2-sp-chunked": ({"tp": 2}, "base", {"activation_memory": "chunked", "activation_chunk_rows": 5}),
+        "tp2-sp-chunked": ({"tp": 2}, "base", CHUNKED),
+        "ep2-alltoall-chunked": ({"ep": 2}, "base", {**A2A, **CHUNKED}),
     },
     4: {
         "ep4-alltoall": ({"ep": 4}, "base", A2A),
@@ -84,6 +86,9 @@ LAYOUTS = {
         "ep4-alltoall-skew": ({"ep": 4}, "skew", A2A),
         "ep2xetp2-alltoall-skew": ({"ep": 2, "etp": 2}, "skew", A2A),
         "ep4-allgather-skew": ({"ep": 4}, "skew", AG),
+        # chunked behind the dispatchers: probabilities inside the experts (bias), experts without rows (skew)
+        "tp2xep2-alltoall-bias-chunked": ({"tp": 2, "ep": 2}, "bias", {**A2A, **CHUNKED}),
+        "ep2xetp2-allgather-skew-chunked": ({"ep": 2, "etp": 2}, "skew", {**AG, **CHUNKED}),
     },
     8: {
         "dp4xtp2xep4-alltoall": ({"tp": 2, "ep": 4}, "base", A2A),
@@ -126,6 +131,9 @@ def test_layouts_match_single_process(world, refs):
     bad = {n: r for n, r in report.items() if max(r["loss"], r["norm"], r["grad"]) > TOL}
     assert not bad, bad
     for name, got in results[0].items():
+        memory_mode = LAYOUTS[world][name][2].get("activation_memory")
+        if memory_mode:  # the low-memory path ran (it falls back to the standard one where it cannot)
+            assert got["expert_paths"] == [memory_mode], (name, got["expert_paths"])
         if LAYOUTS[world][name][1] == "base":  # every parameter gets a gradient: all buckets launch in backward
             assert all(n == total > 0 for n, total in got["launched_in_backward"]), (name, got["launched_in_backward"])
     # Every rank of a layout reports the same losses (they are reduced over data-parallel replicas).

@@ -9,7 +9,8 @@ import torch
 from moecore.bench.saved_memory import moe_saved_bytes
 from moecore.config import Config, ConfigError, MoEConfig, load_config
 from moecore.kernels.grouped_ffn import gemm_tn
-from moecore.moe.chunked import chunked_experts, expert_chunks
+from moecore.moe.chunked import chunked_experts, chunked_sorted_rows, expert_chunks
+from moecore.moe.experts import experts_loop
 from moecore.moe.layer import MoELayer
 from moecore.moe.minimal import minimal_experts
 
@@ -95,6 +96,40 @@ def test_chunked_function_matches_autograd_loop():
     assert torch.count_nonzero(got[1][-1]) == 0 and torch.count_nonzero(got[2][-1]) == 0  # the empty expert
 
 
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_sorted_rows_match_the_per_expert_loop_and_keep_only_the_rows(with_probs):
+    """The expert-parallel form (rows grouped by expert, as a dispatcher hands them over): output and every
+    gradient equal autograd through the standard per-expert loop (an expert without rows included), and
+    what it saves for backward is the rows and the bounds, no [N, 2F] or [N, F] activation."""
+    torch.manual_seed(3)
+    E, H, F = 5, 8, 12
+    counts = torch.tensor([4, 0, 7, 1, 3])
+    N = int(counts.sum())
+    x = torch.randn(N, H, requires_grad=True)
+    w13 = torch.randn(E, 2 * F, H, requires_grad=True)
+    w2 = torch.randn(E, H, F, requires_grad=True)
+    probs = torch.rand(N, requires_grad=True) if with_probs else None
+    saved = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = chunked_sorted_rows(x, counts, probs, w13, w2, chunk_rows=5)
+    ref = experts_loop(x, counts, w13, w2, "swiglu", probs)
+    leaves = (x, w13, w2) + ((probs,) if with_probs else ())
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, dout)
+    want = torch.autograd.grad(ref, leaves, dout)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(got[1][1]) == 0 and torch.count_nonzero(got[2][1]) == 0  # the expert without rows
+    row_sized = [t for t in saved if t.dim() == 2 and t.shape[0] == N]
+    assert [t.shape[1] for t in row_sized] == [H]  # x only: no FC1 output (2F) or activation (F) per row
+
+
 def test_chunked_equals_minimal_for_every_chunk_size_and_is_deterministic():
     x, w13, w2, idx, w = _problem(seed=2, T=16, E=6, K=3)
     dout = torch.randn(16, 8)
@@ -168,6 +203,13 @@ def test_config_rules_of_chunked():
     cfg.moe.activation_chunk_rows = 0
     with pytest.raises(ConfigError, match="moe.activation_chunk_rows"):
         cfg.validate()
+    for mode, ok in (("chunked", True), ("minimal", False)):  # chunked runs behind the expert-parallel dispatch
+        cfg = load_config("tiny-moe", [f"moe.activation_memory={mode}", "parallel.ep=2"])
+        if ok:
+            cfg.validate()
+        else:
+            with pytest.raises(ConfigError, match="needs parallel.ep=1"):
+                cfg.validate()
 
 
 @pytest.mark.gpu
@@ -209,6 +251,13 @@ def test_planner_counts_the_chunked_mode():
     assert chunked["router"] == minimal["router"]
     # FP8 experts run the standard path (moe/layer.py _minimal_memory)
     assert moe_bytes("chunked", "train.precision=fp8")["experts"] == moe_bytes("standard")["experts"] > 0
+    # behind the expert-parallel dispatch (chunked_sorted_rows): the received rows only, the permutation as standard
+    h, f = load_config("tiny-moe", []).model.hidden_size, load_config("tiny-moe", []).moe.ffn_hidden_size
+    ep_chunked, ep_std = moe_bytes("chunked", "parallel.ep=2"), moe_bytes("standard", "parallel.ep=2")
+    rows = ep_chunked["experts"] / (h * 2)
+    assert rows == 4096 * 8  # balanced routing: an expert rank receives as many rows as its tokens send
+    assert ep_std["experts"] == rows * (h * 2 + 2 * f * 2 + 4) and ep_chunked["permute"] == ep_std["permute"]
+    assert moe_bytes("minimal", "parallel.ep=2")["experts"] == ep_std["experts"]  # minimal needs one expert rank
 
 
 def test_planner_backward_workspace_of_the_chunked_mode():
