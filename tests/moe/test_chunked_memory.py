@@ -235,6 +235,36 @@ def test_gpu_chunked_matches_standard_in_bf16_and_repeats_bit_for_bit():
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-2 * b.abs().max().item())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_sorted_rows_match_the_fused_expert_ffn_in_bf16():
+    """The expert-parallel form on the GPU against the standard fused expert FFN (bf16, probabilities inside):
+    within bf16 rounding (1% of each tensor's largest entry), and the same bits on repeat."""
+    from moecore.kernels.grouped_ffn import expert_ffn
+
+    torch.manual_seed(0)
+    E, H, F = 16, 256, 128
+    counts = torch.randint(0, 200, (E,), device="cuda")
+    counts[3] = 0
+    N = int(counts.sum())
+    x = torch.randn(N, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w13 = (0.05 * torch.randn(E, 2 * F, H, device="cuda")).bfloat16().requires_grad_()
+    w2 = (0.05 * torch.randn(E, H, F, device="cuda")).bfloat16().requires_grad_()
+    probs = torch.rand(N, device="cuda", requires_grad=True)
+    dout = torch.randn(N, H, device="cuda", dtype=torch.bfloat16)
+
+    def run(fn) -> list[torch.Tensor]:
+        out = fn()
+        return [out.detach(), *torch.autograd.grad(out, (x, w13, w2, probs), dout)]
+
+    got = run(lambda: chunked_sorted_rows(x, counts, probs, w13, w2, chunk_rows=300))
+    again = run(lambda: chunked_sorted_rows(x, counts, probs, w13, w2, chunk_rows=300))
+    want = run(lambda: expert_ffn(x, w13, w2, counts, probs))
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-2 * b.float().abs().max().item())
+
+
 def test_planner_counts_the_chunked_mode():
     """`moecore plan`: chunked keeps the minimal mode's routing and nothing of the experts."""
     from moecore.plan.activations import ActContext, ffn_modules
