@@ -137,12 +137,13 @@ def expert_memory_mode(cfg: Config, layout: Layout, c: ActContext) -> str:
     `_chunked_sorted_rows`): dropless SwiGLU grouped experts in bf16 on GPUs (any dtype on CPU), not FP8
     experts; minimal needs one expert rank, chunked also runs behind expert (tensor) parallel dispatch."""
     e = cfg.moe
+    mode = layout.activation_memory or e.activation_memory
     fp8_experts = cfg.train.precision == "fp8" and "experts" in cfg.fp8.modules
     runs = cfg.model.activation == "swiglu" and e.grouped_gemm and e.expert_capacity_factor is None
     one_rank = layout.ep == 1 and layout.etp == 1
-    runs = runs and (one_rank or e.activation_memory == "chunked")
+    runs = runs and (one_rank or mode == "chunked")
     runs = runs and (c.act_bytes == 2 or not c.fused) and not fp8_experts
-    return e.activation_memory if runs else "standard"
+    return mode if runs else "standard"
 
 
 def ffn_modules(cfg: Config, is_moe: bool, layout: Layout, c: ActContext) -> dict[str, float]:

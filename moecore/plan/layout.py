@@ -2,7 +2,7 @@
 
 `Layout` holds every degree the planner searches over (tp, pp, vpp, cp, ep, etp, dp), the
 optimizer sharding (distributed optimizer = ZeRO-1, fsdp = parameters, gradients and optimizer state
-sharded), the recomputation options and the micro-batch size. `layout_config(cfg, layout)` writes a
+sharded), the recomputation options, the MoE layer's activation memory mode and the micro-batch size. `layout_config(cfg, layout)` writes a
 layout into a copy of a Config (what `moecore train` would be given); `unsupported_reason` asks the
 trainer's own check (`moecore.parallel.layout.check_layout`) whether this version runs it, so the
 planner's "supported" column follows the code as other features land.
@@ -39,6 +39,7 @@ class Layout:
     micro_batch_size: int = 1
     offload_modules: tuple = field(default=())
     precision: str = ""  # "": the config's; adam_bf16: bf16 Adam moments; master_bf16: bf16 master weights and moments
+    activation_memory: str = ""  # "": the config's moe.activation_memory; else that mode (the planner offers chunked)
 
     @property
     def world(self) -> int:
@@ -82,6 +83,8 @@ class Layout:
             parts.append("off=" + "+".join(self.offload_modules))
         if self.precision:
             parts.append(self.precision)
+        if self.activation_memory:
+            parts.append(f"moe={self.activation_memory}")
         return " ".join(parts)
 
     def overrides(self, pp_layout: str | None = None) -> list[str]:
@@ -110,6 +113,8 @@ class Layout:
             out.append("optim.state_dtype=bf16")
         if self.precision == "master_bf16":
             out.append("optim.master_weights=bf16")
+        if self.activation_memory:
+            out.append(f"moe.activation_memory={self.activation_memory}")
         return out
 
 
@@ -131,6 +136,7 @@ def layout_of(cfg: Config, world: int) -> Layout:
         recompute_modules=tuple(m.recompute_modules),
         micro_batch_size=cfg.train.micro_batch_size,
         offload_modules=tuple(getattr(m, "offload_modules", ()) or ()),
+        activation_memory="" if cfg.moe.activation_memory == "standard" else cfg.moe.activation_memory,
     )
 
 
@@ -184,6 +190,8 @@ def layout_config(cfg: Config, layout: Layout) -> Config:
         out.optim.state_dtype = "bf16"
         if layout.precision == "master_bf16":
             out.optim.master_weights = "bf16"
+    if layout.activation_memory:
+        out.moe.activation_memory = layout.activation_memory
     out.train.micro_batch_size = layout.micro_batch_size
     return out
 

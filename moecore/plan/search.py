@@ -5,8 +5,10 @@ heads, and the sequence); pp up to the layer count; vpp 1 or 2 with pp > 1 (1F1B
 interleaved 1F1B with two chunks per stage); cp 1 or 2 (cp 4 from 16k
 tokens); ep dividing the expert count with etp x ep x pp dividing N; etp 1 or tp; dp the rest;
 optimizer state replicated, distributed (ZeRO-1) or fsdp; recomputation none / the recipe's /
-the light selective set / + moe / full; micro-batch sizes 1, 2, 4 that divide the global batch
-over dp. A layout is `valid` when its degrees tile the GPUs and divide the model; `supported` when
+the light selective set / + moe / full; for MoE models whose config keeps the standard expert
+activations, also `moe.activation_memory=chunked` (without MoE or full recomputation, which it
+replaces: it keeps only the experts' input and computes FC1 again, +22% of the expert FLOPs;
+`chunked_modes`); micro-batch sizes 1, 2, 4 that divide the global batch over dp. A layout is `valid` when its degrees tile the GPUs and divide the model; `supported` when
 this version's trainer runs it (moecore.parallel.layout.check_layout); layouts that are valid but not
 supported stay in the table, marked.
 
@@ -101,6 +103,28 @@ def recompute_options(cfg: Config) -> list[tuple[str, tuple]]:
     return opts
 
 
+def chunked_modes(cfg: Config) -> tuple[str, ...]:
+    """The expert activation modes searched besides the config's: chunked where the layer can run it (dropless
+    SwiGLU grouped experts without biases, not sync-free, not FP8 experts) and the config keeps the standard
+    activations."""
+    e, m = cfg.moe, cfg.model
+    fp8_experts = cfg.train.precision == "fp8" and "experts" in cfg.fp8.modules
+    ok = e.num_experts and e.activation_memory == "standard" and e.grouped_gemm and e.expert_capacity_factor is None
+    ok = ok and m.activation == "swiglu" and not m.expert_linear_bias and not e.sync_free and not fp8_experts
+    return ("chunked",) if ok else ()
+
+
+def _memory_options(cfg: Config) -> list[tuple[str, str, tuple]]:
+    """(activation memory mode, recompute granularity, modules): the config's mode with every recomputation
+    option, chunked with those that leave the MoE block's forward alone (none, the light set)."""
+    rec = recompute_options(cfg)
+    own = "" if cfg.moe.activation_memory == "standard" else cfg.moe.activation_memory  # as `layout_of` reads it
+    out = [(own, gran, mods) for gran, mods in rec]
+    for mode in chunked_modes(cfg):
+        out += [(mode, gran, mods) for gran, mods in rec if gran != "full" and "moe" not in mods]
+    return out
+
+
 def candidate_layouts(cfg: Config, gpus: int, gpus_per_node: int = 8, precisions: tuple = ("",)) -> list[Layout]:
     """Every valid layout of cfg on `gpus` GPUs (supported by the trainer or not), for each Layout.precision."""
     m, e, t = cfg.model, cfg.moe, cfg.train
@@ -117,6 +141,7 @@ def candidate_layouts(cfg: Config, gpus: int, gpus_per_node: int = 8, precisions
     cps = [1, 2] + ([4] if t.seq_length >= 16384 else [])
     offload = tuple(getattr(m, "offload_modules", ()) or ())  # the config's offloading, in every candidate
     eps = [d for d in _divisors(e.num_experts)] if e.num_experts else [1]
+    memory_options = _memory_options(cfg)
     for tp, cp in itertools.product(tps, cps):
         if gpus % (tp * cp) or t.seq_length % (2 * cp * tp) and cp > 1:
             continue
@@ -140,9 +165,11 @@ def candidate_layouts(cfg: Config, gpus: int, gpus_per_node: int = 8, precisions
                             shardings.append((True, False))
                         if dp * cp > 1:
                             shardings.append((False, True))
-                        combos = itertools.product(shardings, recompute_options(cfg), precisions)
-                        for (dist, fsdp), (gran, mods), prec in combos:
-                            out.append(Layout(tp, pp, vpp, cp, ep, etp, dp, dist, fsdp, gran, mods, mbs, offload, prec))
+                        combos = itertools.product(shardings, memory_options, precisions)
+                        for (dist, fsdp), (act, gran, mods), prec in combos:
+                            out.append(
+                                Layout(tp, pp, vpp, cp, ep, etp, dp, dist, fsdp, gran, mods, mbs, offload, prec, act)
+                            )
     return out
 
 
@@ -180,7 +207,7 @@ def _evaluate(cfg: Config, layouts: list[Layout], gpu_mem_gib: float, hw: Hardwa
         mem = estimate_memory(cfg, lay, opts)
         step = estimate_step(cfg, lay, hw, opts)
         key = (lay.pp, lay.vpp, lay.cp, lay.fsdp, lay.tp > 1, lay.ep > 1, lay.etp > 1, lay.distributed_optimizer)
-        key += (lay.precision, lay.offload_modules, lay.recompute_granularity)
+        key += (lay.precision, lay.offload_modules, lay.recompute_granularity, lay.activation_memory)
         if lay.pp > 1:  # the schedule's rules count micro-batches per step: global batch / (micro-batch x dp)
             key += (lay.micro_batch_size, lay.dp)
         if key not in reasons:

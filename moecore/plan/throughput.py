@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from moecore.config import Config
-from moecore.plan.activations import layer_saved, routed_rows
+from moecore.plan.activations import expert_memory_mode, layer_saved, routed_rows
 from moecore.plan.layout import Layout, group_span
 from moecore.plan.memory import PlanOptions, act_context, micro_batches_per_step
 from moecore.plan.params import param_summary, precision_mode
@@ -106,6 +106,16 @@ def recompute_flops_per_token(cfg: Config, layout: Layout) -> float:
     return extra
 
 
+def chunked_flops_per_token(cfg: Config, layout: Layout, c) -> float:
+    """FC1 once more in backward per MoE layer where moe.activation_memory=chunked runs (moecore/moe/chunked.py):
+    2 x H x 2F FLOPs for each of a token's K routed rows (its backward does so after a recomputed forward too)."""
+    e, m = cfg.moe, cfg.model
+    if not e.num_experts or expert_memory_mode(cfg, layout, c) != "chunked":
+        return 0.0
+    moe_layers = sum(1 for i in range(m.num_layers) if e.is_moe_layer(i, m.num_layers))
+    return 4.0 * e.router_topk * m.hidden_size * e.ffn_hidden_size * moe_layers
+
+
 def estimate_step(
     cfg: Config, layout: Layout, hw: Hardware | None = None, opts: PlanOptions | None = None
 ) -> StepEstimate:
@@ -123,7 +133,7 @@ def estimate_step(
     if key not in opts.cache:
         opts.cache[key] = (flops_per_token(cfg), recompute_flops_per_token(cfg, layout))
     model_fpt, extra_fpt = opts.cache[key]
-    hw_fpt = model_fpt + extra_fpt
+    hw_fpt = model_fpt + extra_fpt + chunked_flops_per_token(cfg, layout, c)
     global_tokens = t.global_batch_size * t.seq_length
     rate = hw.peak_tflops * 1e12 * hw.efficiency
     compute = hw_fpt * global_tokens / layout.world / rate

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from moecore.config import load_config
 from moecore.plan.layout import Layout, layout_config, layout_of, stage_layout_of, unsupported_reason
 from moecore.plan.memory import estimate_memory
@@ -105,3 +107,33 @@ def test_search_ranks_fitting_layouts_by_speed() -> None:
     assert all(c.memory.total <= 141 * 2**30 for c in fits)
     assert all(c.memory.total > 141 * 2**30 for c in cands[len(fits) :])
     assert [c.step.tokens_per_s for c in fits] == sorted((c.step.tokens_per_s for c in fits), reverse=True)
+
+
+def test_chunked_expert_activations_are_offered_with_their_cost() -> None:
+    """moe.activation_memory=chunked as a planner lever: offered without MoE or full recomputation, it keeps fewer
+    activation bytes and costs FC1 once more (4 K H F FLOPs per token and MoE layer), and the trainer runs it."""
+    from moecore.plan.throughput import Hardware, estimate_step
+
+    cfg = load_config("tiny-qwen3-moe")
+    cfg.model.vocab_size = 512
+    lays = candidate_layouts(cfg, 2)
+    chunked = [lay for lay in lays if lay.activation_memory == "chunked"]
+    assert chunked and all(
+        lay.recompute_granularity != "full" and "moe" not in lay.recompute_modules for lay in chunked
+    )
+    assert any(lay.ep == 2 for lay in chunked)  # under expert parallelism too
+    lay = next(lay for lay in chunked if lay.ep == 2 and lay.recompute_granularity == "none" and not lay.fsdp)
+    std = Layout(**{**lay.__dict__, "activation_memory": ""})
+    assert std in lays
+    assert estimate_memory(cfg, lay).activations < estimate_memory(cfg, std).activations
+    e, m = cfg.moe, cfg.model
+    moe_layers = sum(e.is_moe_layer(i, m.num_layers) for i in range(m.num_layers))
+    hw = Hardware()
+    seconds = estimate_step(cfg, lay, hw).compute_s - estimate_step(cfg, std, hw).compute_s
+    tokens = cfg.train.global_batch_size * cfg.train.seq_length
+    extra = seconds * lay.world * hw.peak_tflops * 1e12 * hw.efficiency / tokens  # FLOPs per token
+    assert extra == pytest.approx(4 * e.router_topk * m.hidden_size * e.ffn_hidden_size * moe_layers, rel=1e-9)
+    assert "moe.activation_memory=chunked" in lay.overrides() and "moe=chunked" in lay.label()
+    assert unsupported_reason(cfg, lay) is None
+    cfg.moe.sync_free = True  # the layer cannot run chunked sync-free: not offered
+    assert not any(lay.activation_memory for lay in candidate_layouts(cfg, 2))
