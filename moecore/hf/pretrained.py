@@ -14,6 +14,7 @@ right when the writer needs it, so export adds about one tensor to the model's m
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -225,10 +226,11 @@ def checkpoint_dtype(hf: dict, reader: SafetensorsReader) -> torch.dtype:
 
 
 def config_for_checkpoint(family, hf: dict, names: list[str]) -> Config:
-    """The family's Config for this checkpoint: `config_from_checkpoint(hf, names)` where the family has that
-    optional hook (DeepSeek-V3 drops MTP layers config.json announces but the weights lack), else `config_from_hf`."""
-    hook = getattr(family, "config_from_checkpoint", None)
-    return hook(hf, set(names)) if hook is not None else family.config_from_hf(hf)
+    """The family's Config for this checkpoint: `config_from_hf(hf, names)` where the family's reader takes the
+    tensor names (DeepSeek-V3 drops MTP layers config.json announces but the weights lack), else `config_from_hf(hf)`."""
+    if "available" in inspect.signature(family.config_from_hf).parameters:
+        return family.config_from_hf(hf, set(names))
+    return family.config_from_hf(hf)
 
 
 def load_pretrained(

@@ -15,9 +15,9 @@ A family is one small module that knows one Hugging Face `model_type`. It define
   on the Hub use;
 - optionally `IGNORED_HF_TENSORS`: regular expressions of checkpoint tensors that carry nothing (e.g.
   saved rotary `inv_freq` buffers);
-- optionally `config_from_checkpoint(hf: dict, names: set[str]) -> Config`, used instead of
-  `config_from_hf` on import when the tensors present decide part of the config (see
-  `pretrained.config_for_checkpoint`).
+- `config_from_hf` may take a second parameter `available: Collection[str] | None = None`: on import it
+  gets the checkpoint's tensor names, for families where the tensors present decide part of the config
+  (see `pretrained.config_for_checkpoint`).
 
 Adding a family: write `families/<model_type>.py` and add one line to `_FAMILY_MODULES`.
 """

@@ -108,11 +108,6 @@ def config_from_hf(hf: dict, available: Collection[str] | None = None) -> Config
     return validated(cfg)
 
 
-def config_from_checkpoint(hf: dict, available: Collection[str]) -> Config:
-    """The optional family hook moecore.hf.pretrained calls with the checkpoint's tensor names."""
-    return config_from_hf(hf, available)
-
-
 def config_to_hf(cfg: Config) -> dict:
     m, e = cfg.model, cfg.moe
     check_deepseek_exportable(cfg, MODEL_TYPE)

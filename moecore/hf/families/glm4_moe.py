@@ -188,11 +188,6 @@ def config_from_hf(hf: dict, available: Collection[str] | None = None) -> Config
     return validated(cfg)
 
 
-def config_from_checkpoint(hf: dict, available: Collection[str]) -> Config:
-    """The optional family hook moecore.hf.pretrained calls with the checkpoint's tensor names."""
-    return config_from_hf(hf, available)
-
-
 def dense_then_moe(cfg: Config) -> bool:
     """Whether our dense/MoE pattern is the first `first_k_dense_replace` layers dense, the rest MoE."""
     k, n = cfg.moe.first_k_dense_replace, cfg.model.num_layers

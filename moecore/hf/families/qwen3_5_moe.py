@@ -80,11 +80,6 @@ def _without_mrope(hf: dict) -> dict:
     return {**hf, "rope_parameters": {k: v for k, v in params.items() if k not in MROPE_FIELDS}}
 
 
-def config_from_checkpoint(hf: dict, available: Collection[str]) -> Config:
-    """The optional family hook moecore.hf.pretrained calls with the checkpoint's tensor names."""
-    return config_from_hf(hf, available)
-
-
 def config_from_hf(hf: dict, available: Collection[str] | None = None) -> Config:
     """config.json (text or multimodal) -> our Config; with `available` the MTP module is imported when the weights
     hold it."""

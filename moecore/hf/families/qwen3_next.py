@@ -147,11 +147,6 @@ def _mtp_layers(f: HFFields, available: Collection[str] | None) -> int:
     return int("mtp.fc.weight" in available)
 
 
-def config_from_checkpoint(hf: dict, available: Collection[str]) -> Config:
-    """The optional family hook moecore.hf.pretrained calls with the checkpoint's tensor names."""
-    return config_from_hf(hf, available)
-
-
 def config_from_hf(hf: dict, available: Collection[str] | None = None) -> Config:
     """config.json -> our Config (model and moe sections); with `available` (the checkpoint's tensor names)
     the MTP module is imported when the weights hold it."""
