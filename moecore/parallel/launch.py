@@ -104,16 +104,22 @@ def run_local(
                 time.sleep(1.0)  # let the other ranks report their own errors
                 break
             time.sleep(0.02)
+        terminated = [p.is_alive() for p in procs]
         for p in procs:
             if p.is_alive():
                 p.terminate()
             p.join()
         errors = []
-        for r in range(world_size):
+        reported = [os.path.exists(os.path.join(tmp, f"err-{r}.txt")) for r in range(world_size)]
+        for r, p in enumerate(procs):
             path = os.path.join(tmp, f"err-{r}.txt")
-            if os.path.exists(path):
+            if reported[r]:
                 with open(path) as f:
                     errors.append(f"--- rank {r} ---\n{f.read()}")
+            elif p.exitcode and not terminated[r]:  # died without a traceback: a signal (e.g. -11) or os._exit
+                errors.append(f"--- rank {r} ---\nexited with code {p.exitcode} without an error report")
+            elif terminated[r] and any(reported):
+                errors.append(f"--- rank {r} ---\nstill running when another rank failed: terminated")
         if errors:
             raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
         missing = [r for r in range(world_size) if not os.path.exists(os.path.join(tmp, f"out-{r}.pt"))]
