@@ -34,7 +34,6 @@ from moecore.hf.families import TensorMap
 from moecore.hf.families.common import (
     HFFields,
     attention_maps,
-    aux_coef_to_hf,
     base_config,
     base_to_hf,
     embed_maps,
@@ -45,6 +44,7 @@ from moecore.hf.families.common import (
     refuse_export_unless,
     validated,
 )
+from moecore.hf.families.mixtral import experts_to_hf
 
 MODEL_TYPE = "minimax_m2"
 ARCHITECTURE = "MiniMaxM2ForCausalLM"
@@ -231,16 +231,7 @@ def config_to_hf(cfg: Config) -> dict:
             ("moe.router_num_groups", e.router_num_groups, e.router_num_groups in (None, 1), "no group routing"),
         ],
     )
-    return {
-        **base_to_hf(m),
-        "intermediate_size": e.ffn_hidden_size,  # the experts' width: MiniMax-M2 has no dense MLP
-        "rotary_dim": _rotary_dim(cfg),
-        "num_local_experts": e.num_experts,
-        "num_experts_per_tok": e.router_topk,
-        "router_aux_loss_coef": aux_coef_to_hf(e),
-        "router_jitter_noise": 0.0,  # training-time noise; transformers' differs from ours, so none is written
-        "output_router_logits": False,
-    }
+    return {**base_to_hf(m), **experts_to_hf(cfg), "rotary_dim": _rotary_dim(cfg)}
 
 
 def tensor_maps(cfg: Config, available: Collection[str] | None) -> list[TensorMap]:

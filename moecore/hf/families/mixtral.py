@@ -86,10 +86,14 @@ def config_to_hf(cfg: Config) -> dict:
             ("moe.norm_topk_prob", e.norm_topk_prob, renormalises(e), "Mixtral renormalises the top-k weights"),
         ],
     )
+    return {**base_to_hf(m), **experts_to_hf(cfg), "sliding_window": m.sliding_window}
+
+
+def experts_to_hf(cfg: Config) -> dict:
+    """The expert fields of Mixtral's config.json (also MiniMax-M2's): every MLP is the experts'."""
+    e = cfg.moe
     return {
-        **base_to_hf(m),
-        "intermediate_size": e.ffn_hidden_size,  # Mixtral's only MLP is the experts'
-        "sliding_window": m.sliding_window,
+        "intermediate_size": e.ffn_hidden_size,  # the only MLP is the experts'
         "num_local_experts": e.num_experts,
         "num_experts_per_tok": e.router_topk,
         "router_aux_loss_coef": aux_coef_to_hf(e),
