@@ -364,7 +364,7 @@ def test_refusals():
 GLM_5 = {
     **{k: v for k, v in transformers.GlmMoeDsaConfig().to_dict().items() if k != "rope_parameters"},
     "model_type": "glm_moe_dsa",
-    "rope_theta": 10000.0,
+    "rope_theta": 1e6,  # zai-org/GLM-5's config.json (transformers' default is 10000; the shapes are its defaults)
     "num_nextn_predict_layers": 1,
 }
 
