@@ -21,6 +21,10 @@ launches once per chunk, and one host synchronisation per forward (the expert bo
 the chunks), so the mode cannot be captured in a CUDA graph (the config refuses it with moe.sync_free and
 train.cuda_graphs=full).
 
+Behind an expert-parallel dispatcher (`chunked_sorted_rows`) the rows arrive grouped by expert, each its own
+output row: the same Function runs with the identity routing (slices instead of gathers, each row's output and
+input gradient written once in the compute dtype) and keeps the received rows, which are the experts' input there.
+
 Determinism: a chunk adds its rows into an accumulator with index_put_(accumulate=True) on CUDA (torch's
 sort-based kernel) and index_add_ on CPU (a serial loop), both deterministic. A token's K rows are summed in
 expert order where the standard path sums them in top-k order, so outputs match it to fp32 rounding of the
@@ -33,7 +37,7 @@ import torch
 
 from moecore.kernels.grouped_ffn import GemmPlan, default_plan, gemm_nn, gemm_nt, gemm_tn
 from moecore.kernels.swiglu import swiglu, swiglu_backward
-from moecore.moe.minimal import row_operands, sort_by_expert
+from moecore.moe.minimal import expert_bounds, row_operands, sort_by_expert
 from moecore.moe.permute import SortedAssignments
 
 
@@ -194,8 +198,7 @@ def chunked_sorted_rows(
     probs_N (or None): multiplied into the SwiGLU output, as the standard expert FFN does. Returns [N, H].
     """
     E, F2, H = w13_EFH.shape
-    bounds = torch.zeros(E + 1, dtype=torch.int32, device=x_NH.device)
-    torch.cumsum(counts_E.to(x_NH.device), 0, out=bounds[1:])
+    bounds = expert_bounds(counts_E, x_NH.device)
     plan = (plan or default_plan(E, x_NH.shape[0], H, F2 // 2, x_NH.device)).without_host_sync()
     x = x_NH.contiguous()
     return _ChunkedExperts.apply(x, w13_EFH, w2_EHF, probs_N, None, None, bounds, True, plan, chunk_rows)

@@ -256,21 +256,23 @@ class MoELayer(nn.Module):
         return use_triton("auto", x_TH)
 
     def _minimal_memory(self, x_TH: torch.Tensor, keep_TK: torch.Tensor | None, pad: int | None) -> bool:
-        """moe.activation_memory=minimal | chunked where it runs: one device, dropless, SwiGLU, torch._grouped_mm
-        for these rows (else the standard path, e.g. fp64 on CPU)."""
-        if self.cfg.activation_memory == "standard" or keep_TK is not None or pad is not None:
-            return False
-        e = self.experts
-        if e.fp8_recipe is not None:  # FP8 experts (train.precision=fp8) run their own Function
-            return False
-        ok = type(self.dispatcher) is LocalDispatcher and e.activation == "swiglu" and x_TH.shape[0] > 0
-        return ok and e.uses_grouped_mm(x_TH)
+        """moe.activation_memory=minimal | chunked where it runs on one device (else the standard path)."""
+        mode = self.cfg.activation_memory
+        return (
+            mode != "standard"
+            and type(self.dispatcher) is LocalDispatcher
+            and self._low_memory_rows(x_TH, keep_TK, pad)
+        )
 
     def _chunked_sorted_rows(self, rows: torch.Tensor, keep_TK: torch.Tensor | None, pad: int | None) -> bool:
         """moe.activation_memory=chunked behind a dispatcher that moves rows between ranks (expert or expert
-        tensor parallel): the experts' rows arrive grouped by expert, and the chunked expert FFN runs on them
-        (dropless, SwiGLU, torch._grouped_mm for these rows, not FP8)."""
-        if self.cfg.activation_memory != "chunked" or keep_TK is not None or pad is not None:
+        tensor parallel): the experts' rows arrive grouped by expert, and the chunked expert FFN runs on them."""
+        return self.cfg.activation_memory == "chunked" and self._low_memory_rows(rows, keep_TK, pad)
+
+    def _low_memory_rows(self, rows: torch.Tensor, keep_TK: torch.Tensor | None, pad: int | None) -> bool:
+        """Whether the low-memory expert paths run for these rows: dropless, SwiGLU, not FP8 experts (they run
+        their own Function), and torch._grouped_mm for the rows' device and dtype (not e.g. fp64 on CPU)."""
+        if keep_TK is not None or pad is not None:
             return False
         e = self.experts
         ok = e.fp8_recipe is None and e.activation == "swiglu" and rows.shape[0] > 0

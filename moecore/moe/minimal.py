@@ -47,11 +47,17 @@ def sort_by_expert(
     ids, so no host synchronisation (torch.bincount reads the maximum back on CUDA).
     """
     s = presorted if presorted is not None else sort_assignments(idx_TK, num_experts)
-    bounds = torch.zeros(num_experts + 1, dtype=torch.int32, device=idx_TK.device)
-    torch.cumsum(s.counts, 0, out=bounds[1:])
+    bounds = expert_bounds(s.counts, idx_TK.device)
     inv = torch.empty_like(s.order)
     inv[s.order] = torch.arange(s.order.numel(), device=s.order.device)
     return s.order, inv, bounds
+
+
+def expert_bounds(counts_E: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """int32 [E+1]: where each expert's rows start in the sorted rows (and the end), from its row counts."""
+    bounds = torch.zeros(counts_E.numel() + 1, dtype=torch.int32, device=device)
+    torch.cumsum(counts_E.to(device), 0, out=bounds[1:])
+    return bounds
 
 
 def row_operands(
