@@ -136,14 +136,18 @@ def expert_memory_mode(cfg: Config, layout: Layout, c: ActContext) -> str:
     """moe.activation_memory as the MoE layer runs it (moecore/moe/layer.py `_minimal_memory`,
     `_chunked_sorted_rows`): dropless SwiGLU grouped experts in bf16 on GPUs (any dtype on CPU), not FP8
     experts; minimal needs one expert rank, chunked also runs behind expert (tensor) parallel dispatch."""
-    e = cfg.moe
-    mode = layout.activation_memory or e.activation_memory
-    fp8_experts = cfg.train.precision == "fp8" and "experts" in cfg.fp8.modules
-    runs = cfg.model.activation == "swiglu" and e.grouped_gemm and e.expert_capacity_factor is None
+    mode = layout.activation_memory or cfg.moe.activation_memory
     one_rank = layout.ep == 1 and layout.etp == 1
-    runs = runs and (one_rank or mode == "chunked")
-    runs = runs and (c.act_bytes == 2 or not c.fused) and not fp8_experts
+    runs = low_memory_experts_run(cfg) and (one_rank or mode == "chunked") and (c.act_bytes == 2 or not c.fused)
     return mode if runs else "standard"
+
+
+def low_memory_experts_run(cfg: Config) -> bool:
+    """The config's part of where moe.activation_memory=minimal | chunked run (moecore/moe/layer.py
+    `_low_memory_rows`): dropless SwiGLU grouped experts, not FP8 experts (they run their own Function)."""
+    e = cfg.moe
+    fp8_experts = cfg.train.precision == "fp8" and "experts" in cfg.fp8.modules
+    return cfg.model.activation == "swiglu" and e.grouped_gemm and e.expert_capacity_factor is None and not fp8_experts
 
 
 def ffn_modules(cfg: Config, is_moe: bool, layout: Layout, c: ActContext) -> dict[str, float]:

@@ -2,8 +2,9 @@
 
 `Layout` holds every degree the planner searches over (tp, pp, vpp, cp, ep, etp, dp), the
 optimizer sharding (distributed optimizer = ZeRO-1, fsdp = parameters, gradients and optimizer state
-sharded), the recomputation options, the MoE layer's activation memory mode and the micro-batch size. `layout_config(cfg, layout)` writes a
-layout into a copy of a Config (what `moecore train` would be given); `unsupported_reason` asks the
+sharded), the recomputation options, the MoE layer's activation memory mode and the micro-batch size.
+`layout_config(cfg, layout)` writes a layout into a copy of a Config (what `moecore train` would be
+given); `unsupported_reason` asks the
 trainer's own check (`moecore.parallel.layout.check_layout`) whether this version runs it, so the
 planner's "supported" column follows the code as other features land.
 

@@ -8,8 +8,9 @@ optimizer state replicated, distributed (ZeRO-1) or fsdp; recomputation none / t
 the light selective set / + moe / full; for MoE models whose config keeps the standard expert
 activations, also `moe.activation_memory=chunked` (without MoE or full recomputation, which it
 replaces: it keeps only the experts' input and computes FC1 again, +22% of the expert FLOPs;
-`chunked_modes`); micro-batch sizes 1, 2, 4 that divide the global batch over dp. A layout is `valid` when its degrees tile the GPUs and divide the model; `supported` when
-this version's trainer runs it (moecore.parallel.layout.check_layout); layouts that are valid but not
+`chunked_modes`); micro-batch sizes 1, 2, 4 that divide the global batch over dp. A layout is
+`valid` when its degrees tile the GPUs and divide the model; `supported` when this version's
+trainer runs it (moecore.parallel.layout.check_layout); layouts that are valid but not
 supported stay in the table, marked.
 
 When no layout fits with the config's precision, the bf16 optimizer-state options (bf16 Adam moments;
@@ -25,6 +26,7 @@ import itertools
 from dataclasses import dataclass
 
 from moecore.config import Config
+from moecore.plan.activations import low_memory_experts_run
 from moecore.plan.layout import Layout, stage_layout_of, unsupported_reason
 from moecore.plan.memory import GiB, MemoryEstimate, PlanOptions, estimate_memory
 from moecore.plan.params import PRECISIONS
@@ -107,11 +109,9 @@ def chunked_modes(cfg: Config) -> tuple[str, ...]:
     """The expert activation modes searched besides the config's: chunked where the layer can run it (dropless
     SwiGLU grouped experts without biases, not sync-free, not FP8 experts) and the config keeps the standard
     activations."""
-    e, m = cfg.moe, cfg.model
-    fp8_experts = cfg.train.precision == "fp8" and "experts" in cfg.fp8.modules
-    ok = e.num_experts and e.activation_memory == "standard" and e.grouped_gemm and e.expert_capacity_factor is None
-    ok = ok and m.activation == "swiglu" and not m.expert_linear_bias and not e.sync_free and not fp8_experts
-    return ("chunked",) if ok else ()
+    e = cfg.moe
+    ok = e.num_experts and e.activation_memory == "standard" and not e.sync_free and not cfg.model.expert_linear_bias
+    return ("chunked",) if ok and low_memory_experts_run(cfg) else ()
 
 
 def _memory_options(cfg: Config) -> list[tuple[str, str, tuple]]:
