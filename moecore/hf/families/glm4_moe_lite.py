@@ -75,17 +75,23 @@ DEFAULTS = {
 }
 
 
-def _first_dense(f: HFFields, num_layers: int) -> int:
-    """`mlp_layer_types` -> how many leading layers are dense (the rest must be sparse)."""
+def leading_dense_layers(f: HFFields, num_layers: int) -> int | None:
+    """`mlp_layer_types` -> how many leading layers are dense (the rest must be sparse); None without the field."""
     types = f.get("mlp_layer_types", None)
     if types is None:
-        return 1  # transformers' default: ["dense"] + ["sparse"] * (num_hidden_layers - 1)
+        return None
     if not isinstance(types, list) or len(types) != num_layers or any(t not in ("dense", "sparse") for t in types):
         f.refuse("mlp_layer_types", types, f"a list of {num_layers} entries dense | sparse")
     k = types.index("sparse") if "sparse" in types else num_layers
     if types[k:] != ["sparse"] * (num_layers - k):
         f.refuse("mlp_layer_types", types, "dense layers first, then sparse ones (a run of each)")
     return k
+
+
+def _first_dense(f: HFFields, num_layers: int) -> int:
+    """How many leading layers are dense: `mlp_layer_types`, else transformers' default (one dense layer)."""
+    k = leading_dense_layers(f, num_layers)
+    return 1 if k is None else k
 
 
 def config_from_hf(hf: dict, available: Collection[str] | None = None) -> Config:

@@ -42,6 +42,7 @@ from moecore.hf.families.glm4_moe import (
     sigmoid_router_from_hf,
     sigmoid_router_to_hf,
 )
+from moecore.hf.families.glm4_moe_lite import leading_dense_layers
 
 MODEL_TYPE = "glm_moe_dsa"
 ARCHITECTURE = "GlmMoeDsaForCausalLM"
@@ -86,15 +87,8 @@ def _first_dense(f: HFFields, num_layers: int) -> int:
     """How many leading layers are dense: `mlp_layer_types` (a run of dense, then sparse), else
     `first_k_dense_replace`, which transformers reads only without `mlp_layer_types`."""
     k = f.integer("first_k_dense_replace", lo=0)
-    types = f.get("mlp_layer_types", None)
-    if types is None:
-        return min(k, num_layers)
-    if not isinstance(types, list) or len(types) != num_layers or any(t not in ("dense", "sparse") for t in types):
-        f.refuse("mlp_layer_types", types, f"a list of {num_layers} entries dense | sparse")
-    dense = types.index("sparse") if "sparse" in types else num_layers
-    if types[dense:] != ["sparse"] * (num_layers - dense):
-        f.refuse("mlp_layer_types", types, "dense layers first, then sparse ones (a run of each)")
-    return dense
+    dense = leading_dense_layers(f, num_layers)
+    return min(k, num_layers) if dense is None else dense
 
 
 def indexer_types_from_hf(f: HFFields, num_layers: int) -> list[str]:
