@@ -182,3 +182,18 @@ def check_tiny_recipe_exports(recipe: str, model_type: str) -> None:
     cfg.model.vocab_size = 64
     hf_config = get_family(model_type).config_to_hf(cfg)
     transformers.AutoConfig.for_model(model_type, **hf_config)
+
+
+def check_indexer_grads_only(ours, hf_model, maps) -> int:
+    """After the DSA indexers' KL loss alone was backpropagated through both models: every indexer tensor's gradient
+    equals transformers' (1e-4 of its largest entry), and no other parameter got one. Returns how many were checked."""
+    params, hf_params = dict(ours.named_parameters()), dict(hf_model.named_parameters())
+    checked = 0
+    for mp in maps:
+        if ".indexer." in mp.ours:
+            g, want = params[mp.ours].grad, hf_params[mp.hf_names()[0]].grad
+            assert (g - want).abs().max() <= 1e-4 * max(1e-3, want.abs().max().item()), mp.ours
+            checked += 1
+        elif mp.ours in params:
+            assert params[mp.ours].grad is None, f"the indexer loss reached {mp.ours}"
+    return checked
