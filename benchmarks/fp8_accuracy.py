@@ -255,18 +255,25 @@ def plot(record: dict, png: str) -> None:
     import matplotlib.pyplot as plt
 
     runs = record["runs"]
+    precisions = list(dict.fromkeys(name.partition("@")[0] for name in runs))
+    seeds = list(dict.fromkeys(name.partition("@")[2] for name in runs))
+    styles = ("-", "--", ":", "-.")
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    for i, (name, r) in enumerate(runs.items()):
+    for name, r in runs.items():
         precision, _, seed = name.partition("@")  # records before --seeds name runs without "@seed"
         ref = _mean(runs[f"bf16@{seed}" if seed else "bf16"]["losses"])
         curve = _mean(r["losses"])
         steps = range(1, len(curve) + 1)
-        color = f"C{i}"  # one colour per run in both panels
-        top.plot(steps, curve, label=name, linewidth=1, color=color)
+        # one colour per precision, one line style per seed; each precision named once in the legends
+        label = precision if seeds.index(seed) == 0 else None
+        look = dict(color=f"C{precisions.index(precision)}", linestyle=styles[seeds.index(seed) % len(styles)])
+        top.plot(steps, curve, label=label, linewidth=1, **look)
         if precision != "bf16":
             n = min(len(curve), len(ref))
             diff = [100 * (a - b) / b for a, b in zip(curve[:n], ref[:n])]
-            bottom.plot(steps[:n], diff, label=name, linewidth=1, color=color)
+            bottom.plot(steps[:n], diff, label=label, linewidth=1, **look)
+    if len(seeds) > 1:
+        top.set_title(f"line style: seed ({', '.join(seeds)})", fontsize="small")
     top.set_ylabel("training loss (20-step mean)")
     top.set_yscale("log")
     top.legend(fontsize="small")
