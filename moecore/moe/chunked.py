@@ -33,8 +33,11 @@ sum, not bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from moecore.kernels._triton import triton_importable
 from moecore.kernels.grouped_ffn import GemmPlan, default_plan, gemm_nn, gemm_nt, gemm_tn
 from moecore.kernels.swiglu import swiglu, swiglu_backward
 from moecore.moe.minimal import expert_bounds, row_operands, sort_by_expert
@@ -57,6 +60,35 @@ def expert_chunks(bounds: list[int], max_rows: int) -> list[tuple[int, int]]:
     return chunks
 
 
+# Multiply-adds (rows x H x F) of a chunk's expert FFN from which its GPU work outlasts the host's launches for it.
+# Measured on an H100 (docs/benchmarks.md, "Chunked expert memory"): the host spends ~2-3.5 ms per chunk; a
+# DeepSeek-V3 chunk of 8192 rows (1.2e11) keeps the GPU busy ~6 ms, one of 2048 rows (3.0e10) ~2 ms, a
+# Qwen3-Next chunk of 8192 rows (8.6e9) ~1 ms.
+GPU_BOUND_CHUNK = 2**36
+
+
+def chunk_plans(
+    plan: GemmPlan | None, E: int, rows: int, H: int, F: int, device: torch.device
+) -> tuple[GemmPlan, GemmPlan]:
+    """(plan for chunks below GPU_BOUND_CHUNK, plan for those above), neither with a host synchronisation.
+    A given `plan` runs every chunk (without its host-synchronising GEMMs); None chooses per chunk as follows.
+
+    Small chunks are host-bound, so every GEMM runs as torch._grouped_mm (launched from C++; a Triton launch costs
+    the host more than it saves the GPU there). Large chunks keep `plan`'s GEMMs, and on CUDA their weight
+    gradients go through moecore's Triton kernel, which writes each chunk's dW into its experts' slice of the
+    whole gradient: torch._grouped_mm has no `out=`, so its chunk results would be copied into the slices, a
+    second pass over every weight gradient (45 GB read and written at DeepSeek-V3's shape) and a chunk-sized
+    buffer beside the gradient, where the Triton GEMM runs at 0.8-0.9x torch's rate."""
+    if plan is not None:
+        return plan.without_host_sync(), plan.without_host_sync()
+    plan = default_plan(E, rows, H, F, device).without_host_sync()
+    small = GemmPlan.uniform("grouped")
+    if device.type != "cuda" or not triton_importable():
+        return small, plan
+    direct = {k: "triton" for k in ("wgrad13", "wgrad2") if getattr(plan, k) == "grouped"}
+    return small, dataclasses.replace(plan, **direct)
+
+
 def add_rows(acc: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
     """acc[index[i]] += rows[i] for every i, duplicates included, in a deterministic order."""
     if acc.is_cuda:
@@ -75,8 +107,9 @@ class _ChunkedExperts(torch.autograd.Function):
     input gradient are written to its own row, in x's dtype, instead of summed into fp32 token accumulators."""
 
     @staticmethod
-    def forward(ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, probs_in_act, plan, chunk_rows):
+    def forward(ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, probs_in_act, plans, chunk_rows):
         T, H = x_TH.shape
+        per_row = H * w2.shape[2]  # multiply-adds of one row through one expert GEMM
         in_order = order_M is None
         if in_order:
             K, w13c, w2c, tok_M = 1, w13.to(x_TH.dtype), w2.to(x_TH.dtype), None
@@ -91,6 +124,7 @@ class _ChunkedExperts(torch.autograd.Function):
             if r0 == r1:
                 continue
             p, b = None if p_M is None else p_M[r0:r1], bounds[e0 : e1 + 1] - r0
+            plan = plans[(r1 - r0) * per_row >= GPU_BOUND_CHUNK]
             h = gemm_nt(_rows(x_TH, tok_M, r0, r1), w13c[e0:e1], b, None, plan.fwd13, "fwd13")
             a = swiglu(h, p if probs_in_act else None)
             del h
@@ -103,7 +137,7 @@ class _ChunkedExperts(torch.autograd.Function):
                 add_rows(out, tok_M[r0:r1], y if probs_in_act else y * p.float()[:, None])
             del y
         ctx.save_for_backward(x_TH, w13c, w2c, p_M, order_M, inv_M, bounds)
-        ctx.K, ctx.chunks, ctx.host, ctx.plan = K, chunks, host, plan
+        ctx.K, ctx.chunks, ctx.host, ctx.plans = K, chunks, host, plans
         ctx.w_dtypes, ctx.p_dtype = (w13.dtype, w2.dtype), None if weight_TK is None else weight_TK.dtype
         ctx.p_shape = None if weight_TK is None else weight_TK.shape
         return out.to(x_TH.dtype)
@@ -111,7 +145,8 @@ class _ChunkedExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         x_TH, w13c, w2c, p_M, order_M, inv_M, bounds = ctx.saved_tensors
-        T, K, plan, host = x_TH.shape[0], ctx.K, ctx.plan, ctx.host
+        T, K, plans, host = x_TH.shape[0], ctx.K, ctx.plans, ctx.host
+        per_row = x_TH.shape[1] * w2c.shape[2]
         in_order = order_M is None
         tok_M = None if in_order else order_M // K
         d_out = d_out.to(x_TH.dtype).contiguous()
@@ -129,6 +164,7 @@ class _ChunkedExperts(torch.autograd.Function):
                         dw[e0:e1].zero_()
                 continue
             p, b = None if p_M is None else p_M[r0:r1], bounds[e0 : e1 + 1] - r0
+            plan = plans[(r1 - r0) * per_row >= GPU_BOUND_CHUNK]
             xg = _rows(x_TH, tok_M, r0, r1)
             h = gemm_nt(xg, w13c[e0:e1], b, None, plan.fwd13, "fwd13")  # FC1 again
             g = _rows(d_out, tok_M, r0, r1)  # dOut of each row's token
@@ -175,9 +211,9 @@ def chunked_experts(
     """
     E, F2, H = w13_EFH.shape
     order, inv, bounds = sort_by_expert(idx_TK, E, presorted)
-    plan = (plan or default_plan(E, idx_TK.numel(), H, F2 // 2, x_TH.device)).without_host_sync()
+    plans = chunk_plans(plan, E, idx_TK.numel(), H, F2 // 2, x_TH.device)
     x = x_TH.contiguous()
-    out = _ChunkedExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plan, chunk_rows)
+    out = _ChunkedExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plans, chunk_rows)
     return out, (bounds[1:] - bounds[:-1]).long()
 
 
@@ -199,6 +235,6 @@ def chunked_sorted_rows(
     """
     E, F2, H = w13_EFH.shape
     bounds = expert_bounds(counts_E, x_NH.device)
-    plan = (plan or default_plan(E, x_NH.shape[0], H, F2 // 2, x_NH.device)).without_host_sync()
+    plans = chunk_plans(plan, E, x_NH.shape[0], H, F2 // 2, x_NH.device)
     x = x_NH.contiguous()
-    return _ChunkedExperts.apply(x, w13_EFH, w2_EHF, probs_N, None, None, bounds, True, plan, chunk_rows)
+    return _ChunkedExperts.apply(x, w13_EFH, w2_EHF, probs_N, None, None, bounds, True, plans, chunk_rows)

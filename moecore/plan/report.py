@@ -98,6 +98,7 @@ def _dominant_cost(c: Candidate) -> str:
         "context-parallel communication": s.cp_s,
         "the pipeline bubble": s.bubble_s + s.pp_s,
         "exposed data-parallel communication": s.dp_exposed_s,
+        "the chunked experts' per-chunk cost": s.chunks_s,
     }
     name, sec = max(parts.items(), key=lambda kv: kv[1])
     if sec < 0.02 * s.step_s:

@@ -8,6 +8,8 @@
                 context-parallel key/value all-gather and its reduce-scatter, pipeline sends
     bubble    = (pp - 1) / (vpp x m) of the pipelined part (1F1B, m micro-batches per step)
     optimizer = the optimizer step at the memory bound: the bytes it reads and writes / HBM bandwidth
+    chunks    = moe.activation_memory=chunked's per-chunk cost (launches, smaller GEMMs, accumulation):
+                CHUNK_S per chunk of moe.activation_chunk_rows routed rows, per MoE layer and micro-batch
     offload   = activation offloading's host copies (HOST_GBPS each way), hidden behind forward / backward
                 compute except what exceeds it
     dp        = gradient all-reduce (reduce-scatter + all-gather with the distributed optimizer, plus
@@ -38,6 +40,10 @@ HBM_GBPS = 4200.0  # optimizer step at the memory bound: the H200's device-to-de
 INTRA_NODE_GBPS = 360.0  # NVLink bus bandwidth per GPU, GB/s (H100 / H200, NCCL all-reduce)
 INTER_NODE_GBPS = 45.0  # per GPU across nodes (one 400 Gb/s NIC per GPU), GB/s
 HOST_GBPS = 25.0  # device <-> pinned host copies per GPU and direction (PCIe), GB/s: activation offloading
+# Forward + backward time of one chunk of moe.activation_memory=chunked beyond its FLOPs (docs/benchmarks.md,
+# "Chunked expert memory", H200): the layer's time less 1.22x the standard layer's (FC1 again), per chunk, was
+# 0.54 / 0.63 ms at Qwen3-Next's shape (chunks of 8192 / 2048 rows) and 1.20 / 0.73 ms at DeepSeek-V3's.
+CHUNK_S = 0.7e-3
 
 
 @dataclass
@@ -67,6 +73,7 @@ class StepEstimate:
     step_s: float
     tokens_per_s: float
     mfu: float
+    chunks_s: float = 0.0  # moe.activation_memory=chunked's per-chunk cost (part of step_s)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -175,7 +182,11 @@ def estimate_step(
     if layout.pp > 1:
         per = T * h * b / layout.tp / _bw(layout, "pp", hw)
         pp_s = 2 * per * layout.vpp * m
-    pipelined = compute + tp_s + ep_s + cp_s + pp_s
+    chunks_s = 0.0
+    if e.num_experts and expert_memory_mode(cfg, layout, c) == "chunked":  # moecore/moe/chunked.py
+        chunks = -(-routed_rows(cfg, layout, c) // e.activation_chunk_rows)
+        chunks_s = CHUNK_S * chunks * moe_layers * m
+    pipelined = compute + tp_s + ep_s + cp_s + pp_s + chunks_s
     bubble = (layout.pp - 1) / (layout.vpp * m) * pipelined if layout.pp > 1 else 0.0
 
     # data-parallel gradient reduction (and parameter gathers), per rank of the worst stage
@@ -206,7 +217,7 @@ def estimate_step(
     step = pipelined + bubble + dp_exposed + offload_exposed + optimizer
     tps = global_tokens / step
     mfu = model_fpt * tps / (layout.world * hw.peak_tflops * 1e12)
-    return StepEstimate(compute, tp_s, ep_s, cp_s, pp_s, bubble, dp_exposed, optimizer, step, tps, mfu)
+    return StepEstimate(compute, tp_s, ep_s, cp_s, pp_s, bubble, dp_exposed, optimizer, step, tps, mfu, chunks_s)
 
 
 def optimizer_bytes(cfg: Config, layout: Layout, mode, summary) -> float:

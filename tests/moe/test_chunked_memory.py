@@ -9,7 +9,7 @@ import torch
 from moecore.bench.saved_memory import moe_saved_bytes
 from moecore.config import Config, ConfigError, MoEConfig, load_config
 from moecore.kernels.grouped_ffn import gemm_tn
-from moecore.moe.chunked import chunked_experts, chunked_sorted_rows, expert_chunks
+from moecore.moe.chunked import GPU_BOUND_CHUNK, chunk_plans, chunked_experts, chunked_sorted_rows, expert_chunks
 from moecore.moe.experts import experts_loop
 from moecore.moe.layer import MoELayer
 from moecore.moe.minimal import minimal_experts
@@ -162,6 +162,20 @@ def test_expert_chunks_hold_whole_experts_within_the_row_limit():
             assert bounds[e1] - bounds[e0] <= limit or sum(bounds[e + 1] > bounds[e] for e in range(e0, e1)) == 1
     with pytest.raises(ValueError, match="max_rows=0"):
         expert_chunks(bounds, 0)
+
+
+def test_chunk_plans_keep_a_given_plan_and_never_sync_the_host():
+    """A given GEMM plan runs every chunk, without its per-expert loops (they need host counts); without one,
+    host-bound chunks run torch's grouped GEMMs throughout, and GPU-bound ones (>= GPU_BOUND_CHUNK
+    multiply-adds) keep the per-shape plan, with Triton weight gradients on CUDA only."""
+    from moecore.kernels.grouped_ffn import GemmPlan
+
+    given = GemmPlan("loop", "triton", "streams", "grouped", "loop", "triton")
+    small, large = chunk_plans(given, 8, 4096, 64, 32, torch.device("cpu"))
+    assert small == large == GemmPlan("grouped", "triton", "grouped", "grouped", "grouped", "triton")
+    small, large = chunk_plans(None, 512, 163840, 2048, 512, torch.device("cpu"))
+    assert small == GemmPlan.uniform("grouped") and not large.needs_host_counts
+    assert 8192 * 2048 * 512 < GPU_BOUND_CHUNK <= 8192 * 7168 * 2048  # Qwen3-Next's chunk small, DeepSeek-V3's large
 
 
 @pytest.mark.parametrize("impl", ["grouped", "loop"])

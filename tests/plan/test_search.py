@@ -133,6 +133,19 @@ def test_chunked_expert_activations_are_offered_with_their_cost() -> None:
     tokens = cfg.train.global_batch_size * cfg.train.seq_length
     extra = seconds * lay.world * hw.peak_tflops * 1e12 * hw.efficiency / tokens  # FLOPs per token
     assert extra == pytest.approx(4 * e.router_topk * m.hidden_size * e.ffn_hidden_size * moe_layers, rel=1e-9)
+    # and CHUNK_S per chunk of routed rows, per MoE layer (of the stage) and micro-batch
+    from moecore.plan.activations import routed_rows
+    from moecore.plan.memory import PlanOptions, act_context, micro_batches_per_step
+    from moecore.plan.params import precision_mode
+    from moecore.plan.throughput import CHUNK_S
+
+    micro = micro_batches_per_step(cfg, lay)
+    opts = PlanOptions()
+    c = act_context(cfg, lay, precision_mode(cfg, lay, micro, opts.device), opts)
+    chunks = -(-routed_rows(cfg, lay, c) // e.activation_chunk_rows)
+    step = estimate_step(cfg, lay, hw)
+    assert step.chunks_s == pytest.approx(CHUNK_S * chunks * moe_layers / lay.pp * micro) and step.chunks_s > 0
+    assert estimate_step(cfg, std, hw).chunks_s == 0.0
     assert "moe.activation_memory=chunked" in lay.overrides() and "moe=chunked" in lay.label()
     assert unsupported_reason(cfg, lay) is None
     cfg.moe.sync_free = True  # the layer cannot run chunked sync-free: not offered
