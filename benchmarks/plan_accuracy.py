@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     for name, recipe, overrides in selected(a.only):
         rec = run_one(name, recipe, overrides, a.steps)
-        rec["device"] = torch.cuda.get_device_name()
+        rec.update(device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
         records.append(rec)
         print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
     out = Path(a.out)
