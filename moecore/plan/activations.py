@@ -16,6 +16,8 @@ expert rank holds: T/tp x top-k x etp, times the load-imbalance margin when ep >
 | mla_up | MLA's up-projected q, k and the key/value projection v is a view of | mla_up_proj |
 | mla_latent | MLA's latent (its whole down-projection) and its normed copy; the q LoRA pair | full |
 | attn_out | the copy of the attention output that o_proj keeps | full |
+| sparse_attn | DSA, sparse stage: q_b_proj's output, the absorbed q~ / kv~, top-k, output and lse (`dsa_modules`) | full |
+| indexer | DSA: the lightning indexer's k_norm input and its KL loss's fp32 tensors (`dsa_modules`) | full |
 | mlp | dense SwiGLU: gate, up, silu(gate), product (GeLU: up and gelu) | mlp |
 | router | router logits (fp32), top-k indices (int64), valid mask | moe |
 | permute | permutation indices; with probabilities applied at combine also the expert outputs | moe |
@@ -30,8 +32,12 @@ group being consumed and the one prefetched). The numbers were checked
 against the H200 measurements of benchmarks/recompute_memory.py (docs/benchmarks.md) and are
 checked again by benchmarks/plan_accuracy.py.
 
-DSA (DeepSeek-V3.2) layers are counted as MLA: what the lightning indexer saves (its q, k, head weights and
-top-k indices) is not in the table yet. Attention with sinks (gpt-oss) is counted as plain SDPA.
+DSA (DeepSeek-V3.2, GLM-5) layers (`dsa_modules`): `indexer` is what the lightning indexer's projection and
+KL loss keep (fp32, per query its top-k keys, or every visible key in dense_warmup: [T, S] terms), absent from
+GLM-5's shared layers; in the sparse stage `sparse_attn` (the absorbed form and the sparse attention: the Triton
+kernel's inputs on GPUs, the PyTorch reference's gathered rows on the CPU) replaces mla_up and core_attn, which
+no selective option recomputes there. Not counted: the kernels' workspaces, the rotary tables, dense_warmup's
+freezing (counted as MLA plus the indexer, an upper bound). Attention with sinks (gpt-oss) is counted as plain SDPA.
 """
 
 from __future__ import annotations
@@ -94,6 +100,9 @@ def attention_modules(cfg: Config, layer: int, layout: Layout, c: ActContext) ->
         out["mla_up"] = up
         out["core_attn"] = T * n * dv * b + T * n * 4
         out["attn_out"] = T * n * dv * b
+        if m.attention_type == "dsa":
+            out.update(dsa_modules(cfg, layer, layout, c))
+            out = {k: v for k, v in out.items() if v is not None}
         return out
     hd = m.resolved_head_dim
     nh, nkv = m.num_attention_heads // tp, m.kv_heads // tp
@@ -109,6 +118,53 @@ def attention_modules(cfg: Config, layer: int, layout: Layout, c: ActContext) ->
     out["attn_out"] = T * nh * hd * b
     if m.attn_output_gate:
         out["attn_gate"] = 2 * T * nh * hd * b
+    return out
+
+
+def dsa_modules(cfg: Config, layer: int, layout: Layout, c: ActContext) -> dict[str, float | None]:
+    """What a DSA layer (moecore/models/dsa.py) saves beyond or instead of MLA's keys (None: the MLA key is gone).
+
+    n heads of this rank, D = kv_lora_rank + dr, r = kv_lora_rank, K = min(index_topk, S) keys per query, S the
+    sequence (context parallel refuses DSA), nh / d the indexer's heads / head dim, s = 4 bytes per LayerNorm
+    statistic on GPUs (b on the CPU). Indexer (layers with one, not GLM-5's shared ones; every rank runs it
+    whole, on the gathered sequence), in fp32 apart from k_norm's input:
+      projection: k_norm's input and statistics                          T (d b + 2 s)
+      sparse KL:  clamped top-k, gathered keys, q, ReLU, w, two masks,
+                  log-softmax, target                                    T (K (4 d + 4 nh + 18) + 4 nh (d + 1))
+      dense_warmup KL: q, k, w, ReLU [T, nh, S], two masks, log-softmax, target
+                                                                         T (4 d + 4 nh d + 4 nh + S (4 nh + 10))
+    Sparse stage, main attention in the absorbed form (`sparse_attn`, replaces mla_up and core_attn; no selective
+    option recomputes it): q_b_proj's output T n (dn + dr) b and the einsum's copy of the latent output T n r b,
+    plus on GPUs the Triton kernel's q~, kv~, top-k, output and lse, T (n D b + D b + 8 K + n r b + 4 n) (a shared
+    layer's top-k is its full layer's tensor: not counted again), on the CPU the PyTorch reference's
+    T (9 K + 4 K D + 4 n D + 8 n K + 4 n), and 4 T K dv more below fp32. The normed latent is not kept
+    (mla_latent loses T r b). dense_warmup runs dense MLA: counted as MLA plus the indexer, an upper bound, since
+    the warm-up freezes everything but the indexers (moecore/models/transformer.py)."""
+    m = cfg.model
+    T, b, tp = c.tokens, c.act_bytes, layout.tp
+    n, dn, dr, dv, r = m.num_attention_heads // tp, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+    nh, d, s = m.index_n_heads, m.index_head_dim, cfg.train.seq_length
+    k, stat = min(m.index_topk, s), 4 if c.fused else b
+    has_indexer = m.indexer_types is None or m.indexer_types[layer] != "shared"
+    out: dict[str, float | None] = {}
+    if has_indexer:
+        proj = T * (d * b + 2 * stat)
+        if m.dsa_stage == "dense_warmup":
+            out["indexer"] = proj + T * (4 * d + 4 * nh * d + 4 * nh + s * (4 * nh + 10))
+        else:
+            out["indexer"] = proj + T * (k * (4 * d + 4 * nh + 18) + 4 * nh * (d + 1))
+    if m.dsa_stage == "dense_warmup":
+        return out
+    big_d = r + dr
+    attn = T * n * (dn + dr) * b + T * n * r * b
+    if c.fused:
+        attn += T * (n * big_d * b + big_d * b + n * r * b + 4 * n) + (T * 8 * k if has_indexer else 0)
+    else:
+        attn += T * (9 * k + 4 * k * big_d + 4 * n * big_d + 8 * n * k + 4 * n) + (4 * T * k * dv if b != 4 else 0)
+    out["sparse_attn"] = attn
+    # the latent (its norm's input) with 1/rms, the q LoRA pair with 1/rms: the normed latent is no GEMM's input
+    out["mla_latent"] = T * big_d * b + T * 4 + 2 * T * m.q_lora_rank * b + T * 4
+    out["mla_up"] = out["core_attn"] = None
     return out
 
 
@@ -217,7 +273,7 @@ DROPS = {
 
 # module keys whose tensors `model.offload_modules` sends to host memory (moecore/models/offload.py)
 _ATTN = ("attn.norm_out", "attn.qk_norm", "attn.core_attn", "attn.attn_out", "attn.attn_gate", "attn.mla_latent",
-         "attn.mla_up")  # fmt: skip
+         "attn.mla_up", "attn.sparse_attn", "attn.indexer")  # fmt: skip
 OFFLOADS = {
     "moe": ("ffn.norm_out", "ffn.router", "ffn.permute", "ffn.experts", "ffn.moe_act", "ffn.shared_experts"),
     "moe_act": ("ffn.experts", "ffn.moe_act"),

@@ -157,15 +157,22 @@ def _weight_copies(layout: Layout, summary: ParamSummary, mode: PrecisionMode) -
     return 0.0
 
 
+def _layer_kind(cfg: Config, i: int) -> tuple[bool, bool, bool]:
+    """What sets decoder layer i's activations apart: (linear attention, MoE, a shared DSA indexer: GLM-5's layers
+    that reuse another layer's top-k keep no indexer tensors)."""
+    m = cfg.model
+    linear = m.layer_types is not None and m.layer_types[i] == "linear_attention"
+    shared = m.indexer_types is not None and m.indexer_types[i] == "shared"
+    return linear, cfg.moe.is_moe_layer(i, m.num_layers), shared
+
+
 def _stage_kinds(cfg: Config, pp: int, stage: int, cache: dict) -> list[tuple[int, int]]:
-    """[(a representative layer index, how many layers of that kind)] of one stage; kind = (linear attention, MoE)."""
+    """[(a representative layer index, how many layers of that kind)] of one stage; kind = `_layer_kind`."""
     key = ("kinds", pp, stage)
     if key not in cache:
-        m = cfg.model
-        kinds: dict[tuple[bool, bool], list[int]] = {}
-        for i in stage_layers(m.num_layers, pp)[stage]:
-            linear = m.layer_types is not None and m.layer_types[i] == "linear_attention"
-            kinds.setdefault((linear, cfg.moe.is_moe_layer(i, m.num_layers)), []).append(i)
+        kinds: dict[tuple[bool, bool, bool], list[int]] = {}
+        for i in stage_layers(cfg.model.num_layers, pp)[stage]:
+            kinds.setdefault(_layer_kind(cfg, i), []).append(i)
         cache[key] = [(idx[0], len(idx)) for idx in kinds.values()]
     return cache[key]
 
@@ -173,8 +180,7 @@ def _stage_kinds(cfg: Config, pp: int, stage: int, cache: dict) -> list[tuple[in
 def _layer_terms(cfg: Config, i: int, layout: Layout, c: ActContext, cache: dict) -> tuple[float, float, float]:
     """(saved on the GPU, recomputed, backward workspace incl. offloaded groups back on the GPU) bytes of
     decoder layer i, memoised per layer kind."""
-    m = cfg.model
-    kind = (m.layer_types is not None and m.layer_types[i] == "linear_attention", cfg.moe.is_moe_layer(i, m.num_layers))
+    kind = _layer_kind(cfg, i)
     key = ("layer", kind, layout.tp, layout.ep, layout.etp, layout.recompute_granularity,
            layout.recompute_modules, layout.offload_modules, c)  # fmt: skip
     if key not in cache:
