@@ -52,11 +52,14 @@ indexer's gradients are then complete on every rank.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moecore.config import ModelConfig
 from moecore.models.mla import MLAttention
@@ -113,7 +116,7 @@ class LightningIndexer(nn.Module):
         return torch.einsum("bth,bths->bts", w[:, start:stop], F.relu(logits))
 
     def scores_at(
-        self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, start: int, stop: int, sel: torch.Tensor
+        self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, sel: torch.Tensor, start: int, stop: int
     ) -> torch.Tensor:
         """I[b, t, sel[b, t, j]] for queries start..stop-1: [B, stop-start, K] (sel: valid key indices)."""
         ks = k[torch.arange(k.shape[0], device=k.device)[:, None, None], sel]  # [B, T, K, d]
@@ -177,6 +180,19 @@ def kl_to_indexer(target: torch.Tensor, index_logits: torch.Tensor, keep: torch.
     log_q = torch.log_softmax(index_logits.masked_fill(~keep, float("-inf")), dim=-1)
     t = target * keep
     return (torch.xlogy(t, t) - t * log_q.masked_fill(~keep, 0.0)).sum(-1)
+
+
+def recomputed_kl(
+    scores: Callable[..., torch.Tensor], target: torch.Tensor, keep: torch.Tensor, *inputs
+) -> torch.Tensor:
+    """sum of kl_to_indexer(target, scores(*inputs), keep), the index scores computed again in backward: a query
+    block keeps its inputs, target and keep for the backward, not the fp32 keys gathered per query [B, T, K, d]
+    and the ReLU of every indexer head [B, T, nh, K] (or [B, T, nh, S] in dense_warmup)."""
+
+    def kl(t: torch.Tensor, k: torch.Tensor, *a: torch.Tensor) -> torch.Tensor:
+        return kl_to_indexer(t, scores(*a), k).sum()
+
+    return checkpoint(kl, target, keep, *inputs, use_reentrant=False)
 
 
 class DSAttention(MLAttention):
@@ -284,8 +300,8 @@ class DSAttention(MLAttention):
                 logits = torch.einsum("btnd,btkd->btnk", q_t[:, start:stop].float(), rows) * self.softmax_scale
                 p = torch.exp(logits - lse[:, start:stop, :, None].float()) * keep[:, :, None, :]
                 target = self._head_mean(p.sum(2))
-            index_logits = ix.scores_at(iq, ik, iw, start, stop, sel.clamp(min=0))
-            total = total + kl_to_indexer(target, index_logits, keep).sum()
+            score = functools.partial(ix.scores_at, start=start, stop=stop)
+            total = total + recomputed_kl(score, target, keep, iq, ik, iw, sel.clamp(min=0))
         return total / (b * s)
 
     def _dense_indexer_loss(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -303,8 +319,8 @@ class DSAttention(MLAttention):
                 logits = torch.einsum("bntd,bnsd->btns", q[:, :, start:stop].float(), k.float()) * self.softmax_scale
                 p = torch.softmax(logits.masked_fill(~keep[:, :, None, :], float("-inf")), dim=-1)
                 target = self._head_mean(p.sum(2))
-            index_logits = self.indexer.scores(iq, ik, iw, start, stop)
-            total = total + kl_to_indexer(target, index_logits, keep).sum()
+            score = functools.partial(self.indexer.scores, start=start, stop=stop)
+            total = total + recomputed_kl(score, target, keep, iq, ik, iw)
         return total / (b * s)
 
 

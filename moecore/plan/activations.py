@@ -17,7 +17,7 @@ expert rank holds: T/tp x top-k x etp, times the load-imbalance margin when ep >
 | mla_latent | MLA's latent (its whole down-projection) and its normed copy; the q LoRA pair | full |
 | attn_out | the copy of the attention output that o_proj keeps | full |
 | sparse_attn | DSA, sparse stage: q_b_proj's output, the absorbed q~ / kv~, top-k, output and lse (`dsa_modules`) | full |
-| indexer | DSA: the lightning indexer's k_norm input and its KL loss's fp32 tensors (`dsa_modules`) | full |
+| indexer | DSA: the lightning indexer's k_norm input, q, k, w and its KL loss's target and masks (`dsa_modules`) | full |
 | mlp | dense SwiGLU: gate, up, silu(gate), product (GeLU: up and gelu) | mlp |
 | router | router logits (fp32), top-k indices (int64), valid mask | moe |
 | permute | permutation indices; with probabilities applied at combine also the expert outputs | moe |
@@ -33,7 +33,7 @@ against the H200 measurements of benchmarks/recompute_memory.py (docs/benchmarks
 checked again by benchmarks/plan_accuracy.py.
 
 DSA (DeepSeek-V3.2, GLM-5) layers (`dsa_modules`): `indexer` is what the lightning indexer's projection and
-KL loss keep (fp32, per query its top-k keys, or every visible key in dense_warmup: [T, S] terms), absent from
+KL loss keep (fp32; the loss's target is per query its top-k keys, or every visible key in dense_warmup), absent from
 GLM-5's shared layers; in the sparse stage `sparse_attn` (the absorbed form and the sparse attention: the Triton
 kernel's inputs on GPUs, the PyTorch reference's gathered rows on the CPU) replaces mla_up and core_attn, which
 no selective option recomputes there. Not counted: the kernels' workspaces, the rotary tables, dense_warmup's
@@ -129,10 +129,10 @@ def dsa_modules(cfg: Config, layer: int, layout: Layout, c: ActContext) -> dict[
     statistic on GPUs (b on the CPU). Indexer (layers with one, not GLM-5's shared ones; every rank runs it
     whole, on the gathered sequence), in fp32 apart from k_norm's input:
       projection: k_norm's input and statistics                          T (d b + 2 s)
-      sparse KL:  clamped top-k, gathered keys, q, ReLU, w, two masks,
-                  log-softmax, target                                    T (K (4 d + 4 nh + 18) + 4 nh (d + 1))
-      dense_warmup KL: q, k, w, ReLU [T, nh, S], two masks, log-softmax, target
-                                                                         T (4 d + 4 nh d + 4 nh + S (4 nh + 10))
+      KL loss, its scores computed again in backward (dsa.py `recomputed_kl`): q, k and w, and per query
+      block its target, mask and (sparse) clamped top-k
+        sparse:        T (4 nh (d + 1) + 4 d + 13 K)
+        dense_warmup:  T (4 nh (d + 1) + 4 d + 4 S) + S^2 (the causal mask, shared by the batch)
     Sparse stage, main attention in the absorbed form (`sparse_attn`, replaces mla_up and core_attn; no selective
     option recomputes it): q_b_proj's output T n (dn + dr) b and the einsum's copy of the latent output T n r b,
     plus on GPUs the Triton kernel's q~, kv~, top-k, output and lse, T (n D b + D b + 8 K + n r b + 4 n) (a shared
@@ -149,10 +149,11 @@ def dsa_modules(cfg: Config, layer: int, layout: Layout, c: ActContext) -> dict[
     out: dict[str, float | None] = {}
     if has_indexer:
         proj = T * (d * b + 2 * stat)
+        qkw = T * (4 * nh * (d + 1) + 4 * d)
         if m.dsa_stage == "dense_warmup":
-            out["indexer"] = proj + T * (4 * d + 4 * nh * d + 4 * nh + s * (4 * nh + 10))
+            out["indexer"] = proj + qkw + T * 4 * s + s * s
         else:
-            out["indexer"] = proj + T * (k * (4 * d + 4 * nh + 18) + 4 * nh * (d + 1))
+            out["indexer"] = proj + qkw + T * 13 * k
     if m.dsa_stage == "dense_warmup":
         return out
     big_d = r + dr

@@ -6,8 +6,7 @@ The CPU's RMSNorm is the unfused reference (fp32 copies of its input); the plann
 keeps the input and fp32 1/rms (moecore/kernels/rmsnorm.py `_RMSNorm`), so the test runs the norms through a
 Function that saves exactly those. The measurement must equal the planner's count plus what it leaves out on
 purpose, computed here, not a tolerance: the rotary cos/sin tables ([S, dr] each, per call of the rotary
-embedding) and the [B, 1, 1] batch index of each gather (8 B bytes: one for the main attention, one per query
-block of the sparse KL loss).
+embedding) and the [B, 1, 1] batch index of the main attention's gather (8 B bytes).
 """
 
 from __future__ import annotations
@@ -82,8 +81,7 @@ def test_sparse_stage_layer_with_an_indexer(dtype, monkeypatch) -> None:
     measured, cfg = _measure("tiny-deepseek-v32", [], 0, dtype, monkeypatch)
     planned = _planned(cfg, 0, dtype)
     assert {"indexer", "sparse_attn"} <= planned.keys() and "mla_up" not in planned and "core_attn" not in planned
-    blocks = 1  # query blocks of the KL loss at this size (dsa.query_blocks)
-    assert measured == sum(planned.values()) + _rotary(cfg, dtype) + 8 * B * (1 + blocks)
+    assert measured == sum(planned.values()) + _rotary(cfg, dtype) + 8 * B  # the main attention's batch index
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
