@@ -67,6 +67,20 @@ class Config:
             _fail("optim.muon_qk_clip", self.optim.muon_qk_clip, "needs model.qk_norm=false (normalised q/k undo it)")
         if self.optim.muon_qk_clip and m.attention_type == "dsa":
             _fail("optim.muon_qk_clip", self.optim.muon_qk_clip, "needs model.attention_type gqa or mla")
+        if m.attention_type == "dsa" and m.dsa_stage == "dense_warmup":  # all but the indexers frozen (models/dsa.py)
+            if p.fsdp:
+                _fail(
+                    "parallel.fsdp",
+                    True,
+                    "model.dsa_stage=dense_warmup freezes all but the indexers, and behind the frozen layers' outputs "
+                    "(no gradient) FSDP never gathers the indexers' weights for backward; use parallel.distributed_optimizer",
+                )
+            if self.train.precision == "fp8" and self.fp8.primary_weights:
+                _fail(
+                    "fp8.primary_weights",
+                    True,
+                    "model.dsa_stage=dense_warmup freezes the weights, which then have no master copy to quantise from",
+                )
         if self.optim.state_dtype == "bf16" and self.optim.name != "adamw":
             _fail("optim.state_dtype", "bf16", "needs optim.name=adamw")
         if self.train.exit_interval is not None and self.train.exit_interval > self.train.steps:

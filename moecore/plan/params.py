@@ -7,8 +7,10 @@ o/down projections by input rows, embedding and head rows by vocabulary; routed 
 rank, each with F / etp FFN columns; MLA's up-projections and gated DeltaNet's projections, A_log and
 dt_bias split by heads, MLA's down-projections and latent norms, DeltaNet's conv and gated-norm weights,
 the DSA indexer (absent from GLM-5's shared indexer layers), norms, routers and shared experts replicated.
-Each entry knows whether AdamW decays it (moecore.optim.adamw: matrices only, no embeddings or norms) and
-whether it is an expert parameter (reduced and sharded over the expert data-parallel group, not dp x cp).
+Each entry knows whether AdamW decays it (moecore.optim.adamw: matrices only, no embeddings or norms),
+whether it is an expert parameter (reduced and sharded over the expert data-parallel group, not dp x cp) and
+whether it trains: DSA's `model.dsa_stage=dense_warmup` freezes every parameter but the lightning indexers'
+(moecore/models/dsa.py `freeze_all_but_indexers`).
 
 `state_bytes` turns the entries into bytes per rank under a precision mode:
 
@@ -26,12 +28,21 @@ gradient is kept as the same fp32 shard (moecore/parallel/distributed_optimizer.
 `parallel.grad_bucket_mb` per buffer; a domain of one rank is one whole shard); the fp32 master
 shard is the only fp32 copy under bf16 too. With fsdp the parameters, gradients, master weights
 and moments are all sharded.
+
+Frozen parameters (`requires_grad` off: dense_warmup's) keep their weights only: the optimizer's parameter
+groups (moecore.optim.groups), the gradient hooks and buckets (moecore/parallel/data_parallel.py) and the
+master weights (MixedPrecision casts a frozen parameter to bf16 and keeps no fp32 copy of it) skip them. So
+they cost the parameter dtype's bytes per element (fp32 4, bf16 / fp8 2, fp16 autocast 4) and nothing else;
+under fsdp their shards are the sharded parameters (fp32 with fp32 master weights, else bf16), without a
+gradient (not checked against the runtime: its dense_warmup backward fails under fsdp on 2 gloo ranks).
+The trainer refuses FP8 primary weights without master weights (moecore/models/fp8.py
+`enable_primary_weights`), so frozen FP8 GEMM weights are counted in the parameter dtype.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moecore.config import Config
 from moecore.plan.layout import Layout
@@ -47,6 +58,7 @@ class ParamEntry:
     expert: bool = False
     # a weight FP8 GEMMs can compute with: (fp8.modules kind, G, N, K) for G matrices of [N, K] (None: never FP8)
     gemm: tuple[str, int, int, int] | None = None
+    trained: bool = True  # False: frozen (requires_grad off), no gradient, master weight or optimizer state
 
 
 def _linear_attention_numels(cfg: Config, tp: int = 1) -> list[tuple[str, int, int]]:
@@ -204,7 +216,14 @@ def param_entries(cfg: Config, layout: Layout, stage: int = 0) -> list[ParamEntr
                 blk = copy.deepcopy(cfg)
                 blk.model.layer_types = blk.model.indexer_types = None
             out += decoder_layer_entries(blk, 0, layout, cfg.moe.num_experts > 0, pre + "block.")
+    if dense_warmup(cfg):  # only the lightning indexers train (moecore/models/dsa.py freeze_all_but_indexers)
+        out = [e if ".indexer." in e.name else replace(e, trained=False) for e in out]
     return out
+
+
+def dense_warmup(cfg: Config) -> bool:
+    """DSA's warm-up stage: every parameter but the lightning indexers' frozen."""
+    return cfg.model.attention_type == "dsa" and cfg.model.dsa_stage == "dense_warmup"
 
 
 @dataclass
@@ -277,22 +296,28 @@ def _flat_shard(n: int, g: int) -> int:
 class ParamSummary:
     """The sums of one rank's parameter entries the memory and time models need."""
 
-    groups: dict  # (decay, expert) -> elements: the distributed optimizer's flat buffers
+    groups: dict  # (decay, expert) -> elements of the trained parameters: the distributed optimizer's flat buffers
     largest_layer: int  # elements of the largest decoder layer
     matmuls: int  # decayed (matrix) elements outside the embedding: what autocast casts to bf16
     moe_matmuls: int  # of which router and routed experts (dropped from the casts by "moe" recomputation)
     # train.precision=fp8: (decay, expert) -> (elements of the weights FP8 GEMMs compute with, bytes of their FP8
-    # copies as fp8.primary_weights keeps them); and the bytes of the routed experts' copies a forward quantises
+    # copies as fp8.primary_weights keeps them), the frozen ones under ("frozen", expert); and the bytes of the
+    # routed experts' copies a forward quantises
     fp8_weights: dict = field(default_factory=dict)
     fp8_moe_copy: int = 0
+    frozen: dict = field(default_factory=lambda: {False: 0, True: 0})  # expert -> elements of frozen parameters
 
     @property
-    def total(self) -> int:
+    def trained(self) -> int:
         return sum(self.groups.values())
 
     @property
+    def total(self) -> int:
+        return self.trained + sum(self.frozen.values())
+
+    @property
     def expert(self) -> int:
-        return sum(n for (_, expert), n in self.groups.items() if expert)
+        return sum(n for (_, expert), n in self.groups.items() if expert) + self.frozen[True]
 
 
 def param_summary(cfg: Config, layout: Layout, stage: int = 0, cache: dict | None = None) -> ParamSummary:
@@ -302,10 +327,14 @@ def param_summary(cfg: Config, layout: Layout, stage: int = 0, cache: dict | Non
         return cache[key]
     entries = param_entries(cfg, layout, stage)
     groups: dict = {(d, x): 0 for d in (True, False) for x in (False, True)}
+    frozen = {False: 0, True: 0}
     per_layer: dict[str, int] = {}
     matmuls = moe_matmuls = 0
     for e in entries:
-        groups[(e.decay, e.expert)] += e.numel
+        if e.trained:
+            groups[(e.decay, e.expert)] += e.numel
+        else:
+            frozen[e.expert] += e.numel
         if e.name.startswith("layers."):
             k = e.name.split(".")[1]
             per_layer[k] = per_layer.get(k, 0) + e.numel
@@ -314,7 +343,7 @@ def param_summary(cfg: Config, layout: Layout, stage: int = 0, cache: dict | Non
             if ".mlp.experts" in e.name or ".mlp.router" in e.name:
                 moe_matmuls += e.numel
     fp8, fp8_moe = _fp8_summary(cfg, entries)
-    out = ParamSummary(groups, max(per_layer.values(), default=0), matmuls, moe_matmuls, fp8, fp8_moe)
+    out = ParamSummary(groups, max(per_layer.values(), default=0), matmuls, moe_matmuls, fp8, fp8_moe, frozen)
     if cache is not None:
         cache[key] = out
     return out
@@ -335,7 +364,7 @@ def _fp8_summary(cfg: Config, entries: list[ParamEntry]) -> tuple[dict, int]:
         kind, g, n, k = e.gemm
         if kind != "experts" and (n % align or k % align):
             continue
-        key = (e.decay, e.expert)
+        key = (e.decay, e.expert) if e.trained else ("frozen", e.expert)
         numel, kept = out.get(key, (0, 0))
         out[key] = (numel + e.numel, kept + fp8_copy_bytes(f.recipe, g, n, k, primary=f.primary_weights))
         if kind == "experts":
@@ -353,7 +382,8 @@ def _param_bytes(n: int, group: tuple, summary: ParamSummary, mode: PrecisionMod
 def state_bytes(
     cfg: Config, layout: Layout, stage: int, mode: PrecisionMode, cache: dict | None = None
 ) -> dict[str, int]:
-    """{"params", "grads", "optimizer"} bytes on one rank of `stage` (Muon keeps one momentum: 4 bytes)."""
+    """{"params", "grads", "optimizer"} bytes on one rank of `stage` (Muon keeps one momentum: 4 bytes); frozen
+    parameters hold their weights only (module docstring)."""
     summary = param_summary(cfg, layout, stage, cache)
     moments = mode.moments if cfg.optim.name == "adamw" else mode.moments // 2
     params = grads = opt = 0
@@ -383,6 +413,12 @@ def state_bytes(
             opt += n * (mode.master + moments)
             params += _param_bytes(n, group, summary, mode)
             grads += n * mode.grad
+    for expert, n in summary.frozen.items():
+        g = layout.edp if expert else layout.dp_cp
+        if n and layout.fsdp and g > 1:  # the frozen shards are the sharded parameters, in their stored dtype
+            params += _flat_shard(n, g) * (4 if mode.master or mode.param == 4 else 2)
+        else:
+            params += n * mode.param
     return {"params": params, "grads": grads, "optimizer": opt}
 
 

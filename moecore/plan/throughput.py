@@ -196,11 +196,13 @@ def estimate_step(
         if g <= 1:
             continue
         n = summary.expert if group == "edp" else summary.total - summary.expert  # unsharded elements
-        vol = 2 * (g - 1) / g * n * mode.grad
+        # of which trained (dense_warmup freezes all but the indexers: no gradient, no update to gather)
+        t = sum(k for (_, expert), k in summary.groups.items() if expert == (group == "edp"))
+        vol = 2 * (g - 1) / g * t * mode.grad
         if layout.distributed_optimizer:
-            vol += (g - 1) / g * n * 4  # the updated fp32 shards' all-gather
+            vol += (g - 1) / g * t * 4  # the updated fp32 shards' all-gather
         if layout.fsdp:  # forward and backward parameter gathers, gradient reduce-scatter
-            vol = (g - 1) / g * n * (2 * mode.param + mode.grad)
+            vol = (g - 1) / g * (2 * n * mode.param + t * mode.grad)
         dp_s += vol / _bw(layout, group, hw)
     backward = compute * 2 / 3
     dp_exposed = max(0.0, dp_s - backward) + 0.05 * dp_s

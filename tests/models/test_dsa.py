@@ -94,3 +94,21 @@ def test_full_recompute_gives_the_same_losses_and_gradients():
         results.append([out.loss.detach()] + [p.grad for p in model.parameters()])
     for a, b in zip(*results):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "over, field",
+    [
+        (["parallel.fsdp=true"], "parallel.fsdp"),
+        (["train.precision=fp8", "fp8.primary_weights=true"], "fp8.primary_weights"),
+    ],
+)
+def test_dense_warmup_refuses_what_needs_trained_weights(over: list[str], field: str) -> None:
+    """dense_warmup freezes all but the indexers: FSDP (which would not gather the indexers' weights for backward
+    behind frozen outputs) and FP8 primary weights (quantised from master weights frozen ones lack) are refused in
+    one line naming the field."""
+    from moecore.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.") + "=True is invalid: model.dsa_stage=dense_warmup"):
+        load_config("tiny-deepseek-v32", ["model.dsa_stage=dense_warmup", *over]).validate()
+    load_config("tiny-deepseek-v32", ["model.dsa_stage=sparse", *over]).validate()  # the sparse stage trains all

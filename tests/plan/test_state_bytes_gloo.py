@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moecore.config import Config
+from moecore.config import Config, load_config
 from moecore.models.transformer import MoETransformer
 from moecore.optim.adamw import build_optimizer
 from moecore.parallel.dims import ParallelDims
@@ -58,14 +58,26 @@ def _param_bytes(p: torch.Tensor) -> int:
     return own(p) + sum(own(c.q) + own(c.s) for c in copies)
 
 
-def _real_bytes_bf16(rank: int, world: int, par: dict, fp8: tuple[str, bool] | None = None) -> dict:
+def _dense_warmup_config(par: dict) -> Config:
+    """Tiny DeepSeek-V3.2 in DSA's dense_warmup (only the lightning indexers train), bf16."""
+    over = ["model.dsa_stage=dense_warmup", "model.vocab_size=64", "train.precision=bf16", "train.seq_length=8"]
+    cfg = load_config("tiny-deepseek-v32", [*over, "train.global_batch_size=2", "train.micro_batch_size=1"])
+    for k, v in par.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+def _real_bytes_bf16(
+    rank: int, world: int, par: dict, fp8: tuple[str, bool] | None = None, dense_warmup: bool = False
+) -> dict:
     """The same through the runtime with bf16 parameters: fp32 masters, fp32 main gradients, the
     distributed optimizer driven on the masters (moecore.train.runtime); with `fp8`, FP8 GEMMs and, with primary
-    weights, the FP8 GEMMs' weights held as their FP8 copies only (rebuilt from the gathered masters)."""
+    weights, the FP8 GEMMs' weights held as their FP8 copies only (rebuilt from the gathered masters);
+    `dense_warmup`: `_dense_warmup_config`'s model."""
     from moecore.optim.mixed_precision import grad_of
     from moecore.train.runtime import Runtime
 
-    cfg = _fp8(_config(par), fp8)
+    cfg = _dense_warmup_config(par) if dense_warmup else _fp8(_config(par), fp8)
     dims = ParallelDims(cfg.parallel, world, rank, "cpu", num_experts=8, num_attention_heads=4, vocab_size=64)
     rt = Runtime(
         dims=dims,
@@ -168,5 +180,17 @@ def test_planner_fp8_primary_bytes_under_the_distributed_optimizer(recipe: str) 
     mode = precision_mode(cfg, layout, micro_batches=1, device="cpu")
     assert mode.fp8_primary
     planned = state_bytes(cfg, layout, 0, mode)
+    for rank, r in enumerate(real):
+        assert r == planned, f"rank {rank}: real {r} planned {planned}"
+
+
+@pytest.mark.parametrize("par", [{"distributed_optimizer": True}, {"ep": 2, "distributed_optimizer": True}])
+def test_planner_dense_warmup_bytes_under_the_distributed_optimizer(par: dict) -> None:
+    """DSA's dense_warmup over 2 ranks: the distributed optimizer's buckets, master shards and moments hold the
+    indexers' parameters only; every frozen parameter is its bf16 weight on each rank, as the planner counts."""
+    real = run_local(_real_bytes_bf16, 2, par, None, True)
+    cfg = _dense_warmup_config(par)
+    layout = layout_of(cfg, 2)
+    planned = state_bytes(cfg, layout, 0, precision_mode(cfg, layout, micro_batches=1, device="cpu"))
     for rank, r in enumerate(real):
         assert r == planned, f"rank {rank}: real {r} planned {planned}"

@@ -10,6 +10,10 @@ Under `train.precision=fp8` (emulated on CPU) the parameters are bf16 with fp32 
 and fp32 scales; rowwise keeps both layouts) and the parameter itself is a placeholder without storage. The
 linears whose widths are not multiples of the recipe's alignment (here k_proj / v_proj, 64 wide, under
 blockwise) stay bf16, in the runtime and in the plan.
+
+DSA's `model.dsa_stage=dense_warmup` freezes every parameter but the lightning indexers': the frozen ones stay
+in the runtime as bf16 (fp32 under fp32) weights without a master, a gradient or moments, and the planner
+counts them so.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moecore.config import Config
+from moecore.config import Config, load_config
 from moecore.models.transformer import MoETransformer
 from moecore.optim.mixed_precision import grad_of
 from moecore.plan.layout import layout_of
@@ -50,8 +54,8 @@ def _one_step(cfg: Config, micro_batches: int) -> tuple[torch.nn.Module, dict]:
     moments = [t for s in opt.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
     return model, {
         "params": sum(_param_bytes(p) for p in model.parameters()),
-        "grads": size(grad_of(p) for p in model.parameters()),
-        "optimizer": size(rt.mixed.masters.values()) + size(moments),
+        "grads": size(g for p in model.parameters() if (g := grad_of(p)) is not None),  # frozen: none
+        "optimizer": size(rt.mixed.masters.values() if rt.mixed is not None else []) + size(moments),
     }
 
 
@@ -106,3 +110,37 @@ def test_fp8_bytes_equal_the_runtime(recipe: str, primary: bool, micro_batches: 
     assert planned_fp8 == sum(p.numel() for p in fp8_weights) > 0
     assert len(fp8_weights) == (12 if recipe == "blockwise" else 16)  # 2 x (q, k, v, o), 3 dense, w13, w2, 3 shared
     assert all(hasattr(p, "fp8_primary") == primary for p in fp8_weights)
+
+
+DENSE_WARMUP = {
+    "fp32": ["train.precision=fp32"],
+    "bf16": ["train.precision=bf16"],
+    "bf16-adam": ["train.precision=bf16", "optim.state_dtype=bf16"],
+    "bf16-master": ["train.precision=bf16", "optim.master_weights=bf16", "optim.state_dtype=bf16"],
+    "fp8": ["train.precision=fp8", "fp8.recipe=tensorwise", "fp8.emulate=true"],
+}
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("precision", list(DENSE_WARMUP))
+def test_dsa_dense_warmup_bytes_equal_the_runtime(precision: str, micro_batches: int) -> None:
+    """Tiny DeepSeek-V3.2 in dense_warmup (main layers and MTP block): only the indexers' parameters have a
+    gradient, a master weight and moments; every other parameter is its weight alone, in the compute dtype."""
+    over = ["model.dsa_stage=dense_warmup", "model.vocab_size=64", "train.device=cpu", "train.seq_length=8"]
+    cfg = load_config("tiny-deepseek-v32", over + DENSE_WARMUP[precision])
+    model, real = _one_step(cfg, micro_batches)
+    layout = layout_of(cfg, 1)
+    mode = precision_mode(cfg, layout, micro_batches, device="cpu")
+    planned = state_bytes(cfg, layout, 0, mode)
+    assert real == planned
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all(".indexer." in n for n in trained) and any(n.startswith("mtp.") for n in trained)
+    summary = param_summary(cfg, layout)
+    n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_all = sum(p.numel() for p in model.parameters())
+    assert (summary.trained, summary.total) == (n_trained, n_all) and 30 * n_trained < n_all
+    assert planned == {
+        "params": n_all * mode.param,
+        "grads": n_trained * mode.grad,
+        "optimizer": n_trained * (mode.master + mode.moments),
+    }
