@@ -62,7 +62,8 @@ def expert_chunks(bounds: list[int], max_rows: int) -> list[tuple[int, int]]:
 
 
 # Multiply-adds (rows x H x F) of a chunk's expert FFN from which its GPU work outlasts the host's launches for it.
-# Measured on an H100 (docs/benchmarks.md, "Chunked expert memory"): the host spends ~2-3.5 ms per chunk; a
+# Measured on an H100 with one plan for every chunk (docs/benchmarks.md, "Chunked expert memory", run BM): the host
+# spent ~2-3.5 ms per chunk; a
 # DeepSeek-V3 chunk of 8192 rows (1.2e11) keeps the GPU busy ~6 ms, one of 2048 rows (3.0e10) ~2 ms, a
 # Qwen3-Next chunk of 8192 rows (8.6e9) ~1 ms.
 GPU_BOUND_CHUNK = 2**36
@@ -75,7 +76,7 @@ def chunk_plans(
     A given `plan` runs every chunk (without its host-synchronising GEMMs); None chooses per chunk as follows.
 
     Small chunks are host-bound, so every GEMM runs as torch._grouped_mm (launched from C++; a Triton launch costs
-    the host more than it saves the GPU there). Large chunks keep `plan`'s GEMMs, and on CUDA their weight
+    the host more than it saves the GPU there). Large chunks keep the layer's per-shape plan, and on CUDA their weight
     gradients go through moecore's Triton kernel, which writes each chunk's dW into its experts' slice of the
     whole gradient: torch._grouped_mm has no `out=`, so its chunk results would be copied into the slices, a
     second pass over every weight gradient (45 GB read and written at DeepSeek-V3's shape) and a chunk-sized
@@ -110,7 +111,6 @@ class _ChunkedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, probs_in_act, plans, chunk_rows):
         T, H = x_TH.shape
-        per_row = H * w2.shape[2]  # multiply-adds of one row through one expert GEMM
         in_order = order_M is None
         if in_order:
             K, w13c, w2c, tok_M = 1, w13.to(x_TH.dtype), w2.to(x_TH.dtype), None
@@ -119,13 +119,15 @@ class _ChunkedExperts(torch.autograd.Function):
             K, w13c, w2c, tok_M, p_M = row_operands(x_TH, w13, w2, weight_TK, order_M)
         host = bounds.tolist()  # the one host synchronisation: where the chunks start and end
         chunks = expert_chunks(host, chunk_rows)
+        per_row = H * w2.shape[2]  # multiply-adds of one row through one expert GEMM
+        # each chunk's GEMMs (chunk_plans), for its forward and its backward
+        gemms = [plans[(host[e1] - host[e0]) * per_row >= GPU_BOUND_CHUNK] for e0, e1 in chunks]
         out = torch.zeros(T, H, dtype=x_TH.dtype if in_order else torch.float32, device=x_TH.device)
-        for e0, e1 in chunks:
+        for (e0, e1), plan in zip(chunks, gemms):
             r0, r1 = host[e0], host[e1]
             if r0 == r1:
                 continue
             p, b = None if p_M is None else p_M[r0:r1], bounds[e0 : e1 + 1] - r0
-            plan = plans[(r1 - r0) * per_row >= GPU_BOUND_CHUNK]
             h = gemm_nt(_rows(x_TH, tok_M, r0, r1), w13c[e0:e1], b, None, plan.fwd13, "fwd13")
             a = swiglu(h, p if probs_in_act else None)
             del h
@@ -138,7 +140,7 @@ class _ChunkedExperts(torch.autograd.Function):
                 add_rows(out, tok_M[r0:r1], y if probs_in_act else y * p.float()[:, None])
             del y
         ctx.save_for_backward(x_TH, w13c, w2c, p_M, order_M, inv_M, bounds)
-        ctx.K, ctx.chunks, ctx.host, ctx.plans = K, chunks, host, plans
+        ctx.K, ctx.chunks, ctx.host, ctx.gemms = K, chunks, host, gemms
         ctx.w_dtypes, ctx.p_dtype = (w13.dtype, w2.dtype), None if weight_TK is None else weight_TK.dtype
         ctx.p_shape = None if weight_TK is None else weight_TK.shape
         return out.to(x_TH.dtype)
@@ -146,8 +148,7 @@ class _ChunkedExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         x_TH, w13c, w2c, p_M, order_M, inv_M, bounds = ctx.saved_tensors
-        T, K, plans, host = x_TH.shape[0], ctx.K, ctx.plans, ctx.host
-        per_row = x_TH.shape[1] * w2c.shape[2]
+        T, K, host = x_TH.shape[0], ctx.K, ctx.host
         in_order = order_M is None
         tok_M = None if in_order else order_M // K
         d_out = d_out.to(x_TH.dtype).contiguous()
@@ -157,7 +158,7 @@ class _ChunkedExperts(torch.autograd.Function):
         dw13 = torch.empty(w13c.shape, dtype=ctx.w_dtypes[0], device=w13c.device) if need_w13 else None
         dw2 = torch.empty(w2c.shape, dtype=ctx.w_dtypes[1], device=w2c.device) if need_w2 else None
         dp = torch.zeros(p_M.shape, dtype=torch.float32, device=p_M.device) if need_p else None
-        for e0, e1 in ctx.chunks:
+        for (e0, e1), plan in zip(ctx.chunks, ctx.gemms):
             r0, r1 = host[e0], host[e1]
             if r0 == r1:  # experts without rows: zero weight gradients
                 for dw in (dw13, dw2):
@@ -165,7 +166,6 @@ class _ChunkedExperts(torch.autograd.Function):
                         dw[e0:e1].zero_()
                 continue
             p, b = None if p_M is None else p_M[r0:r1], bounds[e0 : e1 + 1] - r0
-            plan = plans[(r1 - r0) * per_row >= GPU_BOUND_CHUNK]
             xg = _rows(x_TH, tok_M, r0, r1)
             h = gemm_nt(xg, w13c[e0:e1], b, None, plan.fwd13, "fwd13")  # FC1 again
             g = _rows(d_out, tok_M, r0, r1)  # dOut of each row's token

@@ -139,7 +139,7 @@ def dsa_modules(cfg: Config, layer: int, layout: Layout, c: ActContext) -> dict[
     layer's top-k is its full layer's tensor: not counted again), on the CPU the PyTorch reference's
     T (9 K + 4 K D + 4 n D + 8 n K + 4 n), and 4 T K dv more below fp32. The normed latent is not kept
     (mla_latent loses T r b). dense_warmup runs dense MLA: counted as MLA plus the indexer, an upper bound, since
-    the warm-up freezes everything but the indexers (moecore/models/transformer.py)."""
+    the warm-up freezes everything but the indexers (moecore/models/dsa.py `freeze_all_but_indexers`)."""
     m = cfg.model
     T, b, tp = c.tokens, c.act_bytes, layout.tp
     n, dn, dr, dv, r = m.num_attention_heads // tp, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
