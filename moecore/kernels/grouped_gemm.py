@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moecore.kernels._triton import triton_importable
+from moecore.kernels._triton import next_pow2, triton_importable, use_triton
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,17 @@ if triton_importable():
             lo = tl.where(right, mid, lo)
             hi = tl.where(right, hi, mid)
         return lo
+
+    @triton.jit
+    def _tile_starts_kernel(bounds_ptr, starts_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+        # starts[0] = 0, starts[e + 1] = sum over j <= e of ceil((bounds[j + 1] - bounds[j]) / BLOCK_M)
+        e = tl.arange(0, BLOCK_E)
+        inside = e < E
+        lo = tl.load(bounds_ptr + e, mask=inside, other=0)
+        hi = tl.load(bounds_ptr + e + 1, mask=inside, other=0)
+        tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+        tl.store(starts_ptr + e + 1, tl.cumsum(tiles, 0), mask=inside)
+        tl.store(starts_ptr + e, tiles * 0, mask=e == 0)
 
     @triton.jit
     def _swizzle(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
@@ -272,8 +283,25 @@ def group_bounds(counts: torch.Tensor) -> torch.Tensor:
     return bounds
 
 
-def tile_starts(bounds: torch.Tensor, block_m: int) -> torch.Tensor:
-    """[E + 1] int32: the index of each expert's first m-tile of block_m rows (last entry: the total)."""
+# Experts up to which `tile_starts` runs as one Triton launch (a cumsum over one block of registers).
+TILE_STARTS_MAX_EXPERTS = 4096
+
+
+def tile_starts(bounds: torch.Tensor, block_m: int, impl: str = "auto") -> torch.Tensor:
+    """[E + 1] int32: the index of each expert's first m-tile of block_m rows (last entry: the total).
+
+    On CUDA one small Triton launch: the five torch operations of `tile_starts_reference` cost the host ~80 us
+    per grouped GEMM (docs/benchmarks.md, "Host cost of a grouped GEMM launch"), more than the launch itself."""
+    E = bounds.numel() - 1
+    if not use_triton(impl, bounds) or E > TILE_STARTS_MAX_EXPERTS or bounds.dtype != torch.int32:
+        return tile_starts_reference(bounds, block_m)
+    starts = torch.empty_like(bounds)
+    _tile_starts_kernel[(1,)](bounds, starts, E, BLOCK_M=block_m, BLOCK_E=max(16, next_pow2(E)), num_warps=4)
+    return starts
+
+
+def tile_starts_reference(bounds: torch.Tensor, block_m: int) -> torch.Tensor:
+    """`tile_starts` through torch operations (CPU, the tests' reference)."""
     counts = bounds[1:] - bounds[:-1]
     starts = torch.zeros_like(bounds)
     torch.cumsum((counts + block_m - 1) // block_m, 0, out=starts[1:])

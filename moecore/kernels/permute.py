@@ -63,6 +63,29 @@ if triton_importable():
         tl.store(out_ptr + t.to(tl.int64) * H + rh, acc.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
+    def _gather_add_kernel(
+        acc_ptr, src_ptr, inv_ptr, w_ptr, r0, r1, H, K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr
+    ):
+        # acc[t] += sum over k, in k order, of (w[r] *) src[r - r0] for r = inv[t*K + k] in [r0, r1), in fp32;
+        # a token with none of its rows in [r0, r1) reads K indices and leaves its row of acc untouched.
+        t = tl.program_id(0)
+        rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = rh < H
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        hits = 0
+        for k in tl.static_range(K):
+            r = tl.load(inv_ptr + t * K + k)
+            if (r >= r0) & (r < r1):
+                v = tl.load(src_ptr + (r - r0).to(tl.int64) * H + rh, mask=m, other=0.0).to(tl.float32)
+                if HAS_W:
+                    v = v * tl.load(w_ptr + r).to(tl.float32)
+                acc += v
+                hits += 1
+        if hits > 0:
+            dst = acc_ptr + t.to(tl.int64) * H + rh
+            tl.store(dst, tl.load(dst, mask=m, other=0.0) + acc, mask=m)
+
+    @triton.jit
     def _gather_dot_kernel(a_ptr, b_ptr, inv_ptr, out_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
         # out[t, k] = <a[t], b[inv[t*K + k]]> in fp32 (the routing-probability gradient of unpermute).
         t = tl.program_id(0)
@@ -195,6 +218,63 @@ def _gather_sum(src: torch.Tensor, inv: torch.Tensor, T: int, K: int, w: torch.T
         grid = (T, triton.cdiv(H, block))
         _gather_sum_kernel[grid](src, inv, w if w is not None else src, out, H, K, w is not None, block, num_warps=4)
     return out
+
+
+def gather_add_rows(
+    acc_TH: torch.Tensor,
+    rows_CH: torch.Tensor,
+    inv_M: torch.Tensor,
+    topk: int,
+    r0: int,
+    weight_M: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> None:
+    """acc[t] += sum_k (weight[r] *) rows[r - r0] over the sorted rows r = inv[t*K + k] in [r0, r0 + C), in place.
+
+    Adds one slice of sorted rows (e.g. a chunk of whole experts) back into fp32 per-token sums. On GPU each token's
+    row of acc is read and written by one program, its rows summed in k order: deterministic, no atomics and no
+    sort of the destinations (which `index_put_(accumulate=True)` needs for determinism). `weight_M`: a factor per
+    sorted row (all M), or None.
+    """
+    if rows_CH.shape[0] == 0:
+        return
+    if not use_triton(impl, acc_TH, rows_CH):
+        gather_add_rows_reference(acc_TH, rows_CH, inv_M, topk, r0, weight_M)
+        return
+    T, H = acc_TH.shape
+    if acc_TH.dtype != torch.float32 or not acc_TH.is_contiguous():
+        raise ValueError(f"gather_add_rows: acc must be a contiguous fp32 tensor, got {acc_TH.dtype}")
+    rows = rows_CH.contiguous()
+    block = min(next_pow2(H), 2048)
+    w = weight_M if weight_M is not None else rows
+    grid = (T, triton.cdiv(H, block))
+    _gather_add_kernel[grid](
+        acc_TH, rows, inv_M, w, r0, r0 + rows.shape[0], H, topk, weight_M is not None, block, num_warps=4
+    )
+
+
+def gather_add_rows_reference(
+    acc_TH: torch.Tensor,
+    rows_CH: torch.Tensor,
+    inv_M: torch.Tensor,
+    topk: int,
+    r0: int,
+    weight_M: torch.Tensor | None = None,
+) -> None:
+    """`gather_add_rows` through torch: index_add_ on CPU (a serial loop), index_put_ on CUDA (sort-based);
+    both deterministic (index_add_ accumulates with atomics on CUDA)."""
+    r1 = r0 + rows_CH.shape[0]
+    flat = torch.arange(inv_M.numel(), device=inv_M.device)
+    inside = (inv_M >= r0) & (inv_M < r1)
+    src = inv_M[inside] - r0  # rows of this slice, in token order
+    rows = rows_CH.index_select(0, src).to(acc_TH.dtype)
+    if weight_M is not None:
+        rows = rows * weight_M.index_select(0, src + r0).to(acc_TH.dtype)[:, None]
+    tokens = flat[inside] // topk
+    if acc_TH.is_cuda:
+        acc_TH.index_put_((tokens,), rows, accumulate=True)
+    else:
+        acc_TH.index_add_(0, tokens, rows)
 
 
 def _gather_dot(a_TH: torch.Tensor, b_MH: torch.Tensor, inv: torch.Tensor, T: int, K: int) -> torch.Tensor:

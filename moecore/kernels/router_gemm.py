@@ -30,6 +30,29 @@ import functools
 
 import torch
 
+from moecore.kernels._triton import triton_importable, use_triton
+
+if triton_importable():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _split3_cols_kernel(g_ptr, out_ptr, n, E, BLOCK: tl.constexpr):
+        # out[t] = [hi | hi | mid | lo] of g[t] (each E wide), from one read of g
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = i < n
+        v = tl.load(g_ptr + i, mask=inside, other=0.0)
+        hi = v.to(tl.bfloat16, fp_downcast_rounding="rtne")  # round to nearest even, as torch's casts
+        r = v - hi.to(tl.float32)
+        mid = r.to(tl.bfloat16, fp_downcast_rounding="rtne")
+        lo = (r - mid.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
+        t = (i // E).to(tl.int64)
+        dst = out_ptr + t * 4 * E + i % E
+        tl.store(dst, hi, mask=inside)
+        tl.store(dst + E, hi, mask=inside)
+        tl.store(dst + 2 * E, mid, mask=inside)
+        tl.store(dst + 3 * E, lo, mask=inside)
+
 
 def split3(v: torch.Tensor) -> torch.Tensor:
     """[3, *v.shape] bf16 with hi + mid + lo = v (fp32) to fp32 precision."""
@@ -39,6 +62,25 @@ def split3(v: torch.Tensor) -> torch.Tensor:
     mid = r.to(torch.bfloat16)
     lo = (r - mid.float()).to(torch.bfloat16)
     return torch.stack([hi, mid, lo])
+
+
+def split3_cols(g: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """[T, 4E] bf16 = [hi | hi | mid | lo] of g [T, E] (fp32): the backward's GEMM operands as column blocks.
+
+    Columns E:4E are g's three pieces (dW = [hi | mid | lo]^T x, three E-row blocks summed), columns 0:3E the
+    left operand of dx = [hi | hi | mid] [W_hi; W_mid; W_hi] (E:3E, [hi | mid], for a bf16 W): strided views that
+    the GEMMs read in place. On CUDA one Triton pass (a read of g, a write of the pieces); the torch form
+    (`split3` and a cat) makes ten passes over [T, E] and a transposing copy for dW's operand."""
+    T, E = g.shape
+    if not use_triton(impl, g):
+        hi, mid, lo = split3(g)
+        return torch.cat([hi, hi, mid, lo], dim=1)
+    g = g.float().contiguous()
+    out = torch.empty(T, 4 * E, dtype=torch.bfloat16, device=g.device)
+    if g.numel():
+        block = 1024
+        _split3_cols_kernel[(triton.cdiv(g.numel(), block),)](g, out, g.numel(), E, BLOCK=block, num_warps=4)
+    return out
 
 
 @functools.cache
@@ -82,20 +124,20 @@ def _split_forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return parts[:, :E] + (parts[:, E : 2 * E] + parts[:, 2 * E :])
 
 
-def _split_dw(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    E = g.shape[1]
-    gs = split3(g)  # [3, T, E]
-    parts = _mm32(gs.permute(0, 2, 1).reshape(3 * E, -1), x)  # [3E, H]
+def _split_dw(g4: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW from g4 = split3_cols(g): [hi | mid | lo]^T x, its three E-row blocks summed."""
+    E = g4.shape[1] // 4
+    parts = _mm32(g4[:, E:].t(), x)  # [3E, H]
     return parts[:E] + (parts[E : 2 * E] + parts[2 * E :])
 
 
-def _split_dx(g: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    gs, ws = split3(g), _pieces(w)
-    if ws.shape[0] == 1:  # bf16 W: g_hi W + g_mid W
-        a, b = torch.cat([gs[0], gs[1]], dim=1), torch.cat([ws[0], ws[0]], dim=0)
+def _split_dx(g4: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """dx from g4 = split3_cols(g): g_hi W_hi + g_hi W_mid + g_mid W_hi (g_hi W + g_mid W for a bf16 W)."""
+    E, ws = g4.shape[1] // 4, _pieces(w)
+    if ws.shape[0] == 1:
+        a, b = g4[:, E : 3 * E], torch.cat([ws[0], ws[0]], dim=0)
     else:
-        a = torch.cat([gs[0], gs[0], gs[1]], dim=1)  # [T, 3E]
-        b = torch.cat([ws[0], ws[1], ws[0]], dim=0)  # [3E, H]
+        a, b = g4[:, : 3 * E], torch.cat([ws[0], ws[1], ws[0]], dim=0)  # [T, 3E] x [3E, H]
     return _mm32(a, b).to(out_dtype)
 
 
@@ -115,15 +157,16 @@ class _RouterLinearFn(torch.autograd.Function):
     def backward(ctx, d_logits):
         x, weight = ctx.saved_tensors
         dx = dw = None
+        g4 = split3_cols(d_logits) if ctx.split else None
         with torch.autocast(x.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 if ctx.split:
-                    dx = _split_dx(d_logits, weight, x.dtype)
+                    dx = _split_dx(g4, weight, x.dtype)
                 else:
                     dx = (d_logits @ weight.to(ctx.dtype)).to(x.dtype)
             if ctx.needs_input_grad[1]:
                 if ctx.split:
-                    dw = _split_dw(d_logits, x).to(weight.dtype)
+                    dw = _split_dw(g4, x).to(weight.dtype)
                 else:
                     dw = (d_logits.t() @ x.to(ctx.dtype)).to(weight.dtype)
         return dx, dw, None, None

@@ -26,10 +26,10 @@ Behind an expert-parallel dispatcher (`chunked_sorted_rows`) the rows arrive gro
 output row: the same Function runs with the identity routing (slices instead of gathers, each row's output and
 input gradient written once in the compute dtype) and keeps the received rows, which are the experts' input there.
 
-Determinism: a chunk adds its rows into an accumulator with index_put_(accumulate=True) on CUDA (torch's
-sort-based kernel) and index_add_ on CPU (a serial loop), both deterministic. A token's K rows are summed in
-expert order where the standard path sums them in top-k order, so outputs match it to fp32 rounding of the
-sum, not bit for bit.
+Determinism: a chunk adds its rows into the accumulator with `permute.gather_add_rows`: on GPU one program per
+token sums that token's rows of the chunk in top-k order and adds them to its row (no atomics, no sort); on CPU a
+serial index_add_. Chunks are added in expert order, so a token's K rows are summed in a different order from the
+standard path's (top-k order): outputs match it to fp32 rounding of the sum, not bit for bit.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import torch
 
 from moecore.kernels._triton import triton_importable
 from moecore.kernels.grouped_ffn import GemmPlan, default_plan, gemm_nn, gemm_nt, gemm_tn
+from moecore.kernels.permute import gather_add_rows
 from moecore.kernels.swiglu import swiglu, swiglu_backward
 from moecore.moe.minimal import expert_bounds, row_operands, sort_by_expert
 from moecore.moe.permute import SortedAssignments
@@ -91,14 +92,6 @@ def chunk_plans(
     return small, dataclasses.replace(plan, **direct)
 
 
-def add_rows(acc: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
-    """acc[index[i]] += rows[i] for every i, duplicates included, in a deterministic order."""
-    if acc.is_cuda:
-        acc.index_put_((index,), rows, accumulate=True)  # sorts the indices: deterministic on CUDA
-    else:
-        acc.index_add_(0, index, rows)  # a serial loop on CPU (index_put_ accumulates with atomics there)
-
-
 def _rows(t: torch.Tensor, tok_M: torch.Tensor | None, r0: int, r1: int) -> torch.Tensor:
     """Rows r0:r1 of the sorted order: t's rows of those tokens, or a view of t when rows are in order already."""
     return t[r0:r1] if tok_M is None else t.index_select(0, tok_M[r0:r1])
@@ -136,8 +129,7 @@ class _ChunkedExperts(torch.autograd.Function):
             if in_order:
                 out[r0:r1] = y
             else:
-                y = y.float()
-                add_rows(out, tok_M[r0:r1], y if probs_in_act else y * p.float()[:, None])
+                gather_add_rows(out, y, inv_M, K, r0, None if probs_in_act else p_M)
             del y
         ctx.save_for_backward(x_TH, w13c, w2c, p_M, order_M, inv_M, bounds)
         ctx.K, ctx.chunks, ctx.host, ctx.gemms = K, chunks, host, gemms
@@ -185,7 +177,7 @@ class _ChunkedExperts(torch.autograd.Function):
                 if in_order:
                     dx[r0:r1] = dxg
                 else:
-                    add_rows(dx, tok_M[r0:r1], dxg.float())
+                    gather_add_rows(dx, dxg, inv_M, K, r0)
         dw = None
         if dp is not None:
             dw = (dp if in_order else dp.index_select(0, inv_M)).view(ctx.p_shape).to(ctx.p_dtype)

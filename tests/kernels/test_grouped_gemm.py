@@ -12,6 +12,7 @@ from moecore.kernels.grouped_gemm import (
     grouped_wgrad,
     grouped_wgrad_reference,
     tile_starts,
+    tile_starts_reference,
 )
 from tests.kernels.conftest import rel_err, setup
 
@@ -41,6 +42,19 @@ def _counts(backend: str) -> list[int]:
 def test_tile_starts_number_each_experts_tiles():
     bounds = _bounds([0, 3, 17, 0, 32, 1], "cpu")
     assert tile_starts(bounds, 16).tolist() == [0, 0, 1, 3, 3, 5, 6]
+
+
+@pytest.mark.parametrize("num_experts", [1, 6, 600])
+def test_tile_starts_kernel_matches_reference(backend, num_experts):
+    dev, _ = setup(backend)
+    g = torch.Generator().manual_seed(num_experts)
+    counts = torch.randint(0, 300, (num_experts,), generator=g)
+    counts[::3] = 0  # empty experts, the first among them
+    bounds = _bounds(counts.tolist(), dev)
+    for block_m in (16, 64, 128):
+        got = tile_starts(bounds, block_m, impl="triton")
+        assert got.dtype == torch.int32
+        assert torch.equal(got.cpu(), tile_starts_reference(bounds.cpu(), block_m))
 
 
 def test_references_match_per_row_formula():

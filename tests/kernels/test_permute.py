@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moecore.kernels.permute import make_permutation, permute, permute_probs, unpermute
+from moecore.kernels.permute import (
+    gather_add_rows,
+    gather_add_rows_reference,
+    make_permutation,
+    permute,
+    permute_probs,
+    unpermute,
+)
 from tests.kernels.conftest import rel_err, setup
 
 
@@ -109,3 +116,42 @@ def test_weighted_sum_k_keeps_the_rows_in_their_dtype_and_equals_autograd():
     out.backward(g)
     ref.backward(g)
     assert torch.equal(slots.grad, ref_slots.grad) and torch.equal(w.grad, ref_w.grad)
+
+
+def test_gather_add_reference_sums_each_tokens_rows_of_the_slice():
+    torch.manual_seed(4)
+    T, K, E, H = 11, 3, 5, 4
+    idx, probs = _routing(T, K, E)
+    perm = make_permutation(idx, E)
+    rows = torch.randn(T * K, H, dtype=torch.float64)  # sorted rows
+    w = probs.reshape(-1)[perm.order_M].double()
+    r0, r1 = 7, 20
+    acc = torch.randn(T, H, dtype=torch.float64)
+    expected = acc.clone()
+    for t in range(T):
+        for k in range(K):
+            r = int(perm.inv_M[t * K + k])
+            if r0 <= r < r1:
+                expected[t] += w[r] * rows[r]
+    gather_add_rows_reference(acc, rows[r0:r1], perm.inv_M, K, r0, w)
+    assert torch.allclose(acc, expected)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_gather_add_kernel_matches_reference(backend, weighted):
+    dev, dt = setup(backend)
+    torch.manual_seed(5)
+    T, K, E, H = 29, 4, 7, 40
+    idx, probs = _routing(T, K, E)
+    perm = make_permutation(idx.to(dev), E)
+    rows = torch.randn(T * K, H, device=dev, dtype=dt)
+    w = probs.to(dev).reshape(-1)[perm.order_M] if weighted else None
+    acc0 = torch.randn(T, H, device=dev)
+    got, want = acc0.clone(), acc0.clone()
+    for r0, r1 in [(0, 13), (13, 13), (13, 70), (70, T * K)]:  # slices covering every row, one empty
+        gather_add_rows(got, rows[r0:r1], perm.inv_M, K, r0, w, impl="triton")
+        gather_add_rows_reference(want, rows[r0:r1], perm.inv_M, K, r0, w)
+    assert rel_err(got, want) < 1e-6
+    before = got.clone()
+    gather_add_rows(got, rows[:0], perm.inv_M, K, 0, w, impl="triton")  # an empty slice changes nothing
+    assert torch.equal(got, before)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moecore.kernels.router import RouterSpec, fused_router, fused_router_reference, kernel_covers
-from moecore.kernels.router_gemm import router_linear, split3
+from moecore.kernels.router_gemm import router_linear, split3, split3_cols
 from moecore.moe import losses
 from moecore.moe.router import scores_for_balancing, topk_routing
 from tests.kernels.conftest import rel_err, setup
@@ -153,6 +153,24 @@ def test_split3_represents_fp32_values():
     assert parts.dtype == torch.bfloat16 and parts.shape == (3, 4096)
     back = parts[0].double() + parts[1].double() + parts[2].double()
     assert ((back - v.double()).abs() / v.double().abs()).max() < 2**-22
+
+
+def test_split3_cols_kernel_equals_torch_pieces(backend):
+    dev, _ = setup(backend)
+    torch.manual_seed(3)
+    T, E = 37, 24
+    g = (torch.randn(T, E) * torch.logspace(-5, 5, E)).to(dev)
+    g[0, :3] = torch.tensor([0.0, -0.0, 1e-30])  # zero, negative zero, a value below bf16's normal range
+    got = split3_cols(g, impl="triton").cpu()
+    assert got.shape == (T, 4 * E) and got.dtype == torch.bfloat16
+    if backend == "cuda":  # the same round-to-nearest-even casts as torch's: bit for bit
+        hi, mid, lo = split3(g.cpu())
+        assert torch.equal(got, torch.cat([hi, hi, mid, lo], dim=1))
+    else:  # Triton's interpreter casts fp32 to bf16 towards zero: still an exact three-piece split
+        assert torch.equal(got[:, :E], got[:, E : 2 * E])
+        back = got[:, E : 2 * E].double() + got[:, 2 * E : 3 * E].double() + got[:, 3 * E :].double()
+        v = g.cpu().double()
+        assert ((back - v).abs() <= v.abs() * 2**-22).all()
 
 
 def _router_problem(dev, seed=2, T=64, H=96, E=24):
