@@ -37,25 +37,47 @@ if triton_importable():
     import triton.language as tl
 
     @triton.jit
-    def _split3_cols_kernel(g_ptr, out_ptr, n, E, BLOCK: tl.constexpr):
-        # out[t] = [hi | hi | mid | lo] of g[t] (each E wide), from one read of g
+    def _piece(hi, mid, lo, P: tl.constexpr):
+        if P == 0:
+            r = hi
+        elif P == 1:
+            r = mid
+        else:
+            r = lo
+        return r
+
+    @triton.jit
+    def _split3_kernel(
+        v_ptr, out_ptr, n, C,
+        P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr,
+        SLOTS: tl.constexpr, STACKED: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # pieces of v (hi, mid, lo = 0, 1, 2) into SLOTS slots, slot s holding piece Ps: stacked as
+        # out[s] (out [SLOTS, n]) or side by side along each row (out [n / C, SLOTS * C]); one read of v
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         inside = i < n
-        v = tl.load(g_ptr + i, mask=inside, other=0.0)
+        v = tl.load(v_ptr + i, mask=inside, other=0.0)
         hi = v.to(tl.bfloat16, fp_downcast_rounding="rtne")  # round to nearest even, as torch's casts
         r = v - hi.to(tl.float32)
         mid = r.to(tl.bfloat16, fp_downcast_rounding="rtne")
         lo = (r - mid.to(tl.float32)).to(tl.bfloat16, fp_downcast_rounding="rtne")
-        t = (i // E).to(tl.int64)
-        dst = out_ptr + t * 4 * E + i % E
-        tl.store(dst, hi, mask=inside)
-        tl.store(dst + E, hi, mask=inside)
-        tl.store(dst + 2 * E, mid, mask=inside)
-        tl.store(dst + 3 * E, lo, mask=inside)
+        if STACKED:
+            dst = out_ptr + i.to(tl.int64)
+            step = n
+        else:
+            dst = out_ptr + (i // C).to(tl.int64) * SLOTS * C + i % C
+            step = C
+        tl.store(dst, _piece(hi, mid, lo, P0), mask=inside)
+        if SLOTS > 1:
+            tl.store(dst + step, _piece(hi, mid, lo, P1), mask=inside)
+        if SLOTS > 2:
+            tl.store(dst + 2 * step, _piece(hi, mid, lo, P2), mask=inside)
+        if SLOTS > 3:
+            tl.store(dst + 3 * step, _piece(hi, mid, lo, P3), mask=inside)
 
 
-def split3(v: torch.Tensor) -> torch.Tensor:
-    """[3, *v.shape] bf16 with hi + mid + lo = v (fp32) to fp32 precision."""
+def split3_reference(v: torch.Tensor) -> torch.Tensor:
+    """[3, *v.shape] bf16 with hi + mid + lo = v (fp32) to fp32 precision, through torch casts."""
     v = v.float()
     hi = v.to(torch.bfloat16)
     r = v - hi.float()
@@ -64,23 +86,42 @@ def split3(v: torch.Tensor) -> torch.Tensor:
     return torch.stack([hi, mid, lo])
 
 
+def split3_pieces(v: torch.Tensor, pieces: tuple[int, ...], stacked: bool, impl: str = "auto") -> torch.Tensor:
+    """The bf16 pieces of fp32 v [R, C] (0 = hi, 1 = mid, 2 = lo; `split3_reference`), in the order `pieces`
+    (one to four, repeats allowed): stacked, [len(pieces), R, C]; or side by side, [R, len(pieces) * C].
+    On CUDA one Triton pass over v; the torch form costs a launch per cast, subtraction and copy."""
+    if not 1 <= len(pieces) <= 4 or any(p not in (0, 1, 2) for p in pieces):
+        raise ValueError(f"split3_pieces: pieces={pieces} is invalid: one to four of 0 (hi), 1 (mid), 2 (lo)")
+    R, C = v.shape
+    if not use_triton(impl, v):
+        parts = split3_reference(v)[list(pieces)]
+        return parts if stacked else parts.permute(1, 0, 2).reshape(R, len(pieces) * C)
+    v = v.float().contiguous()
+    shape = (len(pieces), R, C) if stacked else (R, len(pieces) * C)
+    out = torch.empty(shape, dtype=torch.bfloat16, device=v.device)
+    if v.numel():
+        p = (*pieces, 0, 0, 0)[:4]
+        block = 1024
+        _split3_kernel[(triton.cdiv(v.numel(), block),)](
+            v, out, v.numel(), C, *p, SLOTS=len(pieces), STACKED=stacked, BLOCK=block, num_warps=4
+        )
+    return out
+
+
+def split3(v: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """[3, *v.shape] bf16 with hi + mid + lo = v (fp32) to fp32 precision (one pass on CUDA)."""
+    rows = v.reshape(-1, v.shape[-1] if v.dim() else 1)
+    return split3_pieces(rows, (0, 1, 2), stacked=True, impl=impl).view(3, *v.shape)
+
+
 def split3_cols(g: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """[T, 4E] bf16 = [hi | hi | mid | lo] of g [T, E] (fp32): the backward's GEMM operands as column blocks.
 
     Columns E:4E are g's three pieces (dW = [hi | mid | lo]^T x, three E-row blocks summed), columns 0:3E the
     left operand of dx = [hi | hi | mid] [W_hi; W_mid; W_hi] (E:3E, [hi | mid], for a bf16 W): strided views that
     the GEMMs read in place. On CUDA one Triton pass (a read of g, a write of the pieces); the torch form
-    (`split3` and a cat) makes ten passes over [T, E] and a transposing copy for dW's operand."""
-    T, E = g.shape
-    if not use_triton(impl, g):
-        hi, mid, lo = split3(g)
-        return torch.cat([hi, hi, mid, lo], dim=1)
-    g = g.float().contiguous()
-    out = torch.empty(T, 4 * E, dtype=torch.bfloat16, device=g.device)
-    if g.numel():
-        block = 1024
-        _split3_cols_kernel[(triton.cdiv(g.numel(), block),)](g, out, g.numel(), E, BLOCK=block, num_warps=4)
-    return out
+    makes ten passes over [T, E] and a transposing copy for dW's operand."""
+    return split3_pieces(g, (0, 0, 1, 2), stacked=False, impl=impl)
 
 
 @functools.cache
@@ -133,11 +174,11 @@ def _split_dw(g4: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _split_dx(g4: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """dx from g4 = split3_cols(g): g_hi W_hi + g_hi W_mid + g_mid W_hi (g_hi W + g_mid W for a bf16 W)."""
-    E, ws = g4.shape[1] // 4, _pieces(w)
-    if ws.shape[0] == 1:
-        a, b = g4[:, E : 3 * E], torch.cat([ws[0], ws[0]], dim=0)
+    E = g4.shape[1] // 4
+    if w.dtype == torch.bfloat16:
+        a, b = g4[:, E : 3 * E], torch.cat([w, w], dim=0)
     else:
-        a, b = g4[:, : 3 * E], torch.cat([ws[0], ws[1], ws[0]], dim=0)  # [T, 3E] x [3E, H]
+        a, b = g4[:, : 3 * E], split3_pieces(w, (0, 1, 0), stacked=True).view(3 * E, -1)  # [T, 3E] x [3E, H]
     return _mm32(a, b).to(out_dtype)
 
 

@@ -400,9 +400,8 @@ class MoELayer(nn.Module):
 
         `tpe`: this rank's routed counts of valid tokens when already known (the fused router; no drops).
         """
-        if tpe is not None:
-            assigned = tpe.sum()
-        else:
+        assigned = None
+        if tpe is None:
             w = torch.ones(idx_TK.shape, dtype=torch.float32, device=idx_TK.device)
             if valid_T is not None:
                 w = w * valid_T.float().unsqueeze(-1)
@@ -414,15 +413,18 @@ class MoELayer(nn.Module):
         if count:
             self.router.accumulate_tokens_per_expert(tpe)
         # statistics of the whole micro-batch (this rank routed one sequence chunk under tensor parallel)
-        tpe, assigned = ep_util.sum_counts_over_tp(tpe, self.dims), ep_util.sum_counts_over_tp(assigned, self.dims)
+        tpe = ep_util.sum_counts_over_tp(tpe, self.dims)
         mean = tpe.mean()
-        return {
-            "tokens_per_expert": tpe,
-            "imbalance": torch.where(mean > 0, tpe.max() / mean.clamp(min=1e-12), torch.zeros_like(mean)),
-            "dropped_fraction": torch.where(
+        # counts are >= 0, so mean == 0 means max == 0, and the ratio is 0 without a torch.where
+        stats = {"tokens_per_expert": tpe, "imbalance": tpe.max() / mean.clamp(min=1e-12)}
+        if assigned is None:  # the fused router's counts: nothing dropped (a few launches fewer per forward)
+            stats["dropped_fraction"] = torch.zeros_like(mean)
+        else:
+            assigned = ep_util.sum_counts_over_tp(assigned, self.dims)
+            stats["dropped_fraction"] = torch.where(
                 assigned > 0, 1.0 - tpe.sum() / assigned.clamp(min=1.0), torch.zeros_like(mean)
-            ),
-        }
+            )
+        return stats
 
     # ------------------------------------------------------------------ once per optimizer step
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:

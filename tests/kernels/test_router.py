@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moecore.kernels.router import RouterSpec, fused_router, fused_router_reference, kernel_covers
-from moecore.kernels.router_gemm import router_linear, split3, split3_cols
+from moecore.kernels.router_gemm import router_linear, split3, split3_cols, split3_pieces, split3_reference
 from moecore.moe import losses
 from moecore.moe.router import scores_for_balancing, topk_routing
 from tests.kernels.conftest import rel_err, setup
@@ -149,7 +149,7 @@ def test_router_linear_equals_autograd_through_casts():
 def test_split3_represents_fp32_values():
     torch.manual_seed(1)
     v = torch.randn(4096) * torch.logspace(-6, 6, 4096)
-    parts = split3(v)
+    parts = split3_reference(v)
     assert parts.dtype == torch.bfloat16 and parts.shape == (3, 4096)
     back = parts[0].double() + parts[1].double() + parts[2].double()
     assert ((back - v.double()).abs() / v.double().abs()).max() < 2**-22
@@ -164,13 +164,33 @@ def test_split3_cols_kernel_equals_torch_pieces(backend):
     got = split3_cols(g, impl="triton").cpu()
     assert got.shape == (T, 4 * E) and got.dtype == torch.bfloat16
     if backend == "cuda":  # the same round-to-nearest-even casts as torch's: bit for bit
-        hi, mid, lo = split3(g.cpu())
+        hi, mid, lo = split3_reference(g.cpu())
         assert torch.equal(got, torch.cat([hi, hi, mid, lo], dim=1))
     else:  # Triton's interpreter casts fp32 to bf16 towards zero: still an exact three-piece split
         assert torch.equal(got[:, :E], got[:, E : 2 * E])
         back = got[:, E : 2 * E].double() + got[:, 2 * E : 3 * E].double() + got[:, 3 * E :].double()
         v = g.cpu().double()
         assert ((back - v).abs() <= v.abs() * 2**-22).all()
+
+
+@pytest.mark.parametrize("pieces,stacked", [((0, 1, 2), True), ((0, 1, 0), True), ((2,), False), ((1, 2), False)])
+def test_split3_pieces_orders_and_layouts(backend, pieces, stacked):
+    dev, _ = setup(backend)
+    torch.manual_seed(4)
+    v = (torch.randn(9, 40) * torch.logspace(-4, 4, 40)).to(dev)
+    got = split3_pieces(v, pieces, stacked, impl="triton").cpu()
+    ref = split3_pieces(v.cpu(), pieces, stacked, impl="torch")
+    n = len(pieces)
+    assert got.shape == ((n, 9, 40) if stacked else (9, n * 40)) and got.dtype == torch.bfloat16
+    if backend == "cuda":
+        assert torch.equal(got, ref)
+    else:  # the interpreter truncates the casts (see above): check where each piece goes, from the kernel's own pieces
+        own = split3_pieces(v, (0, 1, 2), True, impl="triton").cpu()
+        want = own[list(pieces)]
+        assert torch.equal(got, want if stacked else want.permute(1, 0, 2).reshape(9, n * 40))
+    assert torch.equal(split3(v.cpu(), impl="torch"), split3_reference(v.cpu()))
+    with pytest.raises(ValueError, match="pieces"):
+        split3_pieces(v, (0, 3), stacked)
 
 
 def _router_problem(dev, seed=2, T=64, H=96, E=24):
