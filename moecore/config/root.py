@@ -68,13 +68,6 @@ class Config:
         if self.optim.muon_qk_clip and m.attention_type == "dsa":
             _fail("optim.muon_qk_clip", self.optim.muon_qk_clip, "needs model.attention_type gqa or mla")
         if m.attention_type == "dsa" and m.dsa_stage == "dense_warmup":  # all but the indexers frozen (models/dsa.py)
-            if p.fsdp:
-                _fail(
-                    "parallel.fsdp",
-                    True,
-                    "model.dsa_stage=dense_warmup freezes all but the indexers, and behind the frozen layers' outputs "
-                    "(no gradient) FSDP never gathers the indexers' weights for backward; use parallel.distributed_optimizer",
-                )
             if self.train.precision == "fp8" and self.fp8.primary_weights:
                 _fail(
                     "fp8.primary_weights",

@@ -95,6 +95,12 @@ class FullyShardedModel:
         # One rank: the shard is the whole parameter, so freeing the gathered copy after forward saves nothing
         # but costs a second gather in backward (measured on an H200: 248.6 -> 238.7 ms per step, same peak).
         reshard = dims.world_size > 1
+        if any(not p.requires_grad for p in model.parameters()):
+            # Frozen parameters (DSA's dense_warmup trains the lightning indexers alone): a layer's output may then
+            # carry no gradient, so FSDP2's pre-backward hook on it never fires and the layer is not gathered again
+            # for the backward its trainable parameters still take (through the indexer loss). Keep the layers
+            # gathered from forward to backward instead.
+            reshard = False
         if dims.world_size == 1:  # one process: FSDP2 over a one-rank mesh (nothing split, the same code path)
             dense_mesh = expert_mesh = DeviceMesh.from_group(dist.group.WORLD, device_type)
         else:
