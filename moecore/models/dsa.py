@@ -97,10 +97,11 @@ class LightningIndexer(nn.Module):
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
 
-    def project(
+    def forward(
         self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q [B, nh, S, d], k [B, S, d], head weights [B, S, nh]) in fp32."""
+        """(q [B, nh, S, d], k [B, S, d], head weights [B, S, nh]) in fp32: the projections, the one use of the
+        indexer's parameters (a module call, so that module hooks such as FSDP's gathers see it)."""
         b, s, _ = x.shape
         q = self.wq_b(q_latent).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_norm(self.wk(x)).unsqueeze(1)  # [B, 1, S, d]
@@ -248,7 +249,7 @@ class DSAttention(MLAttention):
 
     def _indexer_inputs(self, x: torch.Tensor, q_latent: torch.Tensor, cos, sin):
         """The indexer's q, k, w from detached inputs: the indexer never sends gradient into the model."""
-        return self.indexer.project(x.detach(), q_latent.detach(), cos, sin)
+        return self.indexer(x.detach(), q_latent.detach(), cos, sin)
 
     def _absorbed(self, q_latent, latent, k_rope, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """q~ [B, S, n, r + dr] and kv~ [B, S, r + dr] of the absorbed form (module docstring)."""

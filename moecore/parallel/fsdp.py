@@ -8,7 +8,10 @@
   dense parameters get — the same rule as `GradSync`);
 - then every decoder layer, and the model itself (embeddings, final norm, head, what is left), on a
   mesh over `dp_cp`; FSDP2 all-gathers a layer's parameters before its forward (prefetching the
-  next) and reduce-scatters its gradients during backward.
+  next) and reduce-scatters its gradients during backward. Where some parameters are frozen (DSA's
+  dense_warmup), the trainable modules inside a layer (the lightning indexers) are units of their own first
+  (`trainable_islands`): the layer's output carries no gradient there, and FSDP2 gathers a unit again for
+  backward from a hook on its output.
 
 Parameters become DTensors sharded along dim 0 over their mesh; their `ShardSpec` (how the
 EP-local tensor sits in the global one) is attached again to the new parameters. The optimizer is
@@ -53,6 +56,31 @@ from moecore.parallel.dims import ParallelDims
 from moecore.parallel.sharding import _ATTR, get_shard, replication_factor
 
 
+def trainable_islands(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The largest submodules whose parameters all train inside modules that also hold frozen ones (none when
+    nothing is frozen). DSA's dense_warmup trains only the lightning indexers: their layers' outputs carry no
+    gradient, so FSDP2's pre-backward hook on a layer's output, which gathers its weights again for backward, never
+    fires; an indexer sharded as its own unit is gathered by the hook on its own output, which does need gradients.
+    The frozen rest of the layer needs no weights in backward."""
+    from moecore.moe.experts import GroupedExperts
+
+    islands: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            params = list(child.parameters())
+            if not params or isinstance(child, GroupedExperts):  # experts are sharded on their own mesh already
+                continue
+            if all(p.requires_grad for p in params):
+                islands.append(child)
+            elif any(p.requires_grad for p in params):
+                visit(child)
+
+    if any(not p.requires_grad for p in model.parameters()):
+        visit(model)
+    return islands
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -95,12 +123,6 @@ class FullyShardedModel:
         # One rank: the shard is the whole parameter, so freeing the gathered copy after forward saves nothing
         # but costs a second gather in backward (measured on an H200: 248.6 -> 238.7 ms per step, same peak).
         reshard = dims.world_size > 1
-        if any(not p.requires_grad for p in model.parameters()):
-            # Frozen parameters (DSA's dense_warmup trains the lightning indexers alone): a layer's output may then
-            # carry no gradient, so FSDP2's pre-backward hook on it never fires and the layer is not gathered again
-            # for the backward its trainable parameters still take (through the indexer loss). Keep the layers
-            # gathered from forward to backward instead.
-            reshard = False
         if dims.world_size == 1:  # one process: FSDP2 over a one-rank mesh (nothing split, the same code path)
             dense_mesh = expert_mesh = DeviceMesh.from_group(dist.group.WORLD, device_type)
         else:
@@ -112,6 +134,8 @@ class FullyShardedModel:
                 module.set_gradient_divide_factor(float(dims.dp * dims.cp))
                 if dist.get_backend(expert_mesh.get_group()) == "gloo":  # gloo has no PREMUL_SUM: sum, divide apart
                     module.set_force_sum_reduction_for_comms(True)
+        for island in trainable_islands(model):  # DSA's dense_warmup: the lightning indexers (module docstring)
+            fully_shard(island, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard)
         for layer in getattr(model, "layers", []):
             fully_shard(layer, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(model, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard)

@@ -2,8 +2,8 @@
 
 dense_warmup freezes every parameter but the lightning indexers', whose only gradient comes from the indexer's KL
 loss, so a decoder layer's output carries no gradient. FSDP2 gathers a layer's weights again for backward from a
-hook on that output; `FullyShardedModel` therefore keeps the layers of a model with frozen parameters gathered
-from forward to backward. Two runs of the tiny DeepSeek-V3.2 recipe, 3 steps each, bf16: one process without
+hook on that output; `FullyShardedModel` therefore shards each indexer as a unit of its own (`trainable_islands`),
+whose output does carry gradients. Two runs of the tiny DeepSeek-V3.2 recipe, 3 steps each, bf16: one process without
 FSDP, and 2 gloo ranks (dp2) with FSDP. The logged losses and gradient norms match within the bf16 tolerance of the
 optimizer tests, the indexers moved the same way (their difference <= 5% of how far they moved), and every frozen
 weight is the initial one in both runs (bit for bit in bf16, the frozen weights' compute dtype). The bytes each FSDP

@@ -16,7 +16,7 @@ def test_blockwise_topk_equals_whole_matrix(monkeypatch):
     x = torch.randn(2, 23, 48)
     cos, sin = layer.rotary(torch.arange(23), x.dtype)
     q_lat = layer.q_a_layernorm(layer.q_a_proj(x))
-    iq, ik, iw = layer.indexer.project(x, q_lat, cos, sin)
+    iq, ik, iw = layer.indexer(x, q_lat, cos, sin)
     whole = dsa.causal_topk(layer.indexer, iq, ik, iw, 6)
     monkeypatch.setattr(dsa, "_BLOCK_ELEMENTS", 2 * 4 * 23 * 3)  # blocks of 3 queries
     assert dsa.query_blocks(2, 23, 4 * 23)[:2] == [(0, 3), (3, 6)]
