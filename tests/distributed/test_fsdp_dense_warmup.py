@@ -101,3 +101,17 @@ def test_dense_warmup_with_fsdp_matches_one_process(tmp_path):
     logged = {k: round(md[-1][f"memory/{k}_gb"] * 2**30) for k in ("params", "grads", "optim")}
     assert logged["params"] == planned["params"] and logged["grads"] == planned["grads"], (logged, planned)
     assert 0 <= logged["optim"] - planned["optimizer"] <= 4 * len(indexers), (logged, planned)
+
+
+@pytest.mark.parametrize("stage", ["dense_warmup", "sparse"])
+def test_trainable_islands_are_the_indexers_in_dense_warmup(stage: str) -> None:
+    from moecore.models.dsa import LightningIndexer
+    from moecore.models.transformer import MoETransformer
+    from moecore.parallel.fsdp import trainable_islands
+
+    cfg = load_config("tiny-deepseek-v32", [f"model.dsa_stage={stage}", "model.vocab_size=64"])
+    model = MoETransformer(cfg)
+    indexers = [m for m in model.modules() if isinstance(m, LightningIndexer)]
+    islands = trainable_islands(model)
+    assert islands == (indexers if stage == "dense_warmup" else [])  # the MTP block's indexer among them
+    assert len(indexers) == cfg.model.num_layers + cfg.model.mtp_num_layers
