@@ -172,8 +172,32 @@ class RunLogger:
 # --------------------------------------------------------------------------------------------------
 
 
-def _attention_flops(cfg: Config, ctx: float, linear: bool) -> float:
-    """Forward FLOPs per token of one token mixer: projections + score/value products (or the linear recurrence)."""
+def selected_keys(seq: int, topk: int, causal: bool = True) -> float:
+    """Average keys a DSA query attends to: min(topk, visible keys), over the queries of a sequence (query t of a
+    causal sequence sees t + 1 keys; every query sees `seq` without the causal mask)."""
+    if not causal:
+        return float(min(topk, seq))
+    if seq <= topk:
+        return (seq + 1) / 2
+    return (topk * (topk + 1) / 2 + (seq - topk) * topk) / seq
+
+
+def _indexer_flops(cfg: Config, ctx: float) -> float:
+    """Forward FLOPs per token of a DSA layer's lightning indexer: its three projections (q from MLA's query latent,
+    the shared key, the head weights) and its scores over `ctx` keys: nh dot products of index_head_dim and the
+    head-weighted sum, per key (models/dsa.py)."""
+    m = cfg.model
+    nh, d = m.index_n_heads, m.index_head_dim
+    proj = m.q_lora_rank * nh * d + m.hidden_size * d + m.hidden_size * nh
+    return 2.0 * (proj + nh * (d + 1) * ctx)
+
+
+def _attention_flops(cfg: Config, ctx: float, linear: bool, keys: float | None = None, indexer: bool = False) -> float:
+    """Forward FLOPs per token of one token mixer: projections + score/value products (or the linear recurrence).
+
+    DSA: `keys`, the keys the main attention reads per query (the selected ones in the sparse stage; None: `ctx`),
+    counted in MLA's per-head form (the model's FLOPs, whatever form the kernel computes them in); `indexer`: the
+    layer has a lightning indexer, scoring `ctx` keys per query (GLM-5's shared layers reuse another's top-k)."""
     m = cfg.model
     h, nh = m.hidden_size, m.num_attention_heads
     if linear:
@@ -188,12 +212,14 @@ def _attention_flops(cfg: Config, ctx: float, linear: bool) -> float:
         conv = (2 * key_dim + value_dim) * m.linear_conv_kernel_dim
         # Gated delta rule per value head: S k (read), the rank-1 state update, q S (output): 3 dk x dv products.
         return 2.0 * (proj + conv + 3 * hv * dk * dv)
-    if m.attention_type in ("mla", "dsa"):  # dsa: counted as dense MLA (an upper bound)
+    if m.attention_type in ("mla", "dsa"):
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         q = h * m.q_lora_rank + m.q_lora_rank * nh * qk if m.q_lora_rank else h * nh * qk
         kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * nh * (m.qk_nope_head_dim + m.v_head_dim)
         proj = q + kv + nh * m.v_head_dim * h
-        return 2.0 * (proj + nh * (qk + m.v_head_dim) * ctx)
+        read = ctx if keys is None else keys
+        extra = _indexer_flops(cfg, ctx) if indexer else 0.0
+        return 2.0 * (proj + nh * (qk + m.v_head_dim) * read) + extra
     hd = m.resolved_head_dim
     q_out = nh * hd * (2 if m.attn_output_gate else 1)
     proj = h * q_out + 2 * h * m.kv_heads * hd + nh * hd * h
@@ -232,14 +258,21 @@ def flops_per_token(
     ctx = (s + 1) / 2 if causal else float(s)  # average number of keys a query attends to
     if m.sliding_window:
         ctx = min(ctx, float(m.sliding_window))
+    dsa = m.attention_type == "dsa"
+    # DSA: the sparse stage's main attention reads the selected keys; dense_warmup's reads every visible key
+    keys = selected_keys(s, m.index_topk, causal) if dsa and m.dsa_stage == "sparse" else None
+    if keys is not None and m.sliding_window:
+        keys = min(keys, ctx)
     fwd = 0.0
     for i in range(m.num_layers):
         linear = m.layer_types is not None and m.layer_types[i] == "linear_attention"
-        fwd += _attention_flops(cfg, ctx, linear) + _ffn_flops(cfg, cfg.moe.is_moe_layer(i, m.num_layers))
+        indexer = dsa and (m.indexer_types is None or m.indexer_types[i] != "shared")
+        fwd += _attention_flops(cfg, ctx, linear, keys, indexer)
+        fwd += _ffn_flops(cfg, cfg.moe.is_moe_layer(i, m.num_layers))
     fwd += 2.0 * m.hidden_size * vocab  # output head (the embedding lookup costs no FLOPs)
     for _ in range(m.mtp_num_layers):  # each MTP depth: 2H -> H projection, an MoE block with full attention, head
         fwd += 2.0 * 2 * m.hidden_size * m.hidden_size + 2.0 * m.hidden_size * vocab
-        fwd += _attention_flops(cfg, ctx, False) + _ffn_flops(cfg, cfg.moe.num_experts > 0)
+        fwd += _attention_flops(cfg, ctx, False, keys, dsa) + _ffn_flops(cfg, cfg.moe.num_experts > 0)
     return 3.0 * fwd if training else fwd
 
 

@@ -106,3 +106,45 @@ def test_dense_warmup_refuses_fp8_primary_weights() -> None:
         load_config("tiny-deepseek-v32", ["model.dsa_stage=dense_warmup", *over]).validate()
     load_config("tiny-deepseek-v32", ["model.dsa_stage=sparse", *over]).validate()  # the sparse stage trains all
     load_config("tiny-deepseek-v32", ["model.dsa_stage=dense_warmup", "parallel.fsdp=true"]).validate()
+
+
+def test_indexer_flops_match_torch_flop_counter():
+    """The model-FLOPs count of a lightning indexer (moecore.train.logger, used for tflops_per_device, MFU and the
+    planner's time) equals what torch's FLOP counter counts for its projections and its scores of every key."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from moecore.config import Config
+    from moecore.train.logger import _indexer_flops
+
+    layer = _layer(_cfg())
+    b, s = 2, 13
+    x = torch.randn(b, s, 48)
+    cos, sin = layer.rotary(torch.arange(s), x.dtype)
+    q_lat = layer.q_a_layernorm(layer.q_a_proj(x))
+    with FlopCounterMode(display=False) as counter:
+        iq, ik, iw = layer.indexer(x, q_lat, cos, sin)
+        layer.indexer.scores(iq, ik, iw, 0, s)  # every query against every key: ctx = s
+    cfg = Config()
+    cfg.model = _cfg()
+    assert counter.get_total_flops() == _indexer_flops(cfg, float(s)) * b * s
+
+
+@pytest.mark.parametrize("seq,topk", [(5, 2), (4, 8), (9, 9), (40, 7)])
+def test_selected_keys_is_the_mean_over_queries(seq: int, topk: int) -> None:
+    from moecore.train.logger import selected_keys
+
+    assert selected_keys(seq, topk) == pytest.approx(sum(min(topk, t + 1) for t in range(seq)) / seq)
+    assert selected_keys(seq, topk, causal=False) == min(topk, seq)
+
+
+def test_dsa_flops_per_token_follow_the_stage():
+    """The sparse stage's attention reads the selected keys, dense_warmup's every visible key; both add the
+    indexer; DeepSeek-V3.2's sparse model at 32K tokens costs ~2/3 of its dense-attention FLOPs."""
+    from moecore.config import load_config
+    from moecore.train.logger import flops_per_token
+
+    sparse = load_config("deepseek-v3.2", ["model.dsa_stage=sparse", "model.vocab_size=129280"])
+    dense = load_config("deepseek-v3.2", ["model.dsa_stage=dense_warmup", "model.vocab_size=129280"])
+    assert flops_per_token(sparse, 2048) == pytest.approx(flops_per_token(dense, 2048))  # topk = 2048: all keys
+    ratio = flops_per_token(sparse, 32768) / flops_per_token(dense, 32768)
+    assert 0.55 < ratio < 0.65
