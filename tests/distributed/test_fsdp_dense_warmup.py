@@ -12,11 +12,10 @@ rank logs are those `moecore plan` counts.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from test_distributed_optimizer import BF16_TOL
+from test_distributed_optimizer_train import _metrics, _rel
 
 from moecore.config import load_config
 from moecore.hf.convert import load_model_checkpoint
@@ -45,14 +44,6 @@ COMMON = [
 
 def _train(rank: int, world: int, overrides: list[str]) -> None:
     train(load_config("tiny-deepseek-v32", [*COMMON, *overrides]))
-
-
-def _metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
 def _weights(run_dir) -> dict[str, torch.Tensor]:
