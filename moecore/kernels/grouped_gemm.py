@@ -290,8 +290,9 @@ TILE_STARTS_MAX_EXPERTS = 4096
 def tile_starts(bounds: torch.Tensor, block_m: int, impl: str = "auto") -> torch.Tensor:
     """[E + 1] int32: the index of each expert's first m-tile of block_m rows (last entry: the total).
 
-    On CUDA one small Triton launch: the five torch operations of `tile_starts_reference` cost the host ~80 us
-    per grouped GEMM (docs/benchmarks.md, "Host cost of a grouped GEMM launch"), more than the launch itself."""
+    On CUDA one small Triton launch (~33 us of host time on an H100): the five torch operations of
+    `tile_starts_reference` cost the host 60-126 us per grouped GEMM, more than the GEMM's own launch
+    (docs/benchmarks.md, "Host cost of a grouped-GEMM launch"; benchmarks/launch_overhead.py)."""
     E = bounds.numel() - 1
     if not use_triton(impl, bounds) or E > TILE_STARTS_MAX_EXPERTS or bounds.dtype != torch.int32:
         return tile_starts_reference(bounds, block_m)

@@ -11,6 +11,8 @@ of one expert stay in token order (deterministic), and returns:
 out[t] = sum_k probs[t, k] * y[inv[t*K + k]] (probs optional) in fp32, rounded to y's dtype. Both are
 gathers: each output row is written by one program, so there are no atomics and the result is
 bit-reproducible. The backward of each is the other gather (plus, for the probabilities, a row dot).
+`gather_add_rows` adds a slice of the sorted rows (a chunk of whole experts: moecore/moe/chunked.py) into per-token
+fp32 sums by the same kind of gather, one program per token.
 """
 
 from __future__ import annotations
