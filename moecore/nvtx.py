@@ -18,8 +18,8 @@ def nvtx_range(name: str, enabled: bool | None = None) -> Iterator[None]:
     The torch.profiler label is made only while a profiler runs: a `record_function` costs the host more than
     the NVTX push and pop, on every call, and the MoE layer's forward opens eight of these."""
     use_nvtx = torch.cuda.is_available() if enabled is None else enabled
-    label = torch.autograd.profiler.record_function(name) if torch._C._autograd._profiler_enabled() else None
-    with label if label is not None else contextlib.nullcontext():
+    profiling = torch._C._autograd._profiler_enabled()
+    with torch.autograd.profiler.record_function(name) if profiling else contextlib.nullcontext():
         if use_nvtx:
             torch.cuda.nvtx.range_push(name)
         try:

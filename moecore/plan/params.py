@@ -34,7 +34,7 @@ groups (moecore.optim.groups), the gradient hooks and buckets (moecore/parallel/
 master weights (MixedPrecision casts a frozen parameter to bf16 and keeps no fp32 copy of it) skip them. So
 they cost the parameter dtype's bytes per element (fp32 4, bf16 / fp8 2, fp16 autocast 4) and nothing else;
 under fsdp their shards are the sharded parameters (fp32 with fp32 master weights, else bf16), without a
-gradient (not checked against the runtime: its dense_warmup backward fails under fsdp on 2 gloo ranks).
+gradient (checked against a dp2 run's logged bytes: tests/distributed/test_fsdp_dense_warmup.py).
 The trainer refuses FP8 primary weights without master weights (moecore/models/fp8.py
 `enable_primary_weights`), so frozen FP8 GEMM weights are counted in the parameter dtype.
 """

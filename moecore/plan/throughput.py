@@ -85,6 +85,24 @@ def _bw(layout: Layout, group: str, hw: Hardware) -> float:
     return gbps * 1e9
 
 
+def data_parallel_bytes(layout: Layout, summary, mode, group: str) -> float:
+    """Bytes one rank moves per step over the data-parallel `group` ("dp_cp" or "edp"): the gradient all-reduce
+    (reduce-scatter + all-gather of the updated fp32 shards under the distributed optimizer), or under fsdp the
+    parameter gathers (forward: every parameter; backward: the trained ones, since a frozen layer is not gathered
+    again: moecore/parallel/fsdp.py `trainable_islands`) and the gradient reduce-scatter."""
+    g = layout.edp if group == "edp" else layout.dp_cp
+    expert = group == "edp"
+    n = summary.expert if expert else summary.total - summary.expert  # unsharded elements
+    # of which trained (dense_warmup freezes all but the indexers: no gradient, no update to gather)
+    t = sum(k for (_, x), k in summary.groups.items() if x == expert)
+    if layout.fsdp:
+        return (g - 1) / g * ((n + t) * mode.param + t * mode.grad)
+    vol = 2 * (g - 1) / g * t * mode.grad
+    if layout.distributed_optimizer:
+        vol += (g - 1) / g * t * 4  # the updated fp32 shards' all-gather
+    return vol
+
+
 def recompute_flops_per_token(cfg: Config, layout: Layout) -> float:
     """Extra forward FLOPs per token that recomputation re-runs (full: every layer; moe: the MoE blocks;
     core_attn: the attention scores; the cheap options are left out)."""
@@ -193,17 +211,8 @@ def estimate_step(
     dp_s = 0.0
     summary = param_summary(cfg, layout, 0, opts.cache)
     for group, g in (("dp_cp", layout.dp_cp), ("edp", layout.edp)):
-        if g <= 1:
-            continue
-        n = summary.expert if group == "edp" else summary.total - summary.expert  # unsharded elements
-        # of which trained (dense_warmup freezes all but the indexers: no gradient, no update to gather)
-        t = sum(k for (_, expert), k in summary.groups.items() if expert == (group == "edp"))
-        vol = 2 * (g - 1) / g * t * mode.grad
-        if layout.distributed_optimizer:
-            vol += (g - 1) / g * t * 4  # the updated fp32 shards' all-gather
-        if layout.fsdp:  # forward and backward parameter gathers, gradient reduce-scatter
-            vol = (g - 1) / g * (2 * n * mode.param + t * mode.grad)
-        dp_s += vol / _bw(layout, group, hw)
+        if g > 1:
+            dp_s += data_parallel_bytes(layout, summary, mode, group) / _bw(layout, group, hw)
     backward = compute * 2 / 3
     dp_exposed = max(0.0, dp_s - backward) + 0.05 * dp_s
     offload_exposed = 0.0

@@ -261,8 +261,6 @@ def flops_per_token(
     dsa = m.attention_type == "dsa"
     # DSA: the sparse stage's main attention reads the selected keys; dense_warmup's reads every visible key
     keys = selected_keys(s, m.index_topk, causal) if dsa and m.dsa_stage == "sparse" else None
-    if keys is not None and m.sliding_window:
-        keys = min(keys, ctx)
     fwd = 0.0
     for i in range(m.num_layers):
         linear = m.layer_types is not None and m.layer_types[i] == "linear_attention"

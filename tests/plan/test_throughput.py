@@ -66,3 +66,28 @@ def test_the_trainer_steps_measured_on_an_h200() -> None:
         cfg = load_config("qwen3-30b-a3b", base + extra)
         ms = estimate_step(cfg, Layout()).step_s * 1000
         assert 0.95 * lo <= ms <= 1.05 * hi, (extra, ms)
+
+
+def test_fsdp_gathers_frozen_parameters_in_forward_only() -> None:
+    """Under fsdp every parameter is gathered for forward and backward and reduce-scatters its gradient; a frozen
+    one (DSA's dense_warmup: the indexers alone train) is gathered for forward only and has no gradient."""
+    from moecore.plan.layout import layout_of
+    from moecore.plan.params import param_summary, precision_mode
+    from moecore.plan.throughput import data_parallel_bytes
+
+    moved, frozen = {}, {}
+    for stage in ("sparse", "dense_warmup"):
+        cfg = load_config(
+            "tiny-deepseek-v32", [f"model.dsa_stage={stage}", "model.vocab_size=64", "parallel.fsdp=true"]
+        )
+        lay = layout_of(cfg, 4)
+        mode = precision_mode(cfg, lay, micro_batches=1, device="cpu")
+        s = param_summary(cfg, lay)
+        moved[stage] = data_parallel_bytes(lay, s, mode, "dp_cp")
+        frozen[stage] = s.frozen[False]
+        if stage == "sparse":
+            n = s.total - s.expert
+            assert moved[stage] == 3 / 4 * n * (2 * mode.param + mode.grad) and frozen[stage] == 0
+    assert frozen["dense_warmup"] > 0
+    saved = 3 / 4 * frozen["dense_warmup"] * (mode.param + mode.grad)  # one gather and one reduce-scatter each
+    assert moved["dense_warmup"] == pytest.approx(moved["sparse"] - saved)
