@@ -122,7 +122,8 @@ def test_moe_layer_variants_build_on_cpu():
             gemm = {"triton": "triton", "torchgemm": "torch"}
             gemm = next((gemm[o] for o in options if o in gemm), default.resolved("grouped_gemm"))
             assert (recipe.padding, recipe.grouped_gemm) == (padding, gemm), name
-            assert recipe.wgrad_fp8 == ("bf16wgrad" not in options)
+            wgrad = "bf16" if "bf16wgrad" in options else "fp8" if "fp8wgrad" in options else default.wgrad
+            assert recipe.wgrad == wgrad, name
 
 
 def test_chunked_variants_carry_their_chunk_rows():

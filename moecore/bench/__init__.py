@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="moecore",
         help="comma-separated moecore variants to time: moecore, moecore-unfused-router (both benches), "
         "moecore-all-grouped, moecore-all-triton, moecore-fp32-router-gemm, moecore-minimal, moecore-chunked[-<rows>], moecore-sync-free, "
-        "moecore-fp8-<tensorwise|rowwise|blockwise>, moecore-fp8-rowwise-bf16wgrad, moecore-fp8-rowwise-primary, "
+        "moecore-fp8-<tensorwise|rowwise|blockwise>, moecore-fp8-rowwise-bf16wgrad, moecore-fp8-rowwise-fp8wgrad, moecore-fp8-rowwise-primary, "
         "moecore-fp8-rowwise-wgradpad, moecore-fp8-rowwise-primary-wgradpad, moecore-fp8-rowwise-[primary-]triton, "
         "-allpad, -torchgemm, -hybrid (moe-layer)",
     )

@@ -29,7 +29,9 @@ class FP8Config:
     pow2_scales: bool = False  # round every scale up to a power of two (exact rescaling; off as in DeepSeek-V3)
     emulate: bool = False  # quantise-dequantise then ordinary matmuls: FP8 numerics without FP8 GEMMs (CPU, debugging)
     fprop_fast_accum: bool = True  # forward GEMMs use Hopper's fast FP8 accumulation (Transformer Engine's default)
-    wgrad: str = "fp8"  # fp8 | bf16: the weight-gradient GEMMs in FP8, or in bf16 from the unquantised operands
+    # fp8 | bf16 | auto: the weight-gradient GEMMs in FP8, in bf16 from the unquantised operands, or per GEMM
+    # (auto: FP8 where a dimension of the weight is >= 4096, bf16 below: Fp8Recipe.wgrad_in_fp8)
+    wgrad: str = "auto"
     # the routed experts' GEMMs (rowwise only for the non-default choices; auto: the faster on an H200, AUTO below)
     padding: str = "auto"  # auto | all | wgrad: rows padded per expert for every GEMM, or in the wgrad operands only
     grouped_gemm: str = "auto"  # auto | torch | triton: forward and input-gradient grouped GEMMs' kernel
@@ -54,7 +56,7 @@ class FP8Config:
     def validate(self) -> None:
         _check_choice("fp8.recipe", self.recipe, self.RECIPES)
         _check_choice("fp8.format", self.format, ("e4m3", "hybrid"))
-        _check_choice("fp8.wgrad", self.wgrad, ("fp8", "bf16"))
+        _check_choice("fp8.wgrad", self.wgrad, ("fp8", "bf16", "auto"))
         for name, choices in self.CHOICES.items():
             _check_choice(f"fp8.{name}", getattr(self, name), ("auto", *choices))
             if getattr(self, name) not in ("auto", choices[0]) and self.recipe != "rowwise":

@@ -49,6 +49,8 @@ from moecore.kernels.grouped_gemm_fp8 import fp8_tiles, grouped_mm_scaled
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SCALINGS = ("tensorwise", "rowwise", "blockwise")
+# fp8.wgrad=auto: weight gradients in FP8 where a dimension of the weight is at least this (Fp8Recipe.wgrad_in_fp8)
+AUTO_WGRAD_WIDE = 4096
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,8 @@ class Fp8Recipe:
     pow2: bool = False
     emulate: bool = False  # quantise-dequantise + fp32 matmul instead of FP8 tensor-core GEMMs
     fprop_fast_accum: bool = True  # forward GEMMs in the tensor cores' fast accumulation (backward: never)
-    wgrad_fp8: bool = True  # False: weight gradients as bf16 GEMMs of the unquantised operands (fp8.wgrad=bf16)
+    # "fp8", "bf16" (weight gradients as bf16 GEMMs of the unquantised operands) or "auto" (per GEMM: wgrad_in_fp8)
+    wgrad: str = "fp8"
     # Which expert-GEMM operands get their experts' rows padded to `alignment` (fp8_grouped.py): "all" (the rows
     # are padded on entry, every GEMM runs on padded rows) or "wgrad" (rowwise only: only the weight-gradient
     # operands, whose contracted dim is the rows, are written padded, by the kernel that quantises them)
@@ -71,6 +74,8 @@ class Fp8Recipe:
     grouped_gemm: str = "torch"
 
     def __post_init__(self) -> None:
+        if self.wgrad not in ("fp8", "bf16", "auto"):
+            raise ValueError(f"wgrad={self.wgrad!r} is invalid: allowed: fp8 | bf16 | auto")
         if self.scaling not in SCALINGS:
             raise ValueError(f"scaling={self.scaling!r} is invalid: allowed: {' | '.join(SCALINGS)}")
         if self.padding not in ("all", "wgrad") or (self.padding == "wgrad" and self.scaling != "rowwise"):
@@ -81,6 +86,16 @@ class Fp8Recipe:
             raise ValueError(
                 f"grouped_gemm={self.grouped_gemm!r} is invalid: 'torch', or 'triton' | 'auto' with rowwise scaling"
             )
+
+    def wgrad_in_fp8(self, *weight_dims: int) -> bool:
+        """Whether the weight-gradient GEMM of a weight with these dimensions runs in FP8 (else a bf16 GEMM of the
+        unquantised operands). `auto`: FP8 where a dimension is >= AUTO_WGRAD_WIDE. Below it FP8 loses twice:
+        the weight-gradient GEMM itself is slower in FP8 than in bf16 there (Qwen3-30B-A3B's experts: 554 / 513
+        against 657 / 582 TFLOP/s on an H200), and both of its operands must first be quantised again along the
+        tokens (docs/benchmarks.md, "FP8 weight gradients by shape")."""
+        if self.wgrad != "auto":
+            return self.wgrad == "fp8"
+        return max(weight_dims) >= AUTO_WGRAD_WIDE
 
     @property
     def alignment(self) -> int:
@@ -97,7 +112,7 @@ class Fp8Recipe:
             bool(fp8cfg.pow2_scales),
             bool(fp8cfg.emulate),
             bool(fp8cfg.fprop_fast_accum),
-            fp8cfg.wgrad == "fp8",
+            fp8cfg.wgrad,
             fp8cfg.resolved("padding"),
             fp8cfg.resolved("grouped_gemm"),
         )
@@ -281,7 +296,7 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             wt = wq if wq is not None and wq.gran == "rowwise" else transposed(wq, wc, recipe, E4M3, weight=True)
             dx = mm(dyq, wt, dy.dtype, recipe)[:m]
-        if ctx.needs_input_grad[1] and not recipe.wgrad_fp8:  # bf16 GEMM (fp32 accumulation) of dy^T x
+        if ctx.needs_input_grad[1] and not recipe.wgrad_in_fp8(*wc.shape):  # bf16 GEMM (fp32 accumulation) of dy^T x
             with torch.autocast(dyp.device.type, enabled=False):
                 dw = (dyp.t() @ xp).to(ctx.w_dtype)
         elif ctx.needs_input_grad[1]:

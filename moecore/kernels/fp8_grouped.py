@@ -402,10 +402,11 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         dh, dp, a = swiglu_backward(h, probs, da)
         del da, h
         dw2 = dw13 = dx = None
+        wgrad_fp8 = recipe.wgrad_in_fp8(x.shape[1], w2c.shape[2])  # the experts' H and F
         # the weight-gradient GEMMs' operands: padded as x was, or written padded from unpadded rows (pad_to)
         wcounts, whost, wbounds = (counts, host, bounds) if pad_to is None else (pad_to[0], None, pbounds)
         if ctx.needs_input_grad[2]:
-            if recipe.wgrad_fp8:
+            if wgrad_fp8:
                 dy_cols = quant_cols(dy, counts, recipe, gd, rows_q=dyq, pad_to=pad_to, bounds=cols_bounds)
                 a_cols = quant_cols(a, counts, recipe, E4M3, pad_to=pad_to, bounds=cols_bounds)
                 dw2 = gmm_tn(dy_cols, a_cols, wcounts, whost, recipe, dt, wbounds)
@@ -416,7 +417,7 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         dh = dh.to(dt)
         dhq = quant_rows(dh, recipe, gd)
         if ctx.needs_input_grad[1]:
-            if recipe.wgrad_fp8:
+            if wgrad_fp8:
                 x_cols = quant_cols(x, counts, recipe, E4M3, rows_q=xq, pad_to=pad_to, bounds=cols_bounds)
                 dh_cols = quant_cols(dh, counts, recipe, gd, rows_q=dhq, pad_to=pad_to, bounds=cols_bounds)
                 dw13 = gmm_tn(dh_cols, x_cols, wcounts, whost, recipe, dt, wbounds)

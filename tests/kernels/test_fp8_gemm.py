@@ -8,7 +8,17 @@ import torch
 import torch.nn.functional as F
 
 from moecore.kernels import fp8_quant as fq
-from moecore.kernels.fp8_gemm import E4M3, E5M2, SCALINGS, Fp8Recipe, fp8_linear, mm, quant_rows, transposed
+from moecore.kernels.fp8_gemm import (
+    AUTO_WGRAD_WIDE,
+    E4M3,
+    E5M2,
+    SCALINGS,
+    Fp8Recipe,
+    fp8_linear,
+    mm,
+    quant_rows,
+    transposed,
+)
 from moecore.kernels.fp8_grouped import _Fp8GroupedFFN, fp8_expert_ffn, pad_plan, pad_rows, quant_cols
 from moecore.kernels.grouped_ffn import expert_ffn_reference
 
@@ -148,7 +158,8 @@ def test_bf16_weight_gradients(scaling):
     grads = {}
     for fp8_wgrad in (True, False):
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-        fp8_linear(xx, ww, None, Fp8Recipe(scaling, emulate=True, wgrad_fp8=fp8_wgrad)).backward(g)
+        recipe = Fp8Recipe(scaling, emulate=True, wgrad="fp8" if fp8_wgrad else "bf16")
+        fp8_linear(xx, ww, None, recipe).backward(g)
         grads[fp8_wgrad] = (xx.grad, ww.grad)
     assert torch.equal(grads[True][0], grads[False][0])  # dx: the same FP8 GEMM
     assert rel(grads[False][1], g.t() @ x) < 1e-6
@@ -163,7 +174,8 @@ def test_bf16_weight_gradients(scaling):
     got = {}
     for fp8_wgrad in (True, False):
         ts = [t.clone().requires_grad_() for t in (xs, w13, w2, p)]
-        fp8_expert_ffn(*ts[:3], counts, ts[3], Fp8Recipe(scaling, emulate=True, wgrad_fp8=fp8_wgrad)).backward(gy)
+        recipe = Fp8Recipe(scaling, emulate=True, wgrad="fp8" if fp8_wgrad else "bf16")
+        fp8_expert_ffn(*ts[:3], counts, ts[3], recipe).backward(gy)
         got[fp8_wgrad] = [t.grad for t in ts]
     for i in (0, 3):  # dx and dprobs: the same FP8 GEMMs
         assert torch.equal(got[True][i], got[False][i])
@@ -172,6 +184,36 @@ def test_bf16_weight_gradients(scaling):
     for i in (1, 2):
         assert rel(got[False][i], ref[i].grad) < 0.93 * rel(got[True][i], ref[i].grad)
     assert torch.equal(got[False][1][1], torch.zeros_like(got[False][1][1]))  # an expert without rows
+
+
+def _linear_grads(x, w, g, wgrad: str):
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    fp8_linear(xx, ww, None, Fp8Recipe("rowwise", emulate=True, wgrad=wgrad)).backward(g)
+    return xx.grad, ww.grad
+
+
+def test_auto_weight_gradients_follow_the_weights_width():
+    """fp8.wgrad=auto: bf16 weight gradients for a weight whose dimensions are all below AUTO_WGRAD_WIDE, FP8 ones
+    where one reaches it; the experts decide by their hidden size and FFN width."""
+    assert Fp8Recipe(wgrad="auto").wgrad_in_fp8(2048, 768) is False
+    assert Fp8Recipe(wgrad="auto").wgrad_in_fp8(AUTO_WGRAD_WIDE, 512) is True
+    assert Fp8Recipe(wgrad="bf16").wgrad_in_fp8(8192, 8192) is False and Fp8Recipe().wgrad_in_fp8(16, 16) is True
+    with pytest.raises(ValueError, match="wgrad="):
+        Fp8Recipe(wgrad="fp16")
+    torch.manual_seed(8)
+    for n, k, same_as in ((64, 128, "bf16"), (16, AUTO_WGRAD_WIDE, "fp8")):
+        x, w, g = torch.randn(32, k), torch.randn(n, k) * 0.05, torch.randn(32, n)
+        auto, want = _linear_grads(x, w, g, "auto"), _linear_grads(x, w, g, same_as)
+        assert all(torch.equal(a, b) for a, b in zip(auto, want)), (n, k)
+    E, H, Fh, counts = 3, 64, 32, torch.tensor([9, 0, 14])
+    ts0 = [torch.randn(23, H), torch.randn(E, 2 * Fh, H) * 0.05, torch.randn(E, H, Fh) * 0.05, torch.rand(23)]
+    gy = torch.randn(23, H)
+    got = {}
+    for wgrad in ("auto", "bf16"):
+        ts = [t.clone().requires_grad_() for t in ts0]
+        fp8_expert_ffn(*ts[:3], counts, ts[3], Fp8Recipe("rowwise", emulate=True, wgrad=wgrad)).backward(gy)
+        got[wgrad] = [t.grad for t in ts]
+    assert all(torch.equal(a, b) for a, b in zip(got["auto"], got["bf16"]))
 
 
 def test_expert_ffn_padding_is_invisible():

@@ -242,7 +242,8 @@ def test_fp8_training_tracks_bf16_on_gpu(tmp_path, scaling):
     every FP8 path (experts, shared experts, dense MLP, attention) exercised; the tensorwise recipe, refused on
     GPUs, is refused in one line."""
     _skip_unless_fp8(scaling)
-    fp8 = ["train.precision=fp8", f"fp8.recipe={scaling}"]
+    # fp8.wgrad=fp8: the default (auto) computes these tiny weights' gradients in bf16
+    fp8 = ["train.precision=fp8", f"fp8.recipe={scaling}", "fp8.wgrad=fp8"]
     if scaling == "tensorwise":
         with pytest.raises(ConfigError, match="fp8.recipe='tensorwise'"):
             _losses(tmp_path, "fp8-e4m3", *fp8)

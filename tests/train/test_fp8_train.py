@@ -88,6 +88,7 @@ def test_fp8_trainer_runs_each_recipe_in_fp8(tmp_path):
         ("rowwise", "hybrid", "fp8"),
         ("tensorwise", "e4m3", "fp8"),
         ("rowwise", "e4m3", "bf16"),
+        ("rowwise", "e4m3", "auto"),
     ):
         run_dir = tmp_path / f"{recipe}-{fmt}-{wgrad}"
         cfg = load_config(
