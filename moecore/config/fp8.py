@@ -30,7 +30,8 @@ class FP8Config:
     emulate: bool = False  # quantise-dequantise then ordinary matmuls: FP8 numerics without FP8 GEMMs (CPU, debugging)
     fprop_fast_accum: bool = True  # forward GEMMs use Hopper's fast FP8 accumulation (Transformer Engine's default)
     # fp8 | bf16 | auto: the weight-gradient GEMMs in FP8, in bf16 from the unquantised operands, or per GEMM
-    # (auto: FP8 where a dimension of the weight is >= 4096, bf16 below: Fp8Recipe.wgrad_in_fp8)
+    # (auto: FP8 where a dimension of the weight is >= 4096 and the GEMM sums >= 2048 rows per weight or expert,
+    # bf16 otherwise: Fp8Recipe.wgrad_in_fp8)
     wgrad: str = "auto"
     # the routed experts' GEMMs (rowwise only for the non-default choices; auto: the faster on an H200, AUTO below)
     padding: str = "auto"  # auto | all | wgrad: rows padded per expert for every GEMM, or in the wgrad operands only

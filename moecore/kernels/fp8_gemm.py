@@ -49,8 +49,10 @@ from moecore.kernels.grouped_gemm_fp8 import fp8_tiles, grouped_mm_scaled
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SCALINGS = ("tensorwise", "rowwise", "blockwise")
-# fp8.wgrad=auto: weight gradients in FP8 where a dimension of the weight is at least this (Fp8Recipe.wgrad_in_fp8)
+# fp8.wgrad=auto: weight gradients in FP8 where a dimension of the weight is at least AUTO_WGRAD_WIDE and the
+# GEMM sums over at least AUTO_WGRAD_ROWS rows per weight (per expert, on average), bf16 otherwise (Fp8Recipe.wgrad_in_fp8)
 AUTO_WGRAD_WIDE = 4096
+AUTO_WGRAD_ROWS = 2048
 
 
 @dataclass(frozen=True)
@@ -87,15 +89,16 @@ class Fp8Recipe:
                 f"grouped_gemm={self.grouped_gemm!r} is invalid: 'torch', or 'triton' | 'auto' with rowwise scaling"
             )
 
-    def wgrad_in_fp8(self, *weight_dims: int) -> bool:
-        """Whether the weight-gradient GEMM of a weight with these dimensions runs in FP8 (else a bf16 GEMM of the
-        unquantised operands). `auto`: FP8 where a dimension is >= AUTO_WGRAD_WIDE. Below it FP8 loses twice:
-        the weight-gradient GEMM itself is slower in FP8 than in bf16 there (Qwen3-30B-A3B's experts: 554 / 513
-        against 657 / 582 TFLOP/s on an H200), and both of its operands must first be quantised again along the
-        tokens (docs/benchmarks.md, "FP8 weight gradients by shape")."""
+    def wgrad_in_fp8(self, rows_per_weight: int, *weight_dims: int) -> bool:
+        """Whether the weight-gradient GEMM of a weight with these dimensions, summed over `rows_per_weight` rows
+        (tokens for a linear, the mean rows per expert for the experts), runs in FP8 (else a bf16 GEMM of the
+        unquantised operands). `auto`: FP8 where a dimension is >= AUTO_WGRAD_WIDE and the rows are
+        >= AUTO_WGRAD_ROWS. Elsewhere FP8 loses twice: the FP8 weight-gradient GEMM is itself slower than bf16's
+        for narrow weights or few rows per expert, and both of its operands must first be quantised again along
+        the rows (docs/benchmarks.md, "FP8 weight gradients by shape")."""
         if self.wgrad != "auto":
             return self.wgrad == "fp8"
-        return max(weight_dims) >= AUTO_WGRAD_WIDE
+        return max(weight_dims) >= AUTO_WGRAD_WIDE and rows_per_weight >= AUTO_WGRAD_ROWS
 
     @property
     def alignment(self) -> int:
@@ -296,7 +299,9 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             wt = wq if wq is not None and wq.gran == "rowwise" else transposed(wq, wc, recipe, E4M3, weight=True)
             dx = mm(dyq, wt, dy.dtype, recipe)[:m]
-        if ctx.needs_input_grad[1] and not recipe.wgrad_in_fp8(*wc.shape):  # bf16 GEMM (fp32 accumulation) of dy^T x
+        if ctx.needs_input_grad[1] and not recipe.wgrad_in_fp8(
+            dyp.shape[0], *wc.shape
+        ):  # bf16 GEMM (fp32 accumulation) of dy^T x
             with torch.autocast(dyp.device.type, enabled=False):
                 dw = (dyp.t() @ xp).to(ctx.w_dtype)
         elif ctx.needs_input_grad[1]:

@@ -402,7 +402,7 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         dh, dp, a = swiglu_backward(h, probs, da)
         del da, h
         dw2 = dw13 = dx = None
-        wgrad_fp8 = recipe.wgrad_in_fp8(x.shape[1], w2c.shape[2])  # the experts' H and F
+        wgrad_fp8 = recipe.wgrad_in_fp8(x.shape[0] // w2c.shape[0], x.shape[1], w2c.shape[2])  # rows/expert, H, F
         # the weight-gradient GEMMs' operands: padded as x was, or written padded from unpadded rows (pad_to)
         wcounts, whost, wbounds = (counts, host, bounds) if pad_to is None else (pad_to[0], None, pbounds)
         if ctx.needs_input_grad[2]:

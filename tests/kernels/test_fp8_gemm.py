@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from moecore.kernels import fp8_quant as fq
 from moecore.kernels.fp8_gemm import (
+    AUTO_WGRAD_ROWS,
     AUTO_WGRAD_WIDE,
     E4M3,
     E5M2,
@@ -192,28 +193,42 @@ def _linear_grads(x, w, g, wgrad: str):
     return xx.grad, ww.grad
 
 
-def test_auto_weight_gradients_follow_the_weights_width():
-    """fp8.wgrad=auto: bf16 weight gradients for a weight whose dimensions are all below AUTO_WGRAD_WIDE, FP8 ones
-    where one reaches it; the experts decide by their hidden size and FFN width."""
-    assert Fp8Recipe(wgrad="auto").wgrad_in_fp8(2048, 768) is False
-    assert Fp8Recipe(wgrad="auto").wgrad_in_fp8(AUTO_WGRAD_WIDE, 512) is True
-    assert Fp8Recipe(wgrad="bf16").wgrad_in_fp8(8192, 8192) is False and Fp8Recipe().wgrad_in_fp8(16, 16) is True
+def test_auto_weight_gradients_follow_the_weights_shape():
+    """fp8.wgrad=auto: FP8 weight gradients for a weight with a dimension of at least AUTO_WGRAD_WIDE summed over
+    at least AUTO_WGRAD_ROWS rows (tokens of a linear, mean rows per expert), bf16 ones otherwise."""
+    auto = Fp8Recipe(wgrad="auto")
+    assert auto.wgrad_in_fp8(AUTO_WGRAD_ROWS, 2048, 768) is False  # narrow (Qwen3-30B-A3B's experts)
+    assert auto.wgrad_in_fp8(256, 7168, 2048) is False  # few rows per expert (DeepSeek-V3's)
+    assert auto.wgrad_in_fp8(AUTO_WGRAD_ROWS, AUTO_WGRAD_WIDE, 512) is True
+    assert Fp8Recipe(wgrad="bf16").wgrad_in_fp8(8192, 8192, 8192) is False and Fp8Recipe().wgrad_in_fp8(1, 16, 16)
     with pytest.raises(ValueError, match="wgrad="):
         Fp8Recipe(wgrad="fp16")
     torch.manual_seed(8)
-    for n, k, same_as in ((64, 128, "bf16"), (16, AUTO_WGRAD_WIDE, "fp8")):
-        x, w, g = torch.randn(32, k), torch.randn(n, k) * 0.05, torch.randn(32, n)
-        auto, want = _linear_grads(x, w, g, "auto"), _linear_grads(x, w, g, same_as)
-        assert all(torch.equal(a, b) for a, b in zip(auto, want)), (n, k)
-    E, H, Fh, counts = 3, 64, 32, torch.tensor([9, 0, 14])
-    ts0 = [torch.randn(23, H), torch.randn(E, 2 * Fh, H) * 0.05, torch.randn(E, H, Fh) * 0.05, torch.rand(23)]
-    gy = torch.randn(23, H)
-    got = {}
-    for wgrad in ("auto", "bf16"):
-        ts = [t.clone().requires_grad_() for t in ts0]
-        fp8_expert_ffn(*ts[:3], counts, ts[3], Fp8Recipe("rowwise", emulate=True, wgrad=wgrad)).backward(gy)
-        got[wgrad] = [t.grad for t in ts]
-    assert all(torch.equal(a, b) for a, b in zip(got["auto"], got["bf16"]))
+    for rows, n, k, same_as in (
+        (32, 64, 128, "bf16"),
+        (32, 16, AUTO_WGRAD_WIDE, "bf16"),
+        (AUTO_WGRAD_ROWS, 16, AUTO_WGRAD_WIDE, "fp8"),
+    ):
+        x, w, g = torch.randn(rows, k), torch.randn(n, k) * 0.05, torch.randn(rows, n)
+        auto_grads, want = _linear_grads(x, w, g, "auto"), _linear_grads(x, w, g, same_as)
+        assert all(torch.equal(a, b) for a, b in zip(auto_grads, want)), (rows, n, k)
+        if same_as == "fp8":  # the two choices do differ here
+            assert not torch.equal(want[1], _linear_grads(x, w, g, "bf16")[1])
+    for counts, H, same_as in (
+        ([9, 0, 14], 64, "bf16"),
+        ([AUTO_WGRAD_ROWS, AUTO_WGRAD_ROWS + 16], AUTO_WGRAD_WIDE, "fp8"),
+    ):
+        counts, Fh = torch.tensor(counts), 16
+        E, T = len(counts), int(counts.sum())
+        ts0 = [torch.randn(T, H), torch.randn(E, 2 * Fh, H) * 0.05, torch.randn(E, H, Fh) * 0.05, torch.rand(T)]
+        gy = torch.randn(T, H)
+        got = {}
+        for wgrad in ("auto", "bf16", "fp8"):
+            ts = [t.clone().requires_grad_() for t in ts0]
+            fp8_expert_ffn(*ts[:3], counts, ts[3], Fp8Recipe("rowwise", emulate=True, wgrad=wgrad)).backward(gy)
+            got[wgrad] = [t.grad for t in ts]
+        assert all(torch.equal(a, b) for a, b in zip(got["auto"], got[same_as])), (H, same_as)
+        assert not torch.equal(got["fp8"][1], got["bf16"][1])  # the two choices do differ here
 
 
 def test_expert_ffn_padding_is_invisible():
