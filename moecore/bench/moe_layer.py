@@ -66,7 +66,7 @@ VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore"
     "moecore-fp8-blockwise": "experts' GEMMs in FP8, 1x128 activation / 128x128 weight blocks (fp8.recipe=blockwise)",
     "moecore-fp8-rowwise-bf16wgrad": "fp8.recipe=rowwise with the weight gradients in bf16 (fp8.wgrad=bf16)",
     "moecore-fp8-rowwise-fp8wgrad": "fp8.recipe=rowwise with the weight gradients in FP8 at every shape (fp8.wgrad=fp8;"
-    " the default, auto, takes bf16 where the weight's dimensions are all below 4096)",
+    " the default, auto, takes bf16 for narrow weights and for experts with few rows each: Fp8Recipe.wgrad_in_fp8)",
     "moecore-fp8-rowwise-primary": "fp8.recipe=rowwise with FP8 primary weights: both weight layouts quantised "
     "once per optimizer step (timed apart: primary_requant_ms), not in forward + backward",
     "moecore-fp8-rowwise-wgradpad": "fp8.recipe=rowwise with only the weight-gradient operands padded per expert "

@@ -299,9 +299,8 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             wt = wq if wq is not None and wq.gran == "rowwise" else transposed(wq, wc, recipe, E4M3, weight=True)
             dx = mm(dyq, wt, dy.dtype, recipe)[:m]
-        if ctx.needs_input_grad[1] and not recipe.wgrad_in_fp8(
-            dyp.shape[0], *wc.shape
-        ):  # bf16 GEMM (fp32 accumulation) of dy^T x
+        wgrad_fp8 = recipe.wgrad_in_fp8(dyp.shape[0], *wc.shape)
+        if ctx.needs_input_grad[1] and not wgrad_fp8:  # bf16 GEMM (fp32 accumulation) of dy^T x
             with torch.autocast(dyp.device.type, enabled=False):
                 dw = (dyp.t() @ xp).to(ctx.w_dtype)
         elif ctx.needs_input_grad[1]:
