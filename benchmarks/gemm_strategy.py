@@ -16,9 +16,8 @@ import time
 
 import torch
 
-from moecore.bench.common import FFN_SHAPES as SHAPES
+from moecore.bench.common import DEFAULT_FFN_SHAPES, expert_ffn_problem
 from moecore.bench.common import cuda_time_ms as bench
-from moecore.bench.common import expert_ffn_problem
 from moecore.kernels.grouped_ffn import GemmPlan, default_plan, expert_ffn, gemm_nn, gemm_nt, gemm_tn
 from moecore.kernels.permute import make_permutation, permute, unpermute
 from moecore.kernels.swiglu import swiglu, swiglu_backward
@@ -94,7 +93,7 @@ def run_shape(name: str, out: list) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(DEFAULT_FFN_SHAPES))
     args = ap.parse_args()
     out: list = []
     print(json.dumps(dict(what="env", torch=torch.__version__, gpu=torch.cuda.get_device_name())), flush=True)

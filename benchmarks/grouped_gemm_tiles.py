@@ -19,6 +19,13 @@ rowwise FP8 grouped GEMM and bf16 grouped GEMM on the same padded rows (no block
     python benchmarks/grouped_gemm_tiles.py --json OUT.json [--shapes qwen3_next_80b,...] [--mm-tiles ...] [--schedules G,P,PT]
     python benchmarks/grouped_gemm_tiles.py --fp8 --json OUT.json [--fp8-tiles ...] [--schedules PTF]
     python benchmarks/grouped_gemm_tiles.py --blockwise --json OUT.json [--block-tiles ...] [--schedules PT,GT]
+
+With --quack the six bf16 GEMMs run through QuACK's grouped GEMMs (moecore/kernels/quack_gemm.py; needs the
+`quack` extra and a Hopper GPU) under each of its tiles, beside torch._grouped_mm, each output compared with
+torch's bit for bit (`equal`); `rule` marks the tile `tile_for` guesses and `tuned` the candidate the backend
+chooses by timing (`quack_gemm._choose`):
+
+    python benchmarks/grouped_gemm_tiles.py --quack --json OUT.json [--shapes ...,qwen3_235b_a22b,kimi_k2]
 """
 
 from __future__ import annotations
@@ -31,8 +38,7 @@ import time
 
 import torch
 
-from moecore.bench.common import FFN_SHAPES as SHAPES
-from moecore.bench.common import cuda_time_ms, expert_ffn_problem
+from moecore.bench.common import DEFAULT_FFN_SHAPES, cuda_time_ms, expert_ffn_problem
 from moecore.kernels.fp8_block_gemm import block_gemm_nt, block_gemm_tn
 from moecore.kernels.fp8_gemm import Fp8Recipe, quant_rows
 from moecore.kernels.fp8_grouped import gmm_nt, gmm_tn, quant_cols, quant_weights
@@ -114,6 +120,56 @@ def run_shape(name: str, mm_cfgs: list, wgrad_cfgs: list, kinds: set | None, emi
             except Exception as ex:
                 emit(name, kind, cfg.describe(), 0.0, flops, error=str(ex)[:200])
         del ref
+
+
+def run_shape_quack(name: str, kinds: set | None, emit) -> None:
+    """The six bf16 GEMMs through QuACK's grouped GEMMs under each tile, against torch._grouped_mm."""
+    from moecore.kernels import quack_gemm
+
+    dev = torch.device("cuda")
+    pb = expert_ffn_problem(name, dev, torch.bfloat16)
+    M, H, Fd, E, bounds = pb.M, pb.H, pb.F, pb.E, pb.bounds
+    xs, w13, w2, h, a, dy = pb.xs, pb.w13, pb.w2, pb.h, pb.a, pb.dy
+    offs = bounds[1:]
+    f13, f2 = 2 * M * H * 2 * Fd, 2 * M * H * Fd
+    gemms = {  # name: (torch call, QuACK call given the kind, flops)
+        "fwd13": (lambda: torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs),
+                  lambda k: quack_gemm.grouped_mm(xs, w13, bounds, True, k), f13),
+        "fwd2": (lambda: torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs),
+                 lambda k: quack_gemm.grouped_mm(a, w2, bounds, True, k), f2),
+        "dgrad2": (lambda: torch._grouped_mm(dy, w2, offs=offs),
+                   lambda k: quack_gemm.grouped_mm(dy, w2, bounds, False, k), f2),
+        "dgrad13": (lambda: torch._grouped_mm(h, w13, offs=offs),
+                    lambda k: quack_gemm.grouped_mm(h, w13, bounds, False, k), f13),
+        "wgrad2": (lambda: torch._grouped_mm(dy.t(), a, offs=offs),
+                   lambda k: quack_gemm.grouped_wgrad(dy, a, bounds, k), f2),
+        "wgrad13": (lambda: torch._grouped_mm(h.t(), xs, offs=offs),
+                    lambda k: quack_gemm.grouped_wgrad(h, xs, bounds, k), f13),
+    }  # fmt: skip
+    widths = {"fwd13": 2 * Fd, "fwd2": H, "dgrad2": Fd, "dgrad13": H, "wgrad2": Fd, "wgrad13": H}
+    saved = quack_gemm.CANDIDATES
+    try:
+        for kind, (ref_fn, ours, flops) in gemms.items():
+            if kinds is not None and kind not in kinds:
+                continue
+            ref = ref_fn()
+            emit(name, kind, "torch", cuda_time_ms(ref_fn), flops)
+            rule = quack_gemm.tile_for(kind, M / E, widths[kind])
+            for tile in quack_gemm.TILES:
+                quack_gemm.CANDIDATES, quack_gemm._CHOICES = (tile,), {}
+                try:
+                    equal = bool(torch.equal(ours(kind), ref))
+                    ms = cuda_time_ms(lambda k=kind, f=ours: f(k))
+                    emit(name, kind, f"quack-{tile}", ms, flops, equal=equal, rule=tile == rule)
+                except Exception as ex:  # one tile that does not compile must not hide the others
+                    emit(name, kind, f"quack-{tile}", 0.0, flops, error=str(ex)[:200])
+            quack_gemm.CANDIDATES, quack_gemm._CHOICES = saved, {}
+            ours(kind)
+            emit(name, kind, "quack-tuned", cuda_time_ms(lambda k=kind, f=ours: f(k)), flops,
+                 choice=next(iter(quack_gemm._CHOICES.values())))  # fmt: skip
+            del ref
+    finally:
+        quack_gemm.CANDIDATES, quack_gemm._CHOICES = saved, {}
 
 
 def run_shape_fp8(name: str, cfgs: list, wgrad_cfgs: list, kinds: set | None, emit) -> None:
@@ -262,17 +318,21 @@ def _time_fp8(name: str, kind: str, a, b, bounds, flops: int, fast: bool, cfgs: 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(DEFAULT_FFN_SHAPES))
     ap.add_argument("--mm-tiles", default=MM_TILES, help="forward / data-gradient tiles, comma-separated")
     ap.add_argument("--wgrad-tiles", default=WGRAD_TILES, help="weight-gradient tiles, comma-separated")
     ap.add_argument("--fp8", action="store_true", help="the forward / data-gradient GEMMs with rowwise FP8 operands")
     ap.add_argument("--fp8-tiles", default=FP8_TILES, help="tiles of the FP8 GEMMs, comma-separated")
     ap.add_argument("--fp8-wgrad-tiles", default=FP8_WGRAD_TILES, help="tiles of the FP8 weight-gradient GEMMs")
     ap.add_argument("--blockwise", action="store_true", help="the six GEMMs of fp8.recipe=blockwise")
+    ap.add_argument("--quack", action="store_true", help="the six bf16 GEMMs through QuACK's tiles (Hopper)")
     ap.add_argument("--block-tiles", default=BLOCK_TILES, help="tiles of the blockwise GEMMs (BLOCK_K 128)")
     ap.add_argument("--schedules", default=SCHEDULES, help="schedule letter strings, comma-separated")
     ap.add_argument(
-        "--kinds", default=None, help="only these GEMMs (fwd_w13,fwd_w2,dgrad_w2,dgrad_w13,wgrad_w13,wgrad_w2)"
+        "--kinds",
+        default=None,
+        help="only these GEMMs (fwd_w13,fwd_w2,dgrad_w2,dgrad_w13,wgrad_w13,wgrad_w2; with "
+        "--quack: fwd13,fwd2,dgrad2,dgrad13,wgrad2,wgrad13)",
     )
     args = ap.parse_args()
     env = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -287,6 +347,10 @@ def main() -> None:
 
     for name in args.shapes.split(","):
         kinds = set(args.kinds.split(",")) if args.kinds else None
+        if args.quack:
+            run_shape_quack(name, kinds, emit)
+            torch.cuda.empty_cache()
+            continue
         if args.blockwise:
             run_shape_blockwise(name, configs(args.block_tiles, args.schedules), kinds, emit)
             torch.cuda.empty_cache()

@@ -163,7 +163,11 @@ FFN_SHAPES = {  # expert-FFN benchmarks (benchmarks/gemm_strategy.py, grouped_ge
     "mixtral_8x7b": (4096, 14336, 8, 2, 16384),
     "deepseek_v3": (7168, 2048, 256, 8, 8192),
     "qwen3_next_80b": (2048, 512, 512, 10, 16384),
+    # two more for rules fitted on the four above (grouped_gemm_tiles.py --quack; not in the scripts' defaults)
+    "qwen3_235b_a22b": (4096, 1536, 128, 8, 16384),
+    "kimi_k2": (7168, 2048, 384, 8, 8192),
 }
+DEFAULT_FFN_SHAPES = ("qwen3_30b_a3b", "mixtral_8x7b", "deepseek_v3", "qwen3_next_80b")
 
 
 def expert_ffn_problem(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> SimpleNamespace:

@@ -57,6 +57,9 @@ VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore"
     "moecore-fp32-router-gemm": "the router's three GEMMs as fp32 GEMMs instead of the split-bf16 form (router_gemm.py)",
     "moecore-all-triton": "every expert GEMM through moecore's Triton grouped GEMMs (no host sync, one launch each)",
     "moecore-streams": "default_plan with its per-expert GEMM loops on two CUDA streams",
+    "moecore-torch-gemms": "moe.gemm_backend=torch: the per-shape plan among torch's and moecore's Triton GEMMs, "
+    "never QuACK's",
+    "moecore-all-quack": "every expert GEMM through QuACK's grouped GEMMs (where they run; torch's elsewhere)",
     "moecore-minimal": "moe.activation_memory=minimal: experts, permute and combine as one Function (x, h, routing kept)",
     "moecore-chunked": "moe.activation_memory=chunked: as minimal, keeping x and routing only, in chunks of 8192 rows"
     " (moecore-chunked-<rows>: chunks of <rows>)",
@@ -147,6 +150,7 @@ def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore", tok
         else {"moecore-minimal": "minimal", "moecore-chunked": "chunked"}.get(variant, "standard"),
         activation_chunk_rows=_chunk_rows(variant) or MoEConfig.activation_chunk_rows,
         sync_free=variant == "moecore-sync-free",
+        gemm_backend="torch" if variant == "moecore-torch-gemms" else "auto",
     )
     cfg.validate()
     layer = MoELayer(cfg, h)
@@ -156,6 +160,8 @@ def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore", tok
         layer.router.split_gemm = False
     if variant == "moecore-all-triton":
         layer.experts.gemm_plan = GemmPlan.uniform("triton")
+    if variant == "moecore-all-quack":
+        layer.experts.gemm_plan = GemmPlan.uniform("quack")
     if variant == "moecore-streams":
         layer.experts.gemm_plan = default_plan(e, tokens * k, h, f, torch.device("cuda")).with_streams()
     if variant.startswith("moecore-fp8-"):  # train.precision=fp8 with fp8.modules=[experts]

@@ -51,6 +51,9 @@ class MoEConfig:
     activation_memory: str = "standard"
     activation_chunk_rows: int = 8192  # chunked: routed rows per chunk (whole experts; one bigger expert alone)
     sync_free: bool = False  # no host synchronisation from routing to combine (CUDA-graph capturable)
+    # auto: the expert GEMMs through QuACK's grouped GEMMs where they run (the `quack` extra, a Hopper GPU),
+    # torch / Triton per shape elsewhere; torch: never QuACK's (moecore/kernels/grouped_ffn.py, default_plan)
+    gemm_backend: str = "auto"
 
     BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
@@ -88,6 +91,7 @@ class MoEConfig:
         _check_range("moe.activation_chunk_rows", self.activation_chunk_rows, 1)
         if not isinstance(self.sync_free, bool):
             _fail("moe.sync_free", self.sync_free, "true | false")
+        _check_choice("moe.gemm_backend", self.gemm_backend, ("auto", "torch"))
         if self.num_experts == 0:
             return
         _check_range("moe.router_topk", self.router_topk, 1, self.num_experts)

@@ -45,6 +45,7 @@ from moecore.kernels.grouped_ffn import gemm_tn
 from moecore.kernels.grouped_gemm import TileConfig, group_bounds
 from moecore.kernels.grouped_gemm_fp8 import fp8_tiles, grouped_mm_scaled, grouped_wgrad_scaled
 from moecore.kernels.permute import scatter_rows
+from moecore.kernels.quack_gemm import quack_runs
 from moecore.kernels.swiglu import swiglu, swiglu_backward
 
 # ---------------------------------------------------------------- padding
@@ -324,9 +325,9 @@ def gmm_tn(
 
 
 def _bf16_wgrad(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, host: list | None) -> torch.Tensor:
-    """dW[e] = a[rows of e]^T @ b[rows of e] in a's dtype with fp32 accumulation (fp8.wgrad=bf16): torch's
-    grouped GEMM on CUDA (device offsets), a loop of matmuls elsewhere."""
-    impl = "grouped" if a.is_cuda else "loop"
+    """dW[e] = a[rows of e]^T @ b[rows of e] in a's dtype with fp32 accumulation (fp8.wgrad=bf16): QuACK's grouped
+    GEMM where it runs (quack_gemm.py), else torch's on CUDA (both on device offsets), a loop of matmuls elsewhere."""
+    impl = ("quack" if quack_runs(a, b) else "grouped") if a.is_cuda else "loop"
     if impl == "loop" and host is None:
         host = (bounds[1:] - bounds[:-1]).tolist()
     with torch.autocast(a.device.type, enabled=False):

@@ -17,8 +17,10 @@ autograd through the separate ops would keep. Each GEMM kind runs one of:
   "streams": the loop with consecutive experts' GEMMs on two CUDA streams, so that one GEMM's last
              partial wave of tiles overlaps the next GEMM (an experiment for few large experts);
   "triton":  moecore's Triton grouped GEMMs (`grouped_gemm.py`): one launch, tiles scheduled on the GPU
-             (no host sync), tile sizes per GEMM kind from `grouped_gemm.tiles_for`.
-`default_plan` picks per shape from the H200 measurements recorded in docs/benchmarks.md. The
+             (no host sync), tile sizes per GEMM kind from `grouped_gemm.tiles_for`;
+  "quack":   QuACK's warp-specialised CuTe-DSL grouped GEMMs (`quack_gemm.py`, an optional dependency, Hopper):
+             one launch, no host sync; "grouped" where they cannot run (no QuACK, another GPU, odd widths).
+`default_plan` picks per shape from the measurements recorded in docs/benchmarks.md. The
 reference `expert_ffn_reference` is a loop over experts through plain autograd; `expert_ffn` uses
 the Function where the GEMMs can run (CUDA, or `impl="triton"`) and the reference elsewhere.
 """
@@ -29,11 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
+from moecore.kernels import quack_gemm
 from moecore.kernels._triton import use_triton
 from moecore.kernels.grouped_gemm import group_bounds, grouped_mm, grouped_wgrad, tiles_for
 from moecore.kernels.swiglu import swiglu, swiglu_backward, swiglu_reference
 
-GEMM_IMPLS = ("grouped", "loop", "streams", "triton")
+GEMM_IMPLS = ("grouped", "loop", "streams", "triton", "quack")
+GEMM_BACKENDS = ("auto", "torch")  # moe.gemm_backend: auto takes QuACK's GEMMs where they run, torch never
 GEMM_KINDS = ("fwd13", "fwd2", "dgrad2", "dgrad13", "wgrad2", "wgrad13")  # the GemmPlan fields, in order
 
 
@@ -42,7 +46,7 @@ class GemmPlan:
     """Which implementation each of the six GEMMs of the expert FFN uses (see the module docstring).
 
     fwd13 / fwd2: h = x @ w13^T, y = a @ w2^T; dgrad2 / dgrad13: da = dy @ w2, dx = dh @ w13;
-    wgrad2 / wgrad13: dW2 = dy^T a, dW13 = dh^T x. Values: grouped | loop | streams | triton.
+    wgrad2 / wgrad13: dW2 = dy^T a, dW13 = dh^T x. Values: grouped | loop | streams | triton | quack.
     """
 
     fwd13: str = "grouped"
@@ -78,8 +82,14 @@ class GemmPlan:
         return GemmPlan(*("streams" if getattr(self, n) == "loop" else getattr(self, n) for n in GEMM_KINDS))
 
 
-def default_plan(num_experts: int, rows: int, hidden: int, ffn: int, device: torch.device) -> GemmPlan:
-    """The plan measured fastest on an H200 (torch 2.11, Triton 3.6) for shapes like this; docs/benchmarks.md.
+def default_plan(
+    num_experts: int, rows: int, hidden: int, ffn: int, device: torch.device, backend: str = "auto"
+) -> GemmPlan:
+    """The plan measured fastest for shapes like this (torch 2.11, Triton 3.6; docs/benchmarks.md).
+
+    `backend` (moe.gemm_backend): "auto" runs every GEMM through QuACK's grouped GEMMs where they run (installed,
+    a Hopper GPU) unless the experts are few and large (<= 16 experts of >= 2048 rows: there cuBLAS per expert
+    is as fast); "torch" never does, and chooses among torch's and moecore's Triton GEMMs as follows (H200).
 
     torch._grouped_mm is within a few percent of cuBLAS wherever each expert's GEMM is small, and a
     Python loop of cuBLAS GEMMs is launch-bound there (Qwen3-30B-A3B: 260 vs 640 TFLOP/s). A loop
@@ -91,11 +101,15 @@ def default_plan(num_experts: int, rows: int, hidden: int, ffn: int, device: tor
     (DeepSeek-V3: 549 vs 467, 550 vs 488); it loses wherever an expert has ~1000 rows (Qwen3-30B-A3B: 0.84-0.95x)
     and on every weight gradient (0.79-0.88x).
     """
+    if backend not in GEMM_BACKENDS:
+        raise ValueError(f"backend={backend!r} is invalid: allowed: {' | '.join(GEMM_BACKENDS)}")
     if device.type != "cuda":
         return GemmPlan()
     per_expert = rows / max(num_experts, 1)
     if num_experts <= 16 and per_expert >= 2048:
         return GemmPlan("loop", "loop", "loop", "grouped", "loop", "loop")
+    if backend == "auto" and quack_gemm.quack_available(device):
+        return GemmPlan.uniform("quack")
     big_dgrad13 = 2 * per_expert * 2 * ffn * hidden >= 12e9
     few_rows, wide = per_expert <= 512, hidden >= 4096
     return GemmPlan(
@@ -132,14 +146,22 @@ def _per_expert(counts: list, impl: str, device: torch.device, gemm) -> None:
         main.wait_stream(st)
 
 
+def _runnable(impl: str, *operands: torch.Tensor) -> str:
+    """`impl`, or "grouped" where it is "quack" and QuACK's kernels cannot take these operands."""
+    return "grouped" if impl == "quack" and not quack_gemm.quack_runs(*operands) else impl
+
+
 def gemm_nt(
     a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, counts: list | None, impl: str, kind: str = "fwd13"
 ) -> torch.Tensor:
     """out[rows of e] = a[rows of e] @ b[e]^T; a [M, K], b [E, N, K] -> [M, N]."""
+    impl = _runnable(impl, a, b)
     if impl == "grouped":
         return torch._grouped_mm(a, b.transpose(-2, -1), offs=bounds[1:])
     if impl == "triton":
         return grouped_mm(a, b, bounds, True, tiles_for(kind, a))
+    if impl == "quack":
+        return quack_gemm.grouped_mm(a, b, bounds, True, kind)
     out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
 
     def gemm(e: int, s: int, n: int) -> None:
@@ -154,10 +176,13 @@ def gemm_nn(
     a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, counts: list | None, impl: str, kind: str = "dgrad13"
 ) -> torch.Tensor:
     """out[rows of e] = a[rows of e] @ b[e]; a [M, N], b [E, N, K] -> [M, K]."""
+    impl = _runnable(impl, a, b)
     if impl == "grouped":
         return torch._grouped_mm(a, b, offs=bounds[1:])
     if impl == "triton":
         return grouped_mm(a, b, bounds, False, tiles_for(kind, a))
+    if impl == "quack":
+        return quack_gemm.grouped_mm(a, b, bounds, False, kind)
     out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)
 
     def gemm(e: int, s: int, n: int) -> None:
@@ -181,9 +206,15 @@ def gemm_tn(
     """out[e] = a[rows of e]^T @ b[rows of e]; a [M, N1], b [M, N2] -> [E, N1, N2] (zeros for empty experts).
 
     `out`: a contiguous [E, N1, N2] tensor of out_dtype to fill and return (e.g. a slice of a larger gradient);
-    "triton" and "loop" write into it, "grouped" copies its result there."""
+    "triton", "quack" and "loop" write into it, "grouped" copies its result there."""
     E = bounds.numel() - 1
     N1, N2 = a.shape[1], b.shape[1]
+    impl = _runnable(impl, a, b)
+    if impl == "quack":
+        if out is not None and out.dtype == a.dtype:
+            return quack_gemm.grouped_wgrad(a, b, bounds, kind, out)
+        res = quack_gemm.grouped_wgrad(a, b, bounds, kind)
+        return res.to(out_dtype) if out is None else out.copy_(res)
     if impl == "grouped":
         res = torch._grouped_mm(a.t(), b, offs=bounds[1:]).to(out_dtype)
         return res if out is None else out.copy_(res)
@@ -298,17 +329,19 @@ def expert_ffn(
     plan: GemmPlan | None = None,
     impl: str = "auto",
     sync_free: bool = False,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """The expert FFN of the module docstring on rows already sorted by expert ([M, H] -> [M, H]).
 
     counts_E: rows per expert (sum = M); probs_M: the routing probability of each row, multiplied
     inside the activation, or None. `plan`: GEMM choice per kind (default: `default_plan`, with
-    `sync_free` its GEMMs that read the counts on the host replaced by grouped ones).
+    `sync_free` its GEMMs that read the counts on the host replaced by grouped ones; `backend` as there).
     """
     if x_MH.shape[0] == 0 or not use_triton(impl, x_MH, w13_EFH, w2_EHF):
         return expert_ffn_reference(x_MH, w13_EFH, w2_EHF, counts_E, probs_M)
     if plan is None:
-        plan = default_plan(w13_EFH.shape[0], x_MH.shape[0], x_MH.shape[1], w2_EHF.shape[2], x_MH.device)
+        E, M, H, F = w13_EFH.shape[0], x_MH.shape[0], x_MH.shape[1], w2_EHF.shape[2]
+        plan = default_plan(E, M, H, F, x_MH.device, backend)
         if sync_free:
             plan = plan.without_host_sync()
     act_impl = "triton" if impl == "triton" else "auto"

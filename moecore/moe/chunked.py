@@ -71,7 +71,7 @@ GPU_BOUND_CHUNK = 2**36
 
 
 def chunk_plans(
-    plan: GemmPlan | None, E: int, rows: int, H: int, F: int, device: torch.device
+    plan: GemmPlan | None, E: int, rows: int, H: int, F: int, device: torch.device, backend: str = "auto"
 ) -> tuple[GemmPlan, GemmPlan]:
     """(plan for chunks below GPU_BOUND_CHUNK, plan for those above), neither with a host synchronisation.
     A given `plan` runs every chunk (without its host-synchronising GEMMs); None chooses per chunk as follows.
@@ -84,7 +84,7 @@ def chunk_plans(
     buffer beside the gradient, where the Triton GEMM runs at 0.8-0.9x torch's rate."""
     if plan is not None:
         return plan.without_host_sync(), plan.without_host_sync()
-    plan = default_plan(E, rows, H, F, device).without_host_sync()
+    plan = default_plan(E, rows, H, F, device, backend).without_host_sync()
     small = GemmPlan.uniform("grouped")
     if device.type != "cuda" or not triton_importable():
         return small, plan
@@ -194,6 +194,7 @@ def chunked_experts(
     probs_in_act: bool = False,
     presorted: SortedAssignments | None = None,
     plan: GemmPlan | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_k weight[t, k] * expert_{idx[t, k]}(x[t]) for SwiGLU experts, in chunks of at most `chunk_rows`
     routed rows, keeping only x and the routing for backward (module docstring).
@@ -204,7 +205,7 @@ def chunked_experts(
     """
     E, F2, H = w13_EFH.shape
     order, inv, bounds = sort_by_expert(idx_TK, E, presorted)
-    plans = chunk_plans(plan, E, idx_TK.numel(), H, F2 // 2, x_TH.device)
+    plans = chunk_plans(plan, E, idx_TK.numel(), H, F2 // 2, x_TH.device, backend)
     x = x_TH.contiguous()
     out = _ChunkedExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plans, chunk_rows)
     return out, (bounds[1:] - bounds[:-1]).long()
@@ -218,6 +219,7 @@ def chunked_sorted_rows(
     w2_EHF: torch.Tensor,
     chunk_rows: int,
     plan: GemmPlan | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """The expert FFN of rows already grouped by expert (`counts_E` rows each, in expert order: what an
     expert-parallel dispatch hands the experts), in chunks, keeping only x and the counts for backward.
@@ -228,6 +230,6 @@ def chunked_sorted_rows(
     """
     E, F2, H = w13_EFH.shape
     bounds = expert_bounds(counts_E, x_NH.device)
-    plans = chunk_plans(plan, E, x_NH.shape[0], H, F2 // 2, x_NH.device)
+    plans = chunk_plans(plan, E, x_NH.shape[0], H, F2 // 2, x_NH.device, backend)
     x = x_NH.contiguous()
     return _ChunkedExperts.apply(x, w13_EFH, w2_EHF, probs_N, None, None, bounds, True, plans, chunk_rows)

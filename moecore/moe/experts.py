@@ -195,6 +195,7 @@ class GroupedExperts(nn.Module):
         self.recompute_act = False
         self.gemm_plan = None  # GemmPlan for the fused expert FFN; None: default_plan per shape (benchmarks)
         self.sync_free = False  # moe.sync_free: no GEMM that reads the counts on the host
+        self.gemm_backend = "auto"  # moe.gemm_backend: whether default_plan may take QuACK's grouped GEMMs
         self.name = "experts"  # the module's name in the model, for the slow-path warning (set by the model)
         self.warned = False
         self.last_path = None  # "fused" | "grouped_mm" | "loop" | "fp8" | "minimal" | "chunked": what the last forward ran (tests, diagnostics)
@@ -240,7 +241,16 @@ class GroupedExperts(nn.Module):
             # Fused expert FFN (moecore/kernels/grouped_ffn.py): GEMM per shape, fused SwiGLU * probs.
             self.last_path = "fused"
             counts = tokens_per_expert.to(x_NH.device)
-            return expert_ffn(x_NH, self.w13, self.w2, counts, probs_N, plan=self.gemm_plan, sync_free=self.sync_free)
+            return expert_ffn(
+                x_NH,
+                self.w13,
+                self.w2,
+                counts,
+                probs_N,
+                self.gemm_plan,
+                sync_free=self.sync_free,
+                backend=self.gemm_backend,
+            )
         if self.uses_grouped_mm(x_NH):
             self.last_path = "grouped_mm"
             return experts_grouped_mm(

@@ -119,6 +119,7 @@ class MoELayer(nn.Module):
         self.experts.recompute_act = recompute_act
         # sync-free: GEMMs on device offsets only (the measured "loop" plans read the counts on the host)
         self.experts.sync_free = cfg.sync_free
+        self.experts.gemm_backend = cfg.gemm_backend
         self.recompute_shared = recompute_shared
         self.dispatcher = ep_util.build_dispatcher(
             cfg.num_experts, cfg.apply_probs_on_input, dims, cfg.token_dispatcher_type
@@ -208,11 +209,28 @@ class MoELayer(nn.Module):
                 if self.cfg.activation_memory == "chunked":  # x and routing only, in chunks (moe/chunked.py)
                     rows = self.cfg.activation_chunk_rows
                     y_TH, _ = chunked_experts(
-                        x_TH, idx_TK, weight_TK, e.w13, e.w2, rows, probs_in_act, routed.presorted, e.gemm_plan
+                        x_TH,
+                        idx_TK,
+                        weight_TK,
+                        e.w13,
+                        e.w2,
+                        rows,
+                        probs_in_act,
+                        routed.presorted,
+                        e.gemm_plan,
+                        e.gemm_backend,
                     )
                 else:
                     y_TH, _ = minimal_experts(
-                        x_TH, idx_TK, weight_TK, e.w13, e.w2, probs_in_act, routed.presorted, e.gemm_plan
+                        x_TH,
+                        idx_TK,
+                        weight_TK,
+                        e.w13,
+                        e.w2,
+                        probs_in_act,
+                        routed.presorted,
+                        e.gemm_plan,
+                        e.gemm_backend,
                     )
                 e.last_path = self.cfg.activation_memory
         else:
@@ -229,7 +247,9 @@ class MoELayer(nn.Module):
                 if self._chunked_sorted_rows(expert_in, keep_TK, pad):  # expert parallel (moe/chunked.py)
                     e = self.experts
                     rows = self.cfg.activation_chunk_rows
-                    expert_out = chunked_sorted_rows(expert_in, counts, probs, e.w13, e.w2, rows, e.gemm_plan)
+                    expert_out = chunked_sorted_rows(
+                        expert_in, counts, probs, e.w13, e.w2, rows, e.gemm_plan, e.gemm_backend
+                    )
                     e.last_path = "chunked"
                 else:
                     expert_out = self.experts(expert_in, counts, probs)

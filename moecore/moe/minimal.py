@@ -120,17 +120,18 @@ def minimal_experts(
     probs_in_act: bool = False,
     presorted: SortedAssignments | None = None,
     plan: GemmPlan | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_k weight[t, k] * expert_{idx[t, k]}(x[t]) for SwiGLU experts, keeping x, h and routing for backward.
 
     Returns (out [T, H] in x's dtype, rows per expert [E] int64). Differentiable in x, the weights and
     weight_TK (the router's gradient path). `presorted`: `sort_assignments(idx_TK)` already computed.
-    `plan`: the GEMMs' implementations (None: `default_plan` for this shape); loops over host counts run
-    as torch._grouped_mm.
+    `plan`: the GEMMs' implementations (None: `default_plan` for this shape and `backend`); loops over host
+    counts run as torch._grouped_mm.
     """
     E, F2, H = w13_EFH.shape
     order, inv, bounds = sort_by_expert(idx_TK, E, presorted)
-    plan = (plan or default_plan(E, idx_TK.numel(), H, F2 // 2, x_TH.device)).without_host_sync()
+    plan = (plan or default_plan(E, idx_TK.numel(), H, F2 // 2, x_TH.device, backend)).without_host_sync()
     x = x_TH.contiguous()
     out = _MinimalExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plan)
     return out, (bounds[1:] - bounds[:-1]).long()

@@ -49,15 +49,18 @@ def test_plan_without_host_sync_keeps_device_only_gemms():
 
 
 def test_default_plan_on_cuda_takes_the_measured_gemms():
+    # moe.gemm_backend=torch: torch's and moecore's Triton GEMMs (QuACK's: tests/kernels/test_quack_gemm.py)
     cuda = torch.device("cuda")
     # Mixtral-like: few large experts, cuBLAS loops (and grouped dx)
-    assert default_plan(8, 32768, 4096, 14336, cuda) == GemmPlan("loop", "loop", "loop", "grouped", "loop", "loop")
+    assert default_plan(8, 32768, 4096, 14336, cuda, "torch") == GemmPlan(
+        "loop", "loop", "loop", "grouped", "loop", "loop"
+    )
     # Qwen3-Next-like: <= 512 rows per expert, hidden 2048: Triton FC2 forward and dx
-    assert default_plan(512, 163840, 2048, 512, cuda) == GemmPlan(fwd2="triton", dgrad13="triton")
+    assert default_plan(512, 163840, 2048, 512, cuda, "torch") == GemmPlan(fwd2="triton", dgrad13="triton")
     # DeepSeek-V3-like: wide experts, few rows: Triton FC1 / FC2 forward and da, the cuBLAS loop for dx
-    assert default_plan(256, 65536, 7168, 2048, cuda) == GemmPlan("triton", "triton", "triton", "loop")
+    assert default_plan(256, 65536, 7168, 2048, cuda, "torch") == GemmPlan("triton", "triton", "triton", "loop")
     # Qwen3-30B-A3B-like: ~1000 rows per expert: torch's grouped GEMM throughout
-    assert default_plan(128, 131072, 2048, 768, cuda) == GemmPlan()
+    assert default_plan(128, 131072, 2048, 768, cuda, "torch") == GemmPlan()
     assert default_plan(512, 163840, 2048, 512, torch.device("cpu")) == GemmPlan()
 
 

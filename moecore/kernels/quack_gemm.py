@@ -1,0 +1,196 @@
+"""The expert FFN's grouped GEMMs through QuACK's CuTe-DSL kernels on Hopper: an optional backend.
+
+QuACK (`pip install "moecore[quack]"`: the `quack-kernels` package and NVIDIA's CUTLASS Python DSL it runs on)
+compiles its GEMMs just in time, as Triton does, so there is nothing for a user to build. Its Hopper GEMMs are
+warp-specialised: a producer warp streams the operand tiles through TMA while one or two consumer warp groups run
+wgmma, and in the ping-pong schedule one consumer's epilogue (the tile's store) runs under the other's main loop.
+That overlap is what the expert FFN's GEMMs need at a few hundred rows per expert, where each tile's store is a
+large share of its time; our Triton kernels do not get it (docs/design.md, "Expert GEMMs"). A persistent tile
+scheduler walks variable-length groups on the GPU: `cu_seqlens_m` (each expert's rows: the forward and
+input-gradient GEMMs) and `cu_seqlens_k` (the weight gradients, each contracted over its expert's rows; an expert
+with no rows gets a zero gradient). Nothing reads the counts on the host, so the launches can be captured.
+
+The GEMMs, with `bounds` the experts' row offsets [E + 1] (int32, `grouped_gemm.group_bounds`):
+
+    grouped_mm(a, b, bounds, trans_b=True)    out[rows of e] = a[rows of e] @ b[e]^T     a [M, K], b [E, N, K]
+    grouped_mm(a, b, bounds, trans_b=False)   out[rows of e] = a[rows of e] @ b[e]       a [M, K], b [E, K, N]
+    grouped_wgrad(a, b, bounds)               out[e] = a[rows of e]^T @ b[rows of e]     a [M, N1], b [M, N2]
+
+The tile shape matters (up to 2x between the three of `TILES` at one GEMM), and no rule fitted to the shapes we
+measured held at the next shape (docs/benchmarks.md, "QuACK's grouped GEMMs"), so each GEMM shape is timed once
+per process under each tile and under torch's grouped GEMM, and the fastest is kept (`_choose`): QuACK's kernels
+run only where they are faster. That first call synchronises with the GPU; under CUDA-graph capture, before any
+eager call has tuned the shape, `tile_for`'s measured rule decides instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+
+import torch
+
+# name: (tile_m, tile_n, pingpong, cluster_m, cluster_n). Cooperative 128x256 tiles in clusters of two along M;
+# ping-pong 128x192 tiles in clusters of two along M; ping-pong 128x128 tiles in clusters of two along N.
+TILES = {
+    "128x256": (128, 256, False, 2, 1),
+    "128x192": (128, 192, True, 2, 1),
+    "128x128": (128, 128, True, 1, 2),
+}
+
+KINDS = ("fwd13", "fwd2", "dgrad2", "dgrad13", "wgrad2", "wgrad13")
+
+
+@functools.cache
+def quack_importable() -> bool:
+    """True when QuACK's GEMM interface imports (it is an optional dependency: the `quack` extra)."""
+    if importlib.util.find_spec("quack") is None:
+        return False
+    try:
+        from quack.gemm_config import GemmConfig  # noqa: F401
+        from quack.gemm_interface import gemm_tuned  # noqa: F401
+    except Exception:  # a broken or mismatched install behaves as absent
+        return False
+    return True
+
+
+def quack_available(device: torch.device) -> bool:
+    """Whether QuACK's grouped GEMMs can run on `device`: QuACK imports and it is a Hopper GPU (compute
+    capability 9.x, the only architecture they were measured on here)."""
+    if device.type != "cuda" or not quack_importable():
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def quack_runs(*tensors: torch.Tensor) -> bool:
+    """Whether QuACK's grouped GEMMs run on these tensors: bf16 / fp16 CUDA tensors on a Hopper GPU (the only
+    architecture they were measured on here), every last dimension a multiple of 8 (TMA's 16-byte strides)."""
+    if not tensors or not all(t.is_cuda for t in tensors):
+        return False
+    if any(t.dtype not in (torch.bfloat16, torch.float16) or t.shape[-1] % 8 for t in tensors):
+        return False
+    return quack_available(tensors[0].device)
+
+
+def tile_for(kind: str, rows_per_expert: float, n: int) -> str:
+    """A tile (a TILES key) for GEMM `kind` (KINDS) with `n` output columns per expert, without measuring: the
+    first guess, and the choice under CUDA-graph capture before `grouped_mm` / `grouped_wgrad` have tuned a shape.
+
+    From one-H100 measurements at six model shapes (docs/benchmarks.md): with <= 512 rows per expert the FC1
+    forward and the data gradient through w2 take 128x256 tiles and the FC2 forward 128x128 (128x192 for outputs
+    >= 4096 wide); the data gradient through w13 (n = hidden) takes 128x256 for wide experts (hidden >= 4096);
+    128x192 tiles serve the rest where the output's width is a multiple of 192 or >= 2048 (elsewhere their last
+    column of tiles is mostly padding: Qwen3-Next's 512-wide FC2 weight gradient took 1.29 ms with them, 0.79
+    with 128x256), and 128x256 tiles serve experts of >= 2048 rows."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is invalid: allowed: {' | '.join(KINDS)}")
+    few, many = rows_per_expert <= 512, rows_per_expert >= 2048
+    if kind == "dgrad13" and n >= 4096:
+        return "128x256"
+    if few and kind in ("fwd2", "dgrad13"):
+        return "128x192" if n >= 4096 else "128x128"
+    if few and kind in ("fwd13", "dgrad2"):
+        return "128x256"
+    if many or not (n % 192 == 0 or n >= 2048):
+        return "128x256"
+    return "128x192"
+
+
+def _config(tile: str):
+    from quack.gemm_config import GemmConfig
+
+    tm, tn, pingpong, cm, cn = TILES[tile]
+    return GemmConfig(tile_m=tm, tile_n=tn, pingpong=pingpong, cluster_m=cm, cluster_n=cn, is_dynamic_persistent=False)
+
+
+def _launch(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor, tile: str, **varlen) -> torch.Tensor:
+    """QuACK's GEMM with an explicit tile configuration (its autotuner's wrapped function: no tuning pass)."""
+    from quack.gemm_interface import gemm_tuned
+
+    run = getattr(gemm_tuned, "fn", gemm_tuned)
+    run(A, B, out, config=_config(tile), **varlen)
+    return out
+
+
+# ---------------------------------------------------------------- choosing per shape, by measuring
+
+# The choice per GEMM shape, made once per process by timing the candidates (as Triton's autotuner keeps its
+# choices): QuACK's three tiles and torch's grouped GEMM, which stays the choice where it is faster. Every candidate
+# accumulates each output in the same order, so the choice changes the speed, not the values (their outputs were
+# bit-identical in the measurements of docs/benchmarks.md).
+CANDIDATES = (*TILES, "torch")
+_CHOICES: dict[tuple, str] = {}
+
+
+def _time_ms(fn: Callable[[], object], reps: int = 3) -> float:
+    """GPU milliseconds per call of fn, after one untimed call (which compiles a new kernel)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _choose(key: tuple, guess: str, run: Callable[[str], object]) -> str:
+    """The candidate for this GEMM shape: the memorised one, else (outside CUDA-graph capture) the fastest of
+    CANDIDATES by `_time_ms` (a candidate that fails to compile is passed over), else `guess` (tile_for)."""
+    choice = _CHOICES.get(key)
+    if choice is not None:
+        return choice
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return guess
+    times = {}
+    for cand in CANDIDATES:
+        try:
+            times[cand] = _time_ms(lambda c=cand: run(c))
+        except Exception:  # a tile this QuACK version cannot compile for the shape
+            continue
+    choice = min(times, key=times.get) if times else "torch"
+    _CHOICES[key] = choice
+    return choice
+
+
+def _shape_key(kind: str, a: torch.Tensor, n: int, E: int) -> tuple:
+    """What a choice depends on: the GEMM, its widths, the experts and the rows per expert (to a power of two)."""
+    per_expert = max(a.shape[0] // max(E, 1), 1)
+    return (kind, E, a.shape[1], n, a.dtype, per_expert.bit_length())
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, trans_b: bool, kind: str) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ (b[e]^T if trans_b else b[e]) -> [M, N] in a's dtype."""
+    E = b.shape[0]
+    B = b.transpose(1, 2) if trans_b else b  # [E, K, N], as QuACK takes it
+    n = B.shape[2]
+    if a.shape[0] == 0:
+        return a.new_empty(0, n)
+
+    def run(cand: str) -> torch.Tensor:
+        if cand == "torch":
+            return torch._grouped_mm(a, B, offs=bounds[1:])
+        return _launch(a, B, a.new_empty(a.shape[0], n), cand, cu_seqlens_m=bounds)
+
+    return run(_choose(_shape_key(kind, a, n, E), tile_for(kind, a.shape[0] / max(E, 1), n), run))
+
+
+def grouped_wgrad(
+    a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, kind: str, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """out[e] = a[rows of e]^T @ b[rows of e] -> [E, N1, N2] in a's dtype (zeros for an expert without rows).
+    `out`: a contiguous [E, N1, N2] tensor of a's dtype to write (e.g. a slice of a larger gradient)."""
+    E = bounds.numel() - 1
+    if a.shape[0] == 0:
+        return (a.new_empty(E, a.shape[1], b.shape[1]) if out is None else out).zero_()
+
+    def run(cand: str) -> torch.Tensor:
+        if cand == "torch":  # torch's grouped GEMM has no out=: its result is copied in where one is given
+            res = torch._grouped_mm(a.t(), b, offs=bounds[1:])
+            return res if out is None else out.copy_(res)
+        dst = a.new_empty(E, a.shape[1], b.shape[1]) if out is None else out
+        return _launch(a.t(), b, dst, cand, cu_seqlens_k=bounds)
+
+    n = b.shape[1]
+    return run(_choose(_shape_key(kind, a, n, E), tile_for(kind, a.shape[0] / max(E, 1), n), run))

@@ -1,0 +1,192 @@
+"""QuACK's grouped GEMMs as the expert FFN's backend (moecore/kernels/quack_gemm.py).
+
+On any machine: the tile rule against the tiles measured fastest, the plan's choice of backend, and that a "quack"
+GEMM falls back to torch's where QuACK's kernels cannot run. On a Hopper GPU with the `quack` extra installed
+(marked gpu): each GEMM kind, with experts that have no rows, against a float64 loop over the experts, and the
+expert FFN's output and gradients through QuACK's GEMMs against the reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moecore.config import ConfigError, MoEConfig
+from moecore.kernels import quack_gemm
+from moecore.kernels.grouped_ffn import GemmPlan, _GroupedFFN, default_plan, expert_ffn, expert_ffn_reference
+from moecore.kernels.quack_gemm import TILES, grouped_mm, grouped_wgrad, tile_for
+from tests.kernels.conftest import rel_err
+
+# GPU ms of QuACK's tiles (128x256, 128x192, 128x128) per GEMM kind, one H100, 2026-12-06 (benchmarks/
+# grouped_gemm_tiles.py --quack; docs/benchmarks.md, "QuACK's grouped GEMMs"), at (rows per expert, hidden, ffn)
+KIND_ORDER = ("fwd13", "fwd2", "dgrad2", "dgrad13", "wgrad2", "wgrad13")
+MEASURED_MS = {
+    "deepseek_v3": ((256, 7168, 2048), [
+        (7.670, 8.614, 14.380), (4.226, 4.002, 3.945), (3.793, 4.267, 7.311),
+        (7.832, 9.887, 14.212), (4.020, 3.656, 4.098), (8.358, 7.098, 7.880)]),
+    "qwen3_next": ((320, 2048, 512), [
+        (1.496, 1.680, 1.587), (0.863, 0.859, 0.757), (0.801, 1.540, 0.978),
+        (1.547, 1.555, 1.308), (0.787, 1.285, 0.839), (1.335, 1.266, 1.283)]),
+    "qwen3_30b_a3b": ((1024, 2048, 768), [
+        (1.252, 1.218, 1.609), (0.728, 0.650, 0.692), (0.657, 0.632, 0.776),
+        (1.282, 1.244, 1.472), (0.631, 0.578, 0.682), (1.187, 1.121, 1.387)]),
+    "mixtral_8x7b": ((4096, 4096, 14336), [
+        (11.710, 11.543, 13.302), (5.495, 7.089, 8.219), (5.478, 5.551, 7.007),
+        (11.569, 17.478, 21.908), (5.264, 5.328, 8.006), (11.169, 13.249, 13.423)]),
+    "qwen3_235b_a22b": ((1024, 4096, 1536), [
+        (5.282, 5.232, 6.961), (2.459, 2.458, 2.696), (2.506, 2.504, 3.455),
+        (5.319, 7.832, 7.056), (2.405, 2.247, 2.671), (4.642, 4.604, 5.646)]),
+    "kimi_k2": ((170, 7168, 2048), [
+        (9.363, 9.871, 18.110), (4.674, 4.847, 5.557), (4.423, 5.404, 8.814), (9.041, 9.864, 16.865)]),
+}  # fmt: skip
+
+
+def _out_width(kind: str, hidden: int, ffn: int) -> int:
+    return {"fwd13": 2 * ffn, "fwd2": hidden, "dgrad2": ffn, "dgrad13": hidden, "wgrad2": ffn, "wgrad13": hidden}[kind]
+
+
+@pytest.mark.parametrize("shape", list(MEASURED_MS))
+def test_tile_rule_is_within_5_percent_of_the_fastest_measured_tile(shape):
+    (rows, hidden, ffn), per_kind = MEASURED_MS[shape]
+    for kind, times in zip(KIND_ORDER, per_kind):
+        ms = dict(zip(TILES, times))
+        pick = tile_for(kind, rows, _out_width(kind, hidden, ffn))
+        assert ms[pick] <= 1.05 * min(times), (shape, kind, pick, ms)
+
+
+def test_tile_rule_rejects_unknown_kind_and_every_tile_is_a_config():
+    with pytest.raises(ValueError, match="fwd3"):
+        tile_for("fwd3", 256, 1024)
+    for tm, tn, pingpong, cm, cn in TILES.values():
+        assert tm % 64 == 0 and tn % 64 == 0 and isinstance(pingpong, bool) and cm * cn == 2
+
+
+def test_default_plan_takes_quack_where_it_runs(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(quack_gemm, "quack_available", lambda device: True)
+    for E, rows, H, F in ((256, 65536, 7168, 2048), (512, 163840, 2048, 512), (128, 131072, 2048, 768)):
+        assert default_plan(E, rows, H, F, cuda) == GemmPlan.uniform("quack")
+        assert default_plan(E, rows, H, F, cuda, "torch") != GemmPlan.uniform("quack")
+    # few large experts keep the cuBLAS loops
+    assert default_plan(8, 32768, 4096, 14336, cuda) == GemmPlan("loop", "loop", "loop", "grouped", "loop", "loop")
+    assert default_plan(256, 65536, 7168, 2048, torch.device("cpu")) == GemmPlan()
+    with pytest.raises(ValueError, match="backend"):
+        default_plan(256, 65536, 7168, 2048, cuda, "cutlass")
+    monkeypatch.setattr(quack_gemm, "quack_available", lambda device: False)
+    assert default_plan(256, 65536, 7168, 2048, cuda) == default_plan(256, 65536, 7168, 2048, cuda, "torch")
+
+
+def test_choice_is_the_fastest_candidate_once_per_shape(monkeypatch):
+    timed = []
+    ms = {"128x256": 3.0, "128x192": 2.0, "128x128": 4.0, "torch": 2.5}
+
+    def fake_time(fn, reps=3):
+        cand = fn()
+        timed.append(cand)
+        if cand == "128x128":
+            raise RuntimeError("does not compile")
+        return ms[cand]
+
+    monkeypatch.setattr(quack_gemm, "_time_ms", fake_time)
+    monkeypatch.setattr(quack_gemm, "_CHOICES", {})
+    assert quack_gemm._choose(("k", 1), "128x256", lambda c: c) == "128x192"
+    assert timed == list(quack_gemm.CANDIDATES)
+    assert quack_gemm._choose(("k", 1), "128x256", lambda c: c) == "128x192"  # memorised: nothing timed again
+    assert len(timed) == len(quack_gemm.CANDIDATES)
+    ms["torch"] = 1.0
+    assert quack_gemm._choose(("k", 2), "128x256", lambda c: c) == "torch"  # torch's GEMM where it is faster
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert quack_gemm._choose(("k", 3), "128x128", lambda c: c) == "128x128"  # under capture: the rule's guess
+
+
+def test_gemm_backend_is_validated():
+    MoEConfig(num_experts=4, gemm_backend="torch").validate()
+    with pytest.raises(ConfigError, match="moe.gemm_backend"):
+        MoEConfig(num_experts=4, gemm_backend="cutlass").validate()
+
+
+def _problem(E, H, Fd, counts, dev, dt, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    M = sum(counts)
+    x = torch.randn(M, H, generator=g).to(dev, dt)
+    w13 = (torch.randn(E, 2 * Fd, H, generator=g) * 0.2).to(dev, dt)
+    w2 = (torch.randn(E, H, Fd, generator=g) * 0.2).to(dev, dt)
+    p = torch.rand(M, generator=g).to(dev, torch.float32)
+    dy = torch.randn(M, H, generator=g).to(dev, dt)
+    return x, w13, w2, torch.tensor(counts, device=dev), p, dy
+
+
+def test_quack_plan_falls_back_to_torch_where_quack_cannot_run():
+    # CPU fp32 tensors: every "quack" GEMM runs as torch's grouped GEMM, with the reference's values
+    E, H, Fd, counts = 4, 16, 8, [5, 0, 7, 4]
+    x, w13, w2, c, p, dy = _problem(E, H, Fd, counts, "cpu", torch.float32, seed=3)
+    assert not quack_gemm.quack_runs(x, w13)
+    ref = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
+    expert_ffn_reference(ref[0], ref[1], ref[2], c, ref[3]).backward(dy)
+    ts = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
+    _GroupedFFN.apply(ts[0], ts[1], ts[2], c, ts[3], GemmPlan.uniform("quack"), "torch").backward(dy)
+    for a, b in zip(ts, ref):
+        assert rel_err(a.grad, b.grad) < 1e-5
+
+
+# ---------------------------------------------------------------- on a Hopper GPU with QuACK installed
+
+
+def _skip_unless_quack() -> torch.device:
+    dev = torch.device("cuda")
+    if not torch.cuda.is_available() or not quack_gemm.quack_available(dev):
+        pytest.skip("needs a Hopper GPU and the quack extra")
+    return dev
+
+
+COUNTS = [0, 300, 0, 17, 1024, 129, 0]  # ragged, with experts of no rows first, inside and last
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", list(TILES))
+def test_quack_gemms_match_float64_per_expert(tile, monkeypatch):
+    dev = _skip_unless_quack()
+    monkeypatch.setattr(quack_gemm, "CANDIDATES", (tile,))  # the tile under test is the only choice
+    monkeypatch.setattr(quack_gemm, "_CHOICES", {})
+    g = torch.Generator().manual_seed(7)
+    E, K, N, M = len(COUNTS), 256, 192, sum(COUNTS)
+    a = torch.randn(M, K, generator=g).to(dev, torch.bfloat16)
+    b_nk = torch.randn(E, N, K, generator=g).to(dev, torch.bfloat16)
+    b_kn = torch.randn(E, K, N, generator=g).to(dev, torch.bfloat16)
+    c = torch.randn(M, N, generator=g).to(dev, torch.bfloat16)
+    bounds = torch.zeros(E + 1, dtype=torch.int32, device=dev)
+    bounds[1:] = torch.cumsum(torch.tensor(COUNTS, device=dev), 0)
+    y_nt = grouped_mm(a, b_nk, bounds, True, "fwd13")
+    y_nn = grouped_mm(a, b_kn, bounds, False, "dgrad13")
+    dw = grouped_wgrad(a, c, bounds, "wgrad13", out=torch.full((E, K, N), float("nan"), device=dev).bfloat16())
+    # the same values as torch's grouped GEMM, bit for bit (the choice between them changes only the speed)
+    offs = bounds[1:]
+    assert torch.equal(y_nt, torch._grouped_mm(a, b_nk.transpose(1, 2), offs=offs))
+    assert torch.equal(y_nn, torch._grouped_mm(a, b_kn, offs=offs))
+    assert torch.equal(dw, torch._grouped_mm(a.t(), c, offs=offs))
+    s = 0
+    for e, n in enumerate(COUNTS):
+        rows, other = a[s : s + n].double(), c[s : s + n].double()
+        if n:
+            assert rel_err(y_nt[s : s + n], rows @ b_nk[e].double().t()) < 1e-2
+            assert rel_err(y_nn[s : s + n], rows @ b_kn[e].double()) < 1e-2
+            assert rel_err(dw[e], rows.t() @ other) < 1e-2
+        else:
+            assert torch.count_nonzero(dw[e]) == 0  # written, not left as NaN
+        s += n
+
+
+@pytest.mark.gpu
+def test_expert_ffn_through_quack_matches_reference():
+    dev = _skip_unless_quack()
+    E, H, Fd, counts = 6, 256, 128, [700, 0, 1900, 10, 1300, 0]
+    x, w13, w2, c, p, dy = _problem(E, H, Fd, counts, dev, torch.bfloat16, seed=4)
+    ref = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
+    expert_ffn_reference(ref[0], ref[1], ref[2], c, ref[3]).backward(dy)
+    ts = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
+    out = expert_ffn(ts[0], ts[1], ts[2], c, ts[3], plan=GemmPlan.uniform("quack"))
+    out.backward(dy)
+    assert rel_err(out.detach(), expert_ffn_reference(x, w13, w2, c, p)) < 2e-2
+    for a, b in zip(ts, ref):
+        assert rel_err(a.grad, b.grad) < 2e-2
