@@ -16,16 +16,22 @@ IMPLS = ("auto", "triton", "torch")
 
 
 @functools.cache
-def triton_importable() -> bool:
-    """True when the `triton` package can be imported (it is not a dependency on CPU installs)."""
-    if importlib.util.find_spec("triton") is None:
+def modules_import(*names: str) -> bool:
+    """True when every module of `names` imports; the first is the package, looked up before importing anything.
+    For optional dependencies: a broken or mismatched install behaves as absent."""
+    if importlib.util.find_spec(names[0]) is None:
         return False
     try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # a broken or mismatched install behaves as absent
+        for name in names:
+            importlib.import_module(name)
+    except Exception:
         return False
     return True
+
+
+def triton_importable() -> bool:
+    """True when the `triton` package can be imported (it is not a dependency on CPU installs)."""
+    return modules_import("triton", "triton.language")
 
 
 def use_triton(impl: str, *tensors: torch.Tensor) -> bool:

@@ -25,11 +25,11 @@ eager call has tuned the shape, `tile_for`'s measured rule decides instead.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from collections.abc import Callable
 
 import torch
+
+from moecore.kernels._triton import modules_import
 
 # name: (tile_m, tile_n, pingpong, cluster_m, cluster_n). Cooperative 128x256 tiles in clusters of two along M;
 # ping-pong 128x192 tiles in clusters of two along M; ping-pong 128x128 tiles in clusters of two along N.
@@ -42,17 +42,9 @@ TILES = {
 KINDS = ("fwd13", "fwd2", "dgrad2", "dgrad13", "wgrad2", "wgrad13")
 
 
-@functools.cache
 def quack_importable() -> bool:
     """True when QuACK's GEMM interface imports (it is an optional dependency: the `quack` extra)."""
-    if importlib.util.find_spec("quack") is None:
-        return False
-    try:
-        from quack.gemm_config import GemmConfig  # noqa: F401
-        from quack.gemm_interface import gemm_tuned  # noqa: F401
-    except Exception:  # a broken or mismatched install behaves as absent
-        return False
-    return True
+    return modules_import("quack", "quack.gemm_config", "quack.gemm_interface")
 
 
 def quack_available(device: torch.device) -> bool:

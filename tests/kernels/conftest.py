@@ -97,6 +97,18 @@ def setup(backend: str) -> tuple[torch.device, torch.dtype]:
     return torch.device("cpu"), torch.float32
 
 
+def expert_ffn_inputs(E: int, H: int, Fd: int, counts: list, dev, dt, seed: int = 0):
+    """(x [M, H], w13 [E, 2F, H], w2 [E, H, F], counts [E], probs [M] fp32, dy [M, H]) for the expert FFN's tests."""
+    g = torch.Generator().manual_seed(seed)
+    M = sum(counts)
+    x = torch.randn(M, H, generator=g).to(dev, dt)
+    w13 = (torch.randn(E, 2 * Fd, H, generator=g) * 0.2).to(dev, dt)
+    w2 = (torch.randn(E, H, Fd, generator=g) * 0.2).to(dev, dt)
+    p = torch.rand(M, generator=g).to(dev, torch.float32)
+    dy = torch.randn(M, H, generator=g).to(dev, dt)
+    return x, w13, w2, torch.tensor(counts, device=dev), p, dy
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()

@@ -7,23 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from moecore.kernels.grouped_ffn import GemmPlan, default_plan, expert_ffn, expert_ffn_reference, gemm_tn
-from tests.kernels.conftest import rel_err, setup
-
-
-def _problem(E, H, Fd, counts, dev, dt, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    M = sum(counts)
-    x = torch.randn(M, H, generator=g).to(dev, dt)
-    w13 = (torch.randn(E, 2 * Fd, H, generator=g) * 0.2).to(dev, dt)
-    w2 = (torch.randn(E, H, Fd, generator=g) * 0.2).to(dev, dt)
-    p = torch.rand(M, generator=g).to(dev, torch.float32)
-    dy = torch.randn(M, H, generator=g).to(dev, dt)
-    return x, w13, w2, torch.tensor(counts, device=dev), p, dy
+from tests.kernels.conftest import expert_ffn_inputs, rel_err, setup
 
 
 def test_reference_matches_per_row_formula_fp64():
     E, H, Fd, counts = 3, 8, 5, [2, 0, 3]
-    x, w13, w2, c, p, _ = _problem(E, H, Fd, counts, "cpu", torch.float64)
+    x, w13, w2, c, p, _ = expert_ffn_inputs(E, H, Fd, counts, "cpu", torch.float64)
     y = expert_ffn_reference(x, w13, w2, c, p)
     expert_of_row = torch.repeat_interleave(torch.arange(E), c)
     for r in range(x.shape[0]):
@@ -69,7 +58,7 @@ def test_loop_and_grouped_plans_match_reference_on_cpu():
     from moecore.kernels.grouped_ffn import _GroupedFFN
 
     E, H, Fd, counts = 4, 16, 8, [5, 0, 7, 4]
-    x, w13, w2, c, p, dy = _problem(E, H, Fd, counts, "cpu", torch.float32, seed=3)
+    x, w13, w2, c, p, dy = expert_ffn_inputs(E, H, Fd, counts, "cpu", torch.float32, seed=3)
     ref = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
     expert_ffn_reference(ref[0], ref[1], ref[2], c, ref[3]).backward(dy)
     for plan in (
@@ -102,7 +91,7 @@ def test_function_matches_reference(backend, plan):
     dev, dt = setup(backend)
     E, H, Fd = 5, 32, 16
     counts = [7, 0, 19, 1, 13] if backend == "interpret" else [70, 0, 190, 1, 130]
-    x, w13, w2, c, p, dy = _problem(E, H, Fd, counts, dev, dt, seed=4)
+    x, w13, w2, c, p, dy = expert_ffn_inputs(E, H, Fd, counts, dev, dt, seed=4)
     ref = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
     expert_ffn_reference(ref[0], ref[1], ref[2], c, ref[3]).backward(dy)
     ts = [t.clone().requires_grad_() for t in (x, w13, w2, p)]

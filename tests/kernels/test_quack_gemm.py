@@ -15,7 +15,7 @@ from moecore.config import ConfigError, MoEConfig
 from moecore.kernels import quack_gemm
 from moecore.kernels.grouped_ffn import GemmPlan, _GroupedFFN, default_plan, expert_ffn, expert_ffn_reference
 from moecore.kernels.quack_gemm import TILES, grouped_mm, grouped_wgrad, tile_for
-from tests.kernels.conftest import rel_err
+from tests.kernels.conftest import expert_ffn_inputs, rel_err
 
 # GPU ms of QuACK's tiles (128x256, 128x192, 128x128) per GEMM kind, one H100, 2026-12-06 (benchmarks/
 # grouped_gemm_tiles.py --quack; docs/benchmarks.md, "QuACK's grouped GEMMs"), at (rows per expert, hidden, ffn)
@@ -106,21 +106,10 @@ def test_gemm_backend_is_validated():
         MoEConfig(num_experts=4, gemm_backend="cutlass").validate()
 
 
-def _problem(E, H, Fd, counts, dev, dt, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    M = sum(counts)
-    x = torch.randn(M, H, generator=g).to(dev, dt)
-    w13 = (torch.randn(E, 2 * Fd, H, generator=g) * 0.2).to(dev, dt)
-    w2 = (torch.randn(E, H, Fd, generator=g) * 0.2).to(dev, dt)
-    p = torch.rand(M, generator=g).to(dev, torch.float32)
-    dy = torch.randn(M, H, generator=g).to(dev, dt)
-    return x, w13, w2, torch.tensor(counts, device=dev), p, dy
-
-
 def test_quack_plan_falls_back_to_torch_where_quack_cannot_run():
     # CPU fp32 tensors: every "quack" GEMM runs as torch's grouped GEMM, with the reference's values
     E, H, Fd, counts = 4, 16, 8, [5, 0, 7, 4]
-    x, w13, w2, c, p, dy = _problem(E, H, Fd, counts, "cpu", torch.float32, seed=3)
+    x, w13, w2, c, p, dy = expert_ffn_inputs(E, H, Fd, counts, "cpu", torch.float32, seed=3)
     assert not quack_gemm.quack_runs(x, w13)
     ref = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
     expert_ffn_reference(ref[0], ref[1], ref[2], c, ref[3]).backward(dy)
@@ -153,7 +142,7 @@ def test_quack_path_through_the_expert_ffn_with_a_stand_in_kernel(monkeypatch):
     monkeypatch.setattr(quack_gemm, "_time_ms", cpu_time)
     monkeypatch.setattr(quack_gemm, "_CHOICES", {})
     E, H, Fd, counts = 4, 16, 8, [5, 0, 7, 4]
-    x, w13, w2, c, p, dy = _problem(E, H, Fd, counts, "cpu", torch.float32, seed=5)
+    x, w13, w2, c, p, dy = expert_ffn_inputs(E, H, Fd, counts, "cpu", torch.float32, seed=5)
     ref = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
     expert_ffn_reference(ref[0], ref[1], ref[2], c, ref[3]).backward(dy)
     for _ in range(2):  # the second pass takes the memorised choices
@@ -225,7 +214,7 @@ def test_quack_gemms_match_float64_per_expert(tile, monkeypatch):
 def test_expert_ffn_through_quack_matches_reference():
     dev = _skip_unless_quack()
     E, H, Fd, counts = 6, 256, 128, [700, 0, 1900, 10, 1300, 0]
-    x, w13, w2, c, p, dy = _problem(E, H, Fd, counts, dev, torch.bfloat16, seed=4)
+    x, w13, w2, c, p, dy = expert_ffn_inputs(E, H, Fd, counts, dev, torch.bfloat16, seed=4)
     ref = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
     expert_ffn_reference(ref[0], ref[1], ref[2], c, ref[3]).backward(dy)
     ts = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
