@@ -1,4 +1,4 @@
-"""The few lines a run prints at its start: model, parameters, layout, batch, precision, run folder.
+"""The few lines a run prints at its start: model, parameters, layout, batch, precision, kernels, run folder.
 
 The full resolved configuration goes to `config.yaml` in the run folder only.
 """
@@ -27,6 +27,23 @@ def global_param_counts(model: torch.nn.Module, cfg: Config) -> tuple[int, int]:
     return total, total - inactive
 
 
+def kernels_line(cfg: Config, device: torch.device) -> str | None:
+    """On a GPU, which kernels the MoE layers' expert GEMMs use (None on CPU or for a dense model)."""
+    if device.type != "cuda" or not cfg.moe.num_experts:
+        return None
+    from moecore.kernels import quack_gemm
+    from moecore.kernels._triton import triton_importable
+
+    triton = "Triton kernels" if triton_importable() else "no Triton (PyTorch references)"
+    if cfg.moe.gemm_backend == "torch":
+        experts = "torch's / moecore's Triton GEMMs per shape (moe.gemm_backend=torch)"
+    elif quack_gemm.quack_available(device):
+        experts = "QuACK's grouped GEMMs where they time faster than torch's (moe.gemm_backend=auto)"
+    else:
+        experts = "torch's / moecore's Triton GEMMs per shape (QuACK not installed, or not a Hopper GPU)"
+    return f"kernels  {triton}; expert GEMMs: {experts}"
+
+
 def _count(n: int) -> str:
     for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= div:
@@ -44,12 +61,15 @@ def run_summary(cfg: Config, model: torch.nn.Module, rt, run_dir: Path, start_st
     mbs = t.global_batch_size // (t.micro_batch_size * d.dp)
     precision = t.precision if t.precision != "auto" else ("bf16" if rt.device.type == "cuda" else "fp32")
     start = f", resuming after step {start_step}" if start_step else ""
-    return [
+    kernels = kernels_line(cfg, rt.device)
+    lines = [
         f"model    {cfg.recipe} ({m.family}): {m.num_layers} layers, hidden {m.hidden_size}{moe}; "
         f"{_count(total)} parameters, {_count(active)} active per token",
         f"layout   {d.world_size} process(es) on {rt.device.type}: {layout}",
         f"batch    {t.global_batch_size} sequences x {t.seq_length} tokens (micro-batch {t.micro_batch_size}, "
         f"{mbs} per rank per step); {t.steps} steps{start}",
         f"precision {precision}; seed {t.seed}",
+        *([kernels] if kernels else []),
         f"run      {run_dir} (full config: {Path(run_dir) / 'config.yaml'})",
     ]
+    return lines

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moecore.config import ConfigError, MoEConfig
+from moecore.config import Config, ConfigError, MoEConfig
 from moecore.kernels import quack_gemm
 from moecore.kernels.grouped_ffn import GemmPlan, _GroupedFFN, default_plan, expert_ffn, expert_ffn_reference
 from moecore.kernels.quack_gemm import TILES, grouped_mm, grouped_wgrad, tile_for
@@ -98,6 +98,22 @@ def test_choice_is_the_fastest_candidate_once_per_shape(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert quack_gemm._choose(("k", 3), "128x128", lambda c: c) == "128x128"  # under capture: the rule's guess
+
+
+def test_run_summary_names_the_expert_gemms(monkeypatch):
+    from moecore.train.summary import kernels_line
+
+    cfg = Config()
+    cfg.moe.num_experts = 8
+    cuda = torch.device("cuda")
+    assert kernels_line(cfg, torch.device("cpu")) is None
+    monkeypatch.setattr(quack_gemm, "quack_available", lambda device: True)
+    assert "QuACK" in kernels_line(cfg, cuda)
+    cfg.moe.gemm_backend = "torch"
+    assert "moe.gemm_backend=torch" in kernels_line(cfg, cuda)
+    cfg.moe.gemm_backend = "auto"
+    monkeypatch.setattr(quack_gemm, "quack_available", lambda device: False)
+    assert "QuACK not installed" in kernels_line(cfg, cuda)
 
 
 def test_gemm_backend_is_validated():
