@@ -45,7 +45,6 @@ from moecore.kernels.grouped_ffn import gemm_tn
 from moecore.kernels.grouped_gemm import TileConfig, group_bounds
 from moecore.kernels.grouped_gemm_fp8 import fp8_tiles, grouped_mm_scaled, grouped_wgrad_scaled
 from moecore.kernels.permute import scatter_rows
-from moecore.kernels.quack_gemm import quack_runs
 from moecore.kernels.swiglu import swiglu, swiglu_backward
 
 # ---------------------------------------------------------------- padding
@@ -324,10 +323,13 @@ def gmm_tn(
     return out
 
 
-def _bf16_wgrad(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, host: list | None) -> torch.Tensor:
-    """dW[e] = a[rows of e]^T @ b[rows of e] in a's dtype with fp32 accumulation (fp8.wgrad=bf16): QuACK's grouped
-    GEMM where it runs (quack_gemm.py), else torch's on CUDA (both on device offsets), a loop of matmuls elsewhere."""
-    impl = ("quack" if quack_runs(a, b) else "grouped") if a.is_cuda else "loop"
+def _bf16_wgrad(
+    a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, host: list | None, backend: str
+) -> torch.Tensor:
+    """dW[e] = a[rows of e]^T @ b[rows of e] in a's dtype with fp32 accumulation (fp8.wgrad=bf16): on CUDA QuACK's
+    grouped GEMM under backend "auto" (moe.gemm_backend; torch's where QuACK's cannot run) or torch's under "torch",
+    both on device offsets; a loop of matmuls elsewhere."""
+    impl = ("quack" if backend == "auto" else "grouped") if a.is_cuda else "loop"
     if impl == "loop" and host is None:
         host = (bounds[1:] - bounds[:-1]).tolist()
     with torch.autocast(a.device.type, enabled=False):
@@ -353,7 +355,7 @@ class _Fp8GroupedFFN(torch.autograd.Function):
     written padded (pad_to: their padded counts and rows)."""
 
     @staticmethod
-    def forward(ctx, x, w13, w2, counts, probs, recipe: Fp8Recipe, host, pad_to=None):
+    def forward(ctx, x, w13, w2, counts, probs, recipe: Fp8Recipe, host, pad_to=None, backend="auto"):
         dt = x.dtype
         # FP8 primary weights (moecore/models/fp8.py) arrive quantised (rowwise: w^T too); others are quantised here
         w13q, w2q = getattr(w13, "fp8_primary", None), getattr(w2, "fp8_primary", None)
@@ -378,7 +380,7 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         keep += [pad_to[0]] if pad_to is not None else []  # the weight-gradient operands' padded counts
         ctx.save_for_backward(x, h, probs, counts, w13c, w2c, *keep)
         ctx.grans = (xq.gran, w13q.gran)
-        ctx.recipe, ctx.host = recipe, host
+        ctx.recipe, ctx.host, ctx.backend = recipe, host, backend
         ctx.pad_rows = None if pad_to is None else pad_to[1]
         ctx.w_dtypes = (w13.dtype, w2.dtype)
         ctx.p_dtype = None if probs is None else probs.dtype
@@ -412,7 +414,7 @@ class _Fp8GroupedFFN(torch.autograd.Function):
                 a_cols = quant_cols(a, counts, recipe, E4M3, pad_to=pad_to, bounds=cols_bounds)
                 dw2 = gmm_tn(dy_cols, a_cols, wcounts, whost, recipe, dt, wbounds)
             else:
-                dw2 = _bf16_wgrad(dy, a, bounds, host)
+                dw2 = _bf16_wgrad(dy, a, bounds, host, ctx.backend)
             dw2 = dw2.to(ctx.w_dtypes[1])
         del a
         dh = dh.to(dt)
@@ -423,12 +425,12 @@ class _Fp8GroupedFFN(torch.autograd.Function):
                 dh_cols = quant_cols(dh, counts, recipe, gd, rows_q=dhq, pad_to=pad_to, bounds=cols_bounds)
                 dw13 = gmm_tn(dh_cols, x_cols, wcounts, whost, recipe, dt, wbounds)
             else:
-                dw13 = _bf16_wgrad(dh, x, bounds, host)
+                dw13 = _bf16_wgrad(dh, x, bounds, host, ctx.backend)
             dw13 = dw13.to(ctx.w_dtypes[0])
         if ctx.needs_input_grad[0]:
             dx = gmm_nt(dhq, transposed_weights(w13q, w13c, recipe), counts, host, recipe, dt, bounds=bounds)
         dprobs = dp.to(ctx.p_dtype) if dp is not None and ctx.needs_input_grad[4] else None
-        return dx, dw13, dw2, None, dprobs, None, None, None
+        return dx, dw13, dw2, None, dprobs, None, None, None, None
 
 
 def fp8_expert_ffn(
@@ -438,10 +440,12 @@ def fp8_expert_ffn(
     counts_E: torch.Tensor,
     probs_N: torch.Tensor | None,
     recipe: Fp8Recipe,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """The SwiGLU expert FFN on rows sorted by expert ([N, H] -> [N, H]) with FP8 GEMMs; rows padded per
     expert to the recipe's alignment (module docstring): on the way in and out (recipe.padding="all"), or only
-    in the weight-gradient operands, as they are quantised ("wgrad")."""
+    in the weight-gradient operands, as they are quantised ("wgrad"). `backend` (moe.gemm_backend): whether the
+    bf16 weight-gradient GEMMs (`recipe.wgrad_in_fp8` false) may run through QuACK's grouped GEMMs."""
     N = x_NH.shape[0]
     if N == 0:
         return x_NH.new_zeros(0, w2_EHF.shape[1])
@@ -450,9 +454,10 @@ def fp8_expert_ffn(
     dst, padded, P = pad_plan(counts, N, recipe.alignment, exact=not grouped, positions=recipe.padding == "all")
     if recipe.padding == "wgrad":
         host = None if grouped else counts.tolist()
-        return _Fp8GroupedFFN.apply(x_NH.contiguous(), w13_EFH, w2_EHF, counts, probs_N, recipe, host, (padded, P))
+        x = x_NH.contiguous()
+        return _Fp8GroupedFFN.apply(x, w13_EFH, w2_EHF, counts, probs_N, recipe, host, (padded, P), backend)
     host = None if grouped else padded.tolist()
     xp = pad_rows(x_NH.contiguous(), dst, P)
     pp = None if probs_N is None else pad_rows(probs_N, dst, P)
-    y = _Fp8GroupedFFN.apply(xp, w13_EFH, w2_EHF, padded, pp, recipe, host)
+    y = _Fp8GroupedFFN.apply(xp, w13_EFH, w2_EHF, padded, pp, recipe, host, None, backend)
     return _Unpad.apply(y, dst)

@@ -234,7 +234,9 @@ class GroupedExperts(nn.Module):
     ) -> torch.Tensor:
         if self.fp8_recipe is not None:  # FP8 expert FFN (moecore/kernels/fp8_grouped.py), rows padded inside
             self.last_path = "fp8"
-            return fp8_expert_ffn(x_NH, self.w13, self.w2, tokens_per_expert, probs_N, self.fp8_recipe)
+            return fp8_expert_ffn(
+                x_NH, self.w13, self.w2, tokens_per_expert, probs_N, self.fp8_recipe, self.gemm_backend
+            )
         if x_NH.is_cuda and not self.warned:
             self._warn_slow_path(x_NH)
         if self.activation == "swiglu" and fused_expert_ffn_available(x_NH) and self.uses_grouped_mm(x_NH):
