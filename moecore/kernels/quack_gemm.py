@@ -16,6 +16,12 @@ The GEMMs, with `bounds` the experts' row offsets [E + 1] (int32, `grouped_gemm.
     grouped_mm(a, b, bounds, trans_b=False)   out[rows of e] = a[rows of e] @ b[e]       a [M, K], b [E, K, N]
     grouped_wgrad(a, b, bounds)               out[e] = a[rows of e]^T @ b[rows of e]     a [M, N1], b [M, N2]
 
+With `rows` (int32 [M], indices into a's rows) the GEMM's left operand is a[rows] without it being written out:
+QuACK's load warps gather the rows (cp.async) where its other operand streams in through TMA, so a layer can feed
+its tokens [T, H] to the FC1 GEMM in expert order, or its output gradient to the FC2 GEMMs, without the [M, H]
+copies of a permutation (`moe.activation_memory=minimal`, moecore/moe/minimal.py). Gathering needs clusters of one
+CTA along N, so the 128x128 tile pairs its CTAs along M there.
+
 The tile shape matters (up to 2x between the three of `TILES` at one GEMM), and no rule fitted to the shapes we
 measured held at the next shape (docs/benchmarks.md, "QuACK's grouped GEMMs"), so each GEMM shape is timed once
 per process under each tile and under torch's grouped GEMM, and the fastest is kept (`_choose`): QuACK's kernels
@@ -89,19 +95,22 @@ def tile_for(kind: str, rows_per_expert: float, n: int) -> str:
     return "128x192"
 
 
-def _config(tile: str):
+def _config(tile: str, gather: bool = False):
     from quack.gemm_config import GemmConfig
 
     tm, tn, pingpong, cm, cn = TILES[tile]
+    if gather and cn > 1:  # QuACK gathers A's rows only in clusters of one CTA along N
+        cm, cn = cn, 1
     return GemmConfig(tile_m=tm, tile_n=tn, pingpong=pingpong, cluster_m=cm, cluster_n=cn, is_dynamic_persistent=False)
 
 
 def _launch(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor, tile: str, **varlen) -> torch.Tensor:
-    """QuACK's GEMM with an explicit tile configuration (its autotuner's wrapped function: no tuning pass)."""
+    """QuACK's GEMM with an explicit tile configuration (its autotuner's wrapped function: no tuning pass).
+    varlen: cu_seqlens_m or cu_seqlens_k, and A_idx where A's rows (varlen_m) or columns (varlen_k) are gathered."""
     from quack.gemm_interface import gemm_tuned
 
     run = getattr(gemm_tuned, "fn", gemm_tuned)
-    run(A, B, out, config=_config(tile), **varlen)
+    run(A, B, out, config=_config(tile, varlen.get("A_idx") is not None), **varlen)
     return out
 
 
@@ -146,43 +155,64 @@ def _choose(key: tuple, guess: str, run: Callable[[str], object]) -> str:
     return choice
 
 
-def _shape_key(kind: str, a: torch.Tensor, n: int, E: int) -> tuple:
-    """What a choice depends on: the GEMM, its widths, the experts and the rows per expert (to a power of two)."""
-    per_expert = max(a.shape[0] // max(E, 1), 1)
-    return (kind, E, a.shape[1], n, a.dtype, per_expert.bit_length())
+def _shape_key(kind: str, a: torch.Tensor, m: int, n: int, E: int, gathered: bool) -> tuple:
+    """What a choice depends on: the GEMM, its widths, the experts, the rows per expert (to a power of two) and
+    whether the left operand's rows are gathered."""
+    per_expert = max(m // max(E, 1), 1)
+    return (kind, E, a.shape[1], n, a.dtype, per_expert.bit_length(), gathered)
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, trans_b: bool, kind: str) -> torch.Tensor:
-    """out[rows of e] = a[rows of e] @ (b[e]^T if trans_b else b[e]) -> [M, N] in a's dtype."""
+def grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bounds: torch.Tensor,
+    trans_b: bool,
+    kind: str,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out[rows of e] = A[rows of e] @ (b[e]^T if trans_b else b[e]) -> [M, N] in a's dtype, with A = a, or
+    A = a[rows] for `rows` int32 [M] (gathered in QuACK's loads; torch's kernel takes a gathered copy)."""
     E = b.shape[0]
     B = b.transpose(1, 2) if trans_b else b  # [E, K, N], as QuACK takes it
     n = B.shape[2]
-    if a.shape[0] == 0:
+    m = a.shape[0] if rows is None else rows.numel()
+    if m == 0:
         return a.new_empty(0, n)
 
     def run(cand: str) -> torch.Tensor:
         if cand == "torch":
-            return torch._grouped_mm(a, B, offs=bounds[1:])
-        return _launch(a, B, a.new_empty(a.shape[0], n), cand, cu_seqlens_m=bounds)
+            return torch._grouped_mm(a if rows is None else a.index_select(0, rows), B, offs=bounds[1:])
+        return _launch(a, B, a.new_empty(m, n), cand, cu_seqlens_m=bounds, A_idx=rows)
 
-    return run(_choose(_shape_key(kind, a, n, E), tile_for(kind, a.shape[0] / max(E, 1), n), run))
+    key = _shape_key(kind, a, m, n, E, rows is not None)
+    return run(_choose(key, tile_for(kind, m / max(E, 1), n), run))
 
 
 def grouped_wgrad(
-    a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, kind: str, out: torch.Tensor | None = None
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bounds: torch.Tensor,
+    kind: str,
+    out: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[e] = a[rows of e]^T @ b[rows of e] -> [E, N1, N2] in a's dtype (zeros for an expert without rows).
-    `out`: a contiguous [E, N1, N2] tensor of a's dtype to write (e.g. a slice of a larger gradient)."""
+    """out[e] = A[rows of e]^T @ b[rows of e] -> [E, N1, N2] in a's dtype (zeros for an expert without rows), with
+    A = a, or A = a[rows] for `rows` int32 [M] (gathered in QuACK's loads; torch's kernel takes a gathered copy).
+    `out`: an [E, N1, N2] tensor of a's dtype to write (e.g. a slice of a larger gradient, or the transpose of a
+    contiguous [E, N2, N1] one: QuACK stores either layout)."""
     E = bounds.numel() - 1
-    if a.shape[0] == 0:
+    m = b.shape[0]
+    if m == 0:
         return (a.new_empty(E, a.shape[1], b.shape[1]) if out is None else out).zero_()
 
     def run(cand: str) -> torch.Tensor:
         if cand == "torch":  # torch's grouped GEMM has no out=: its result is copied in where one is given
-            res = torch._grouped_mm(a.t(), b, offs=bounds[1:])
+            A = a if rows is None else a.index_select(0, rows)
+            res = torch._grouped_mm(A.t(), b, offs=bounds[1:])
             return res if out is None else out.copy_(res)
         dst = a.new_empty(E, a.shape[1], b.shape[1]) if out is None else out
-        return _launch(a.t(), b, dst, cand, cu_seqlens_k=bounds)
+        return _launch(a.t(), b, dst, cand, cu_seqlens_k=bounds, A_idx=rows)
 
     n = b.shape[1]
-    return run(_choose(_shape_key(kind, a, n, E), tile_for(kind, a.shape[0] / max(E, 1), n), run))
+    key = _shape_key(kind, a, m, n, E, rows is not None)
+    return run(_choose(key, tile_for(kind, m / max(E, 1), n), run))

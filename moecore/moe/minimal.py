@@ -19,7 +19,10 @@ observation). Backward, with g = dOut[token of row] (a gather of the output grad
     dh    = SwiGLU'(h) applied to p * da_u                (a * p recomputed from h on the way)
     dW2   = g^T (a * p),   dW13 = dh^T x[token of row] (x gathered again),   dx_t = sum_k (dh @ w13[e])_row
 
-so nothing the size of [M, H] outlives the forward. The forward multiplies the probability where the
+so nothing the size of [M, H] outlives the forward. Where QuACK's GEMMs serve (the `quack` extra on Hopper), no
+[M, H] gather is written at all: the FC1 GEMM reads x[token of row] and the FC2 GEMMs of the backward read
+dOut[token of row] through their loads (`quack_gemm`'s `rows`), and dW13 is computed transposed,
+dW13[e]^T = x[token of row]^T dh, so that the gathered operand is the left one. The forward multiplies the probability where the
 standard path does (`apply_probs_on_input`: inside the activation; else at the combine, in fp32), so
 both paths round alike. Every step is device-side (sort, counts by `searchsorted`, grouped GEMMs on
 device offsets): no host synchronisation. The six GEMMs follow the experts' GemmPlan (`default_plan` per
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from moecore.kernels import quack_gemm
 from moecore.kernels.grouped_ffn import GemmPlan, default_plan, gemm_nn, gemm_nt, gemm_tn
 from moecore.kernels.permute import unpermute_rows
 from moecore.kernels.swiglu import swiglu, swiglu_backward
@@ -69,14 +73,23 @@ def row_operands(
     return K, w13.to(x_TH.dtype), w2.to(x_TH.dtype), order_M // K, p_M
 
 
+def gathers_in_loads(plan: GemmPlan, x_TH: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the GEMMs that read gathered rows (FC1 forward, both FC2 GEMMs of the backward, dW13) run QuACK's
+    kernels, which gather the rows in their loads instead of reading a gathered copy."""
+    kinds = (plan.fwd13, plan.dgrad2, plan.wgrad2, plan.wgrad13)
+    return all(k == "quack" for k in kinds) and quack_gemm.quack_runs(x_TH, w13, w2)
+
+
 class _MinimalExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, probs_in_act: bool, plan: GemmPlan):
         T = x_TH.shape[0]
         K, w13c, w2c, tok_M, p_M = row_operands(x_TH, w13, w2, weight_TK, order_M)
-        xg = x_TH.index_select(0, tok_M)
-        h = gemm_nt(xg, w13c, bounds, None, plan.fwd13, "fwd13")
-        del xg
+        ctx.gather = gathers_in_loads(plan, x_TH, w13c, w2c)
+        if ctx.gather:  # QuACK reads x[token of row] in the GEMM's loads
+            h = quack_gemm.grouped_mm(x_TH, w13c, bounds, True, "fwd13", rows=tok_M.int())
+        else:
+            h = gemm_nt(x_TH.index_select(0, tok_M), w13c, bounds, None, plan.fwd13, "fwd13")
         a = swiglu(h, p_M if probs_in_act else None)
         y = gemm_nt(a, w2c, bounds, None, plan.fwd2, "fwd2")
         del a
@@ -90,16 +103,27 @@ class _MinimalExperts(torch.autograd.Function):
         x_TH, w13c, w2c, h, p_M, order_M, inv_M, bounds = ctx.saved_tensors
         T, K, plan = x_TH.shape[0], ctx.K, ctx.plan
         tok_M = order_M // K
-        g = d_out.to(x_TH.dtype).contiguous().index_select(0, tok_M)  # dOut of each row's token
-        da_u = gemm_nn(g, w2c, bounds, None, plan.dgrad2, "dgrad2")
+        rows = tok_M.int() if ctx.gather else None  # QuACK gathers dOut's and x's rows in its loads
+        d = d_out.to(x_TH.dtype).contiguous()
+        g = d if ctx.gather else d.index_select(0, tok_M)  # dOut of each row's token (rows: gathered later)
+        if ctx.gather:
+            da_u = quack_gemm.grouped_mm(g, w2c, bounds, False, "dgrad2", rows=rows)
+        else:
+            da_u = gemm_nn(g, w2c, bounds, None, plan.dgrad2, "dgrad2")
         dh, dp, a_p = swiglu_backward(h, p_M, da_u)  # dp = <da_u, a> = <dOut_t, expert output of the row>
-        del da_u
+        del da_u, d
         dw2 = None
-        if ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2] and ctx.gather:
+            dw2 = quack_gemm.grouped_wgrad(g, a_p, bounds, "wgrad2", rows=rows).to(ctx.w_dtypes[1])
+        elif ctx.needs_input_grad[2]:
             dw2 = gemm_tn(g, a_p, bounds, None, plan.wgrad2, ctx.w_dtypes[1], "wgrad2")
         del g, a_p
         dw13 = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and ctx.gather:  # dW13[e]^T = x[rows of e]^T dh[rows of e], through a view
+            dw13 = torch.empty(w13c.shape, dtype=x_TH.dtype, device=x_TH.device)
+            quack_gemm.grouped_wgrad(x_TH, dh, bounds, "wgrad13", out=dw13.transpose(1, 2), rows=rows)
+            dw13 = dw13.to(ctx.w_dtypes[0])
+        elif ctx.needs_input_grad[1]:
             dw13 = gemm_tn(dh, x_TH.index_select(0, tok_M), bounds, None, plan.wgrad13, ctx.w_dtypes[0], "wgrad13")
         dx = None
         if ctx.needs_input_grad[0]:

@@ -15,6 +15,7 @@ from moecore.config import Config, ConfigError, MoEConfig
 from moecore.kernels import quack_gemm
 from moecore.kernels.grouped_ffn import GemmPlan, _GroupedFFN, default_plan, expert_ffn, expert_ffn_reference
 from moecore.kernels.quack_gemm import TILES, grouped_mm, grouped_wgrad, tile_for
+from moecore.moe.minimal import minimal_experts
 from tests.kernels.conftest import expert_ffn_inputs, rel_err
 
 # GPU ms of QuACK's tiles (128x256, 128x192, 128x128) per GEMM kind, one H100, 2026-12-06 (benchmarks/
@@ -135,17 +136,20 @@ def test_quack_plan_falls_back_to_torch_where_quack_cannot_run():
         assert rel_err(a.grad, b.grad) < 1e-5
 
 
-def test_quack_path_through_the_expert_ffn_with_a_stand_in_kernel(monkeypatch):
-    """The backend's Python path on CPU (choosing by timing, the memo, `out=` slices, experts without rows) with
-    QuACK's launch replaced by torch's grouped GEMM: the expert FFN's values and gradients equal the reference's."""
+@pytest.fixture
+def stand_in_quack(monkeypatch) -> list:
+    """QuACK's launch replaced by torch's grouped GEMM on CPU, with QuACK's operand conventions (B [E, K, N], A
+    m-major for weight gradients, A_idx gathering A's rows or columns); its tiles "time" faster than torch's kernel,
+    so the path under test runs. Returns the launches as (tile, gathered) pairs."""
     launched = []
 
-    def stand_in(A, B, out, tile, cu_seqlens_m=None, cu_seqlens_k=None):
-        launched.append(tile)
-        offs = (cu_seqlens_m if cu_seqlens_m is not None else cu_seqlens_k)[1:]
-        return out.copy_(torch._grouped_mm(A, B, offs=offs))
+    def stand_in(A, B, out, tile, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None):
+        launched.append((tile, A_idx is not None))
+        if cu_seqlens_m is not None:
+            return out.copy_(torch._grouped_mm(A if A_idx is None else A[A_idx.long()], B, offs=cu_seqlens_m[1:]))
+        return out.copy_(torch._grouped_mm(A if A_idx is None else A[:, A_idx.long()], B, offs=cu_seqlens_k[1:]))
 
-    def stand_in_time(fn, reps=3):  # runs the candidate; QuACK's tiles "time" faster, so the path under test runs
+    def stand_in_time(fn, reps=3):
         n = len(launched)
         fn()
         return 1.0 if len(launched) > n else 2.0
@@ -154,6 +158,13 @@ def test_quack_path_through_the_expert_ffn_with_a_stand_in_kernel(monkeypatch):
     monkeypatch.setattr(quack_gemm, "_launch", stand_in)
     monkeypatch.setattr(quack_gemm, "_time_ms", stand_in_time)
     monkeypatch.setattr(quack_gemm, "_CHOICES", {})
+    return launched
+
+
+def test_quack_path_through_the_expert_ffn_with_a_stand_in_kernel(stand_in_quack):
+    """The backend's Python path on CPU (choosing by timing, the memo, `out=` slices, experts without rows) with
+    QuACK's launch replaced by torch's grouped GEMM: the expert FFN's values and gradients equal the reference's."""
+    launched = stand_in_quack
     E, H, Fd, counts = 4, 16, 8, [5, 0, 7, 4]
     x, w13, w2, c, p, dy = expert_ffn_inputs(E, H, Fd, counts, "cpu", torch.float32, seed=5)
     ref = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
@@ -164,6 +175,7 @@ def test_quack_path_through_the_expert_ffn_with_a_stand_in_kernel(monkeypatch):
         for a, b in zip(ts, ref):
             assert rel_err(a.grad, b.grad) < 1e-5
     assert len(quack_gemm._CHOICES) == 6 and set(quack_gemm._CHOICES.values()) == {next(iter(TILES))}
+    assert not any(gathered for _, gathered in launched)
     n = len(launched)
     # a weight gradient written into a slice of a larger tensor, and no rows at all
     bounds = torch.tensor([0, 5, 5, 12, 16], dtype=torch.int32)
@@ -176,6 +188,28 @@ def test_quack_path_through_the_expert_ffn_with_a_stand_in_kernel(monkeypatch):
     empty = quack_gemm.grouped_wgrad(h[:0], x[:0], torch.zeros(E + 1, dtype=torch.int32), "wgrad13")
     assert empty.shape == (E, 2 * Fd, H) and torch.count_nonzero(empty) == 0
     assert quack_gemm.grouped_mm(x[:0], w13, torch.zeros(E + 1, dtype=torch.int32), True, "fwd13").shape == (0, 2 * Fd)
+
+
+def test_minimal_experts_gather_rows_in_quack_loads_with_a_stand_in_kernel(stand_in_quack):
+    """moe.activation_memory=minimal with QuACK's GEMMs: FC1, both FC2 GEMMs of the backward and dW13 (computed
+    transposed, into a transposed view) take gathered rows; values and gradients equal the path without QuACK."""
+    torch.manual_seed(2)
+    T, H, E, K, F = 9, 16, 4, 2, 8
+    x, w13, w2 = torch.randn(T, H), torch.randn(E, 2 * F, H), torch.randn(E, H, F)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    w, dout = torch.rand(T, K), torch.randn(T, H)
+    results = []
+    for plan in (GemmPlan(), GemmPlan.uniform("quack")):
+        ts = [t.clone().requires_grad_() for t in (x, w13, w2, w)]
+        out, _ = minimal_experts(ts[0], idx, ts[3], ts[1], ts[2], plan=plan)
+        out.backward(dout)
+        results.append([out.detach()] + [t.grad for t in ts])
+    gathered = sorted((key[0], key[-1]) for key in quack_gemm._CHOICES)  # (kind, gathered) per GEMM shape
+    assert gathered == [("dgrad13", False), ("dgrad2", True), ("fwd13", True), ("fwd2", False)] + [
+        ("wgrad13", True), ("wgrad2", True)]  # fmt: skip
+    assert any(g for _, g in stand_in_quack) and all(tile in TILES for tile, _ in stand_in_quack)
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- on a Hopper GPU with QuACK installed
@@ -213,6 +247,15 @@ def test_quack_gemms_match_float64_per_expert(tile, monkeypatch):
     assert torch.equal(y_nt, torch._grouped_mm(a, b_nk.transpose(1, 2), offs=offs))
     assert torch.equal(y_nn, torch._grouped_mm(a, b_kn, offs=offs))
     assert torch.equal(dw, torch._grouped_mm(a.t(), c, offs=offs))
+    # rows gathered in the loads (x[token of row]: every token read by several rows), and a weight gradient stored
+    # through a transposed view, against torch's GEMMs on a gathered copy
+    x = torch.randn(M // 3 + 1, K, generator=g).to(dev, torch.bfloat16)
+    rows = torch.randint(0, x.shape[0], (M,), generator=g).to(dev, torch.int32)
+    xg = x.index_select(0, rows)
+    assert torch.equal(grouped_mm(x, b_nk, bounds, True, "fwd13", rows=rows), torch._grouped_mm(xg, b_nk.mT, offs=offs))
+    dwt = torch.full((E, N, K), float("nan"), device=dev).bfloat16()
+    grouped_wgrad(x, c, bounds, "wgrad13", out=dwt.transpose(1, 2), rows=rows)
+    assert torch.equal(dwt.transpose(1, 2), torch._grouped_mm(xg.t(), c, offs=offs))
     s = 0
     for e, n in enumerate(COUNTS):
         rows, other = a[s : s + n].double(), c[s : s + n].double()
@@ -223,6 +266,28 @@ def test_quack_gemms_match_float64_per_expert(tile, monkeypatch):
         else:
             assert torch.count_nonzero(dw[e]) == 0  # written, not left as NaN
         s += n
+
+
+@pytest.mark.gpu
+def test_minimal_experts_through_quack_match_the_torch_plan():
+    """The minimal layer's Function with QuACK gathering rows in its loads against the same Function on torch's
+    GEMMs (which gather copies first)."""
+    dev = _skip_unless_quack()
+    g = torch.Generator().manual_seed(6)
+    T, H, E, K, F = 1000, 256, 8, 3, 128
+    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    w13 = (torch.randn(E, 2 * F, H, generator=g) * 0.05).to(dev, torch.bfloat16)
+    w2 = (torch.randn(E, H, F, generator=g) * 0.05).to(dev, torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
+    w, dout = torch.rand(T, K, generator=g).to(dev), torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    results = []
+    for plan in (GemmPlan.uniform("grouped"), GemmPlan.uniform("quack")):
+        ts = [t.clone().requires_grad_() for t in (x, w13, w2, w)]
+        out, _ = minimal_experts(ts[0], idx, ts[3], ts[1], ts[2], plan=plan)
+        out.backward(dout)
+        results.append([out.detach()] + [t.grad for t in ts])
+    for got, want in zip(results[1], results[0]):
+        assert rel_err(got.float(), want.float()) < 1e-2
 
 
 @pytest.mark.gpu
