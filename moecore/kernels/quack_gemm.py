@@ -119,9 +119,15 @@ def _launch(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor, tile: str, **va
 # The choice per GEMM shape, made once per process by timing the candidates (as Triton's autotuner keeps its
 # choices): QuACK's three tiles and torch's grouped GEMM, which stays the choice where it is faster. Every candidate
 # accumulates each output in the same order, so the choice changes the speed, not the values (their outputs were
-# bit-identical in the measurements of docs/benchmarks.md).
+# bit-identical in the measurements of docs/benchmarks.md). Where the rows are gathered, the candidates are QuACK's
+# tiles gathering in their loads and "copy": the gathered rows written out first, then this GEMM without rows (its
+# own choice). Gathering loads run through cp.async rather than TMA and were slower than the copy at some shapes
+# (DeepSeek-V3's FC1, 10.9 against 7.9 ms + the copy, docs/benchmarks.md). Into a transposed `out` torch's kernel
+# would write a whole extra gradient and copy it: it is not a candidate there.
 CANDIDATES = (*TILES, "torch")
+COPY = "copy"
 _CHOICES: dict[tuple, str] = {}
+CHOICE_TIMES: dict[tuple, dict[str, float]] = {}  # the ms each candidate took when a shape was chosen (reports)
 
 
 def _time_ms(fn: Callable[[], object], reps: int = 3) -> float:
@@ -136,30 +142,39 @@ def _time_ms(fn: Callable[[], object], reps: int = 3) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _choose(key: tuple, guess: str, run: Callable[[str], object]) -> str:
+def _candidates(gathered: bool = False, transposed_out: bool = False) -> tuple[str, ...]:
+    """What `_choose` times: CANDIDATES, with "copy" instead of torch's kernel for gathered rows and without it for
+    a transposed output."""
+    if not (gathered or transposed_out):
+        return CANDIDATES
+    tiles = tuple(c for c in CANDIDATES if c != "torch")
+    return (*tiles, COPY) if gathered else tiles
+
+
+def _choose(key: tuple, guess: str, run: Callable[[str], object], candidates: tuple[str, ...] = ()) -> str:
     """The candidate for this GEMM shape: the memorised one, else (outside CUDA-graph capture) the fastest of
-    CANDIDATES by `_time_ms` (a candidate that fails to compile is passed over), else `guess` (tile_for)."""
+    `candidates` (default CANDIDATES) by `_time_ms` (one that fails to compile is passed over), else `guess`."""
     choice = _CHOICES.get(key)
     if choice is not None:
         return choice
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return guess
-    times = {}
-    for cand in CANDIDATES:
+    candidates, times = candidates or CANDIDATES, {}
+    for cand in candidates:
         try:
             times[cand] = _time_ms(lambda c=cand: run(c))
         except Exception:  # a tile this QuACK version cannot compile for the shape
             continue
-    choice = min(times, key=times.get) if times else "torch"
-    _CHOICES[key] = choice
+    choice = min(times, key=times.get) if times else (COPY if COPY in candidates else "torch")  # both always run
+    _CHOICES[key], CHOICE_TIMES[key] = choice, times
     return choice
 
 
-def _shape_key(kind: str, a: torch.Tensor, m: int, n: int, E: int, gathered: bool) -> tuple:
+def _shape_key(kind: str, a: torch.Tensor, m: int, n: int, E: int, layout: str = "") -> tuple:
     """What a choice depends on: the GEMM, its widths, the experts, the rows per expert (to a power of two) and
-    whether the left operand's rows are gathered."""
+    the operands' layout ("rows": the left operand's rows gathered; "t": a transposed output)."""
     per_expert = max(m // max(E, 1), 1)
-    return (kind, E, a.shape[1], n, a.dtype, per_expert.bit_length(), gathered)
+    return (kind, E, a.shape[1], n, a.dtype, per_expert.bit_length(), layout)
 
 
 def grouped_mm(
@@ -180,12 +195,16 @@ def grouped_mm(
         return a.new_empty(0, n)
 
     def run(cand: str) -> torch.Tensor:
+        if cand == COPY:
+            return grouped_mm(a.index_select(0, rows), b, bounds, trans_b, kind)
         if cand == "torch":
-            return torch._grouped_mm(a if rows is None else a.index_select(0, rows), B, offs=bounds[1:])
+            return torch._grouped_mm(a, B, offs=bounds[1:])
         return _launch(a, B, a.new_empty(m, n), cand, cu_seqlens_m=bounds, A_idx=rows)
 
-    key = _shape_key(kind, a, m, n, E, rows is not None)
-    return run(_choose(key, tile_for(kind, m / max(E, 1), n), run))
+    gathered = rows is not None
+    key = _shape_key(kind, a, m, n, E, "rows" if gathered else "")
+    guess = COPY if gathered else tile_for(kind, m / max(E, 1), n)
+    return run(_choose(key, guess, run, _candidates(gathered)))
 
 
 def grouped_wgrad(
@@ -206,13 +225,15 @@ def grouped_wgrad(
         return (a.new_empty(E, a.shape[1], b.shape[1]) if out is None else out).zero_()
 
     def run(cand: str) -> torch.Tensor:
+        if cand == COPY:
+            return grouped_wgrad(a.index_select(0, rows), b, bounds, kind, out)
         if cand == "torch":  # torch's grouped GEMM has no out=: its result is copied in where one is given
-            A = a if rows is None else a.index_select(0, rows)
-            res = torch._grouped_mm(A.t(), b, offs=bounds[1:])
+            res = torch._grouped_mm(a.t(), b, offs=bounds[1:])
             return res if out is None else out.copy_(res)
         dst = a.new_empty(E, a.shape[1], b.shape[1]) if out is None else out
         return _launch(a.t(), b, dst, cand, cu_seqlens_k=bounds, A_idx=rows)
 
-    n = b.shape[1]
-    key = _shape_key(kind, a, m, n, E, rows is not None)
-    return run(_choose(key, tile_for(kind, m / max(E, 1), n), run))
+    n, gathered, transposed = b.shape[1], rows is not None, out is not None and not out.is_contiguous()
+    key = _shape_key(kind, a, m, n, E, ("rows" if gathered else "") + ("t" if transposed else ""))
+    guess = COPY if gathered else tile_for(kind, m / max(E, 1), n)
+    return run(_choose(key, guess, run, _candidates(gathered, transposed)))

@@ -147,7 +147,8 @@ def stand_in_quack(monkeypatch) -> list:
         launched.append((tile, A_idx is not None))
         if cu_seqlens_m is not None:
             return out.copy_(torch._grouped_mm(A if A_idx is None else A[A_idx.long()], B, offs=cu_seqlens_m[1:]))
-        return out.copy_(torch._grouped_mm(A if A_idx is None else A[:, A_idx.long()], B, offs=cu_seqlens_k[1:]))
+        A = A if A_idx is None else A.t()[A_idx.long()].t()  # columns gathered, m-major as QuACK takes A
+        return out.copy_(torch._grouped_mm(A, B, offs=cu_seqlens_k[1:]))
 
     def stand_in_time(fn, reps=3):
         n = len(launched)
@@ -204,10 +205,12 @@ def test_minimal_experts_gather_rows_in_quack_loads_with_a_stand_in_kernel(stand
         out, _ = minimal_experts(ts[0], idx, ts[3], ts[1], ts[2], plan=plan)
         out.backward(dout)
         results.append([out.detach()] + [t.grad for t in ts])
-    gathered = sorted((key[0], key[-1]) for key in quack_gemm._CHOICES)  # (kind, gathered) per GEMM shape
-    assert gathered == [("dgrad13", False), ("dgrad2", True), ("fwd13", True), ("fwd2", False)] + [
-        ("wgrad13", True), ("wgrad2", True)]  # fmt: skip
-    assert any(g for _, g in stand_in_quack) and all(tile in TILES for tile, _ in stand_in_quack)
+    # (kind, layout) -> choice; timing "copy" chose the GEMMs without rows as well
+    choices = {(key[0], key[-1]): tile for key, tile in quack_gemm._CHOICES.items()}
+    gathered = {kl: tile for kl, tile in choices.items() if "rows" in kl[1]}
+    assert sorted(gathered) == [("dgrad2", "rows"), ("fwd13", "rows"), ("wgrad13", "rowst"), ("wgrad2", "rows")]
+    assert set(gathered.values()) <= set(TILES)  # the gathering tiles ran: as "fast" as the copy, and timed first
+    assert ("wgrad13", "t") in choices and choices[("fwd2", "")] in TILES
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -252,10 +255,18 @@ def test_quack_gemms_match_float64_per_expert(tile, monkeypatch):
     x = torch.randn(M // 3 + 1, K, generator=g).to(dev, torch.bfloat16)
     rows = torch.randint(0, x.shape[0], (M,), generator=g).to(dev, torch.int32)
     xg = x.index_select(0, rows)
-    assert torch.equal(grouped_mm(x, b_nk, bounds, True, "fwd13", rows=rows), torch._grouped_mm(xg, b_nk.mT, offs=offs))
-    dwt = torch.full((E, N, K), float("nan"), device=dev).bfloat16()
-    grouped_wgrad(x, c, bounds, "wgrad13", out=dwt.transpose(1, 2), rows=rows)
-    assert torch.equal(dwt.transpose(1, 2), torch._grouped_mm(xg.t(), c, offs=offs))
+    want_nt, want_w = torch._grouped_mm(xg, b_nk.mT, offs=offs), torch._grouped_mm(xg.t(), c, offs=offs)
+    assert torch.equal(grouped_mm(x, b_nk, bounds, True, "fwd13", rows=rows), want_nt)  # the chosen way
+    assert torch.equal(
+        quack_gemm._launch(x, b_nk.mT, torch.empty_like(want_nt), tile, cu_seqlens_m=bounds, A_idx=rows), want_nt
+    )
+    for gather in (rows, None):  # the tile gathering in its loads, and the choice; a transposed output
+        dwt = torch.full((E, N, K), float("nan"), device=dev).bfloat16()
+        if gather is None:
+            grouped_wgrad(x, c, bounds, "wgrad13", out=dwt.transpose(1, 2), rows=rows)
+        else:
+            quack_gemm._launch(x.t(), c, dwt.transpose(1, 2), tile, cu_seqlens_k=bounds, A_idx=rows)
+        assert torch.equal(dwt.transpose(1, 2), want_w)
     s = 0
     for e, n in enumerate(COUNTS):
         rows, other = a[s : s + n].double(), c[s : s + n].double()
