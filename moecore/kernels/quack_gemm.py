@@ -16,11 +16,12 @@ The GEMMs, with `bounds` the experts' row offsets [E + 1] (int32, `grouped_gemm.
     grouped_mm(a, b, bounds, trans_b=False)   out[rows of e] = a[rows of e] @ b[e]       a [M, K], b [E, K, N]
     grouped_wgrad(a, b, bounds)               out[e] = a[rows of e]^T @ b[rows of e]     a [M, N1], b [M, N2]
 
-With `rows` (int32 [M], indices into a's rows) the GEMM's left operand is a[rows] without it being written out:
-QuACK's load warps gather the rows (cp.async) where its other operand streams in through TMA, so a layer can feed
-its tokens [T, H] to the FC1 GEMM in expert order, or its output gradient to the FC2 GEMMs, without the [M, H]
-copies of a permutation (`moe.activation_memory=minimal`, moecore/moe/minimal.py). Gathering needs clusters of one
-CTA along N, so the 128x128 tile pairs its CTAs along M there.
+With `rows` (int32 [M], indices into a's rows) the GEMM's left operand is a[rows]: QuACK's load warps can gather
+the rows (cp.async) while its other operand streams in through TMA, so a layer can feed its tokens [T, H] to the
+FC1 GEMM in expert order, or its output gradient to the FC2 GEMMs, without writing the [M, H] copies of a
+permutation (`moe.activation_memory=minimal`, moecore/moe/minimal.py). Those gathering loads are slower than TMA's,
+by more than the copy at some shapes, so gathering is timed against copying the rows first (below). Gathering
+needs clusters of one CTA along N, so the 128x128 tile pairs its CTAs along M there.
 
 The tile shape matters (up to 2x between the three of `TILES` at one GEMM), and no rule fitted to the shapes we
 measured held at the next shape (docs/benchmarks.md, "QuACK's grouped GEMMs"), so each GEMM shape is timed once

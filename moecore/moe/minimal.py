@@ -19,10 +19,10 @@ observation). Backward, with g = dOut[token of row] (a gather of the output grad
     dh    = SwiGLU'(h) applied to p * da_u                (a * p recomputed from h on the way)
     dW2   = g^T (a * p),   dW13 = dh^T x[token of row] (x gathered again),   dx_t = sum_k (dh @ w13[e])_row
 
-so nothing the size of [M, H] outlives the forward. Where QuACK's GEMMs serve (the `quack` extra on Hopper), no
-[M, H] gather is written at all: the FC1 GEMM reads x[token of row] and the FC2 GEMMs of the backward read
-dOut[token of row] through their loads (`quack_gemm`'s `rows`), and dW13 is computed transposed,
-dW13[e]^T = x[token of row]^T dh, so that the gathered operand is the left one. The forward multiplies the probability where the
+so nothing the size of [M, H] outlives the forward. Where QuACK's GEMMs serve (the `quack` extra on Hopper), the
+FC1 GEMM takes x and the backward's FC2 GEMMs take dOut with the rows' tokens (`quack_gemm`'s `rows`), and dW13 is
+computed transposed, dW13[e]^T = x[token of row]^T dh, so that the gathered operand is the left one: each GEMM
+gathers in its loads or copies the rows first, whichever timed faster for its shape. The forward multiplies the probability where the
 standard path does (`apply_probs_on_input`: inside the activation; else at the combine, in fp32), so
 both paths round alike. Every step is device-side (sort, counts by `searchsorted`, grouped GEMMs on
 device offsets): no host synchronisation. The six GEMMs follow the experts' GemmPlan (`default_plan` per
