@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moecore.bench import main, moe_layer, train
 from moecore.bench.common import kernel_rows, phase_of
@@ -141,3 +142,19 @@ def test_fp8_variants_compose_options():
     assert not moe_layer.is_variant("moecore-fp9")
     recipe = moe_layer._moecore_layer(32, 32, 4, 2, "moecore-fp8-rowwise-primary-triton", tokens=64).experts.fp8_recipe
     assert (recipe.grouped_gemm, recipe.padding) == ("triton", "wgrad")
+
+
+def test_records_carry_the_gpu_state_where_nvml_answers(monkeypatch):
+    from moecore.bench import common
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda: 1755)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda: 612_345)  # milliwatts
+
+    def no_sensor():
+        raise RuntimeError("not supported")
+
+    monkeypatch.setattr(torch.cuda, "temperature", no_sensor)
+    assert common.gpu_state() == {"sm_clock_mhz": 1755, "power_w": 612}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rec = common.record("s", "moecore", 2.0, 4e9, 1.0)
+    assert rec["tflops"] == 2.0 and rec["gpu"] == "cpu" and "sm_clock_mhz" not in rec

@@ -27,12 +27,31 @@ def cuda_time_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> 
 
 
 def env() -> dict:
-    """date, gpu and torch version for every record."""
-    return {
+    """date, gpu and torch version for every record; on a GPU whose driver answers NVML (pynvml installed), the SM
+    clock (MHz), power (W) and temperature (C) just after the measurement, which tell a throttled run apart."""
+    rec = {
         "date": datetime.date.today().isoformat(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
     }
+    if torch.cuda.is_available():
+        rec.update(gpu_state())
+    return rec
+
+
+def gpu_state() -> dict:
+    """{"sm_clock_mhz", "power_w", "temp_c"} of the current GPU, each left out where NVML cannot say."""
+    state = {}
+    for key, read, scale in (
+        ("sm_clock_mhz", torch.cuda.clock_rate, 1),
+        ("power_w", torch.cuda.power_draw, 1e-3),  # NVML reports milliwatts
+        ("temp_c", torch.cuda.temperature, 1),
+    ):
+        try:
+            state[key] = round(read() * scale)
+        except Exception:  # no pynvml, or a driver without the query
+            continue
+    return state
 
 
 def dense_bf16_tflops(n: int = 8192, iters: int = 20) -> float:
