@@ -57,7 +57,11 @@ AUTO_WGRAD_ROWS = 2048
 
 @dataclass(frozen=True)
 class Fp8Recipe:
-    """How FP8 GEMMs quantise: scale groups, the gradients' format, power-of-two scales, emulation."""
+    """How FP8 GEMMs quantise: scale groups, the gradients' format, power-of-two scales, emulation.
+
+    The defaults are the plainest behaviour (FP8 weight gradients, every row padded, torch's scaled grouped GEMM),
+    for direct users of `fp8_linear` / `fp8_expert_ffn`; `train.precision=fp8` builds the recipe from the `fp8`
+    config (`Fp8Recipe.from_config`), whose defaults are the measured ones (`wgrad=auto`, ...)."""
 
     scaling: str = "rowwise"  # tensorwise | rowwise | blockwise
     grad_dtype: torch.dtype = E4M3  # E5M2 for the hybrid format
