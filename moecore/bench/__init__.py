@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         default="moecore",
         help="comma-separated moecore variants to time: moecore, moecore-unfused-router (both benches), "
-        "moecore-all-grouped, moecore-all-triton, moecore-all-quack, moecore-torch-gemms, moecore-fp32-router-gemm, moecore-minimal, moecore-chunked[-<rows>], moecore-sync-free, "
+        "moecore-all-grouped, moecore-all-triton, moecore-all-quack, moecore-torch-gemms, moecore-fp32-router-gemm, moecore-minimal[-swiglu-epilogue], moecore-chunked[-<rows>], moecore-sync-free, "
         "moecore-fp8-<tensorwise|rowwise|blockwise>, moecore-fp8-rowwise-bf16wgrad, moecore-fp8-rowwise-fp8wgrad, moecore-fp8-rowwise-primary, "
         "moecore-fp8-rowwise-wgradpad, moecore-fp8-rowwise-primary-wgradpad, moecore-fp8-rowwise-[primary-]triton, "
         "-allpad, -torchgemm, -hybrid (moe-layer)",

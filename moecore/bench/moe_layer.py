@@ -61,6 +61,8 @@ VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore"
     "never QuACK's",
     "moecore-all-quack": "every expert GEMM through QuACK's grouped GEMMs (where they run; torch's elsewhere)",
     "moecore-minimal": "moe.activation_memory=minimal: experts, permute and combine as one Function (x, h, routing kept)",
+    "moecore-minimal-swiglu-epilogue": "minimal with moe.swiglu_epilogue=true: the SwiGLU and its backward in QuACK's "
+    "GEMM epilogues (probabilities at the combine)",
     "moecore-chunked": "moe.activation_memory=chunked: as minimal, keeping x and routing only, in chunks of 8192 rows"
     " (moecore-chunked-<rows>: chunks of <rows>)",
     "moecore-sync-free": "moe.sync_free=true: no host synchronisation from routing to combine",
@@ -143,11 +145,15 @@ def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore", tok
         norm_topk_prob=True,
         router_load_balancing_type="none",  # transformers' block computes no balancing loss either
         aux_loss_coeff=0.0,
-        apply_probs_on_input=True,  # weights inside the SwiGLU (Megatron-Core's fused weighted SwiGLU)
+        # weights inside the SwiGLU (Megatron-Core's fused weighted SwiGLU); QuACK's SwiGLU epilogue: at the combine
+        apply_probs_on_input=variant != "moecore-minimal-swiglu-epilogue",
+        swiglu_epilogue=variant == "moecore-minimal-swiglu-epilogue",
         router_fusion=variant != "moecore-unfused-router",
         activation_memory="chunked"
         if _chunk_rows(variant)
-        else {"moecore-minimal": "minimal", "moecore-chunked": "chunked"}.get(variant, "standard"),
+        else {"moecore-chunked": "chunked"}.get(
+            variant, "minimal" if variant.startswith("moecore-minimal") else "standard"
+        ),
         activation_chunk_rows=_chunk_rows(variant) or MoEConfig.activation_chunk_rows,
         sync_free=variant == "moecore-sync-free",
         gemm_backend="torch" if variant == "moecore-torch-gemms" else "auto",

@@ -54,6 +54,9 @@ class MoEConfig:
     # auto: the expert GEMMs through QuACK's grouped GEMMs where they run (the `quack` extra, a Hopper GPU),
     # torch / Triton per shape elsewhere; torch: never QuACK's (moecore/kernels/grouped_ffn.py, default_plan)
     gemm_backend: str = "auto"
+    # minimal mode with QuACK: the SwiGLU and its backward in the expert GEMMs' epilogues (moecore/kernels/
+    # quack_swiglu.py; probabilities at the combine). Not yet timed on a GPU: off by default
+    swiglu_epilogue: bool = False
 
     BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 
@@ -92,6 +95,10 @@ class MoEConfig:
         if not isinstance(self.sync_free, bool):
             _fail("moe.sync_free", self.sync_free, "true | false")
         _check_choice("moe.gemm_backend", self.gemm_backend, ("auto", "torch"))
+        if not isinstance(self.swiglu_epilogue, bool):
+            _fail("moe.swiglu_epilogue", self.swiglu_epilogue, "true | false")
+        if self.swiglu_epilogue and (self.activation_memory != "minimal" or self.apply_probs_on_input):
+            _fail("moe.swiglu_epilogue", True, "needs moe.activation_memory=minimal and apply_probs_on_input=false")
         if self.num_experts == 0:
             return
         _check_range("moe.router_topk", self.router_topk, 1, self.num_experts)

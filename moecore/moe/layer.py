@@ -231,6 +231,7 @@ class MoELayer(nn.Module):
                         routed.presorted,
                         e.gemm_plan,
                         e.gemm_backend,
+                        self.cfg.swiglu_epilogue,
                     )
                 e.last_path = self.cfg.activation_memory
         else:

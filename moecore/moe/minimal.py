@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from moecore.kernels import quack_gemm
+from moecore.kernels import quack_gemm, quack_swiglu
 from moecore.kernels.grouped_ffn import GemmPlan, default_plan, gemm_nn, gemm_nt, gemm_tn
 from moecore.kernels.permute import unpermute_rows
 from moecore.kernels.swiglu import swiglu, swiglu_backward
@@ -135,6 +135,42 @@ class _MinimalExperts(torch.autograd.Function):
         return dx, dw13, dw2, dw, None, None, None, None, None
 
 
+class _EpilogueSwiGLUExperts(torch.autograd.Function):
+    """The Function above with the SwiGLU and its backward in QuACK's GEMM epilogues (moecore/kernels/
+    quack_swiglu.py): h kept in the interleaved order, the probabilities applied at the combine."""
+
+    @staticmethod
+    def forward(ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, plan: GemmPlan):
+        T = x_TH.shape[0]
+        K, w13c, w2c, tok_M, p_M = row_operands(x_TH, w13, w2, weight_TK, order_M)
+        hi, s = quack_swiglu.gated_fc1(x_TH.index_select(0, tok_M), w13c, bounds)
+        y = gemm_nt(s, w2c, bounds, None, plan.fwd2, "fwd2")
+        del s
+        out = unpermute_rows(y, order_M, inv_M, weight_TK, T, K)
+        ctx.save_for_backward(x_TH, w13c, w2c, hi, p_M, order_M, inv_M, bounds)
+        ctx.K, ctx.w_dtypes, ctx.p_dtype, ctx.plan = K, (w13.dtype, w2.dtype), weight_TK.dtype, plan
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x_TH, w13c, w2c, hi, p_M, order_M, inv_M, bounds = ctx.saved_tensors
+        T, K, needs = x_TH.shape[0], ctx.K, ctx.needs_input_grad
+        tok_M = order_M // K
+        g = d_out.to(x_TH.dtype).contiguous().index_select(0, tok_M)  # dOut of each row's token
+        dhi, a_p, dp = quack_swiglu.dgated_fc2(g, w2c, hi, p_M, bounds)  # dp = <dOut_t, expert output of the row>
+        del hi
+        dw2 = gemm_tn(g, a_p, bounds, None, ctx.plan.wgrad2, ctx.w_dtypes[1], "wgrad2") if needs[2] else None
+        del g, a_p
+        dw13 = None
+        if needs[1]:
+            dw13 = quack_swiglu.fc1_wgrad(dhi, x_TH.index_select(0, tok_M), bounds).to(ctx.w_dtypes[0])
+        dx = None
+        if needs[0]:
+            dx = unpermute_rows(quack_swiglu.fc1_dgrad(dhi, w13c, bounds), order_M, inv_M, None, T, K)
+        dw = dp.index_select(0, inv_M).view(T, K).to(ctx.p_dtype) if needs[3] else None
+        return dx, dw13, dw2, dw, None, None, None, None
+
+
 def minimal_experts(
     x_TH: torch.Tensor,
     idx_TK: torch.Tensor,
@@ -145,17 +181,22 @@ def minimal_experts(
     presorted: SortedAssignments | None = None,
     plan: GemmPlan | None = None,
     backend: str = "auto",
+    swiglu_epilogue: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_k weight[t, k] * expert_{idx[t, k]}(x[t]) for SwiGLU experts, keeping x, h and routing for backward.
 
     Returns (out [T, H] in x's dtype, rows per expert [E] int64). Differentiable in x, the weights and
     weight_TK (the router's gradient path). `presorted`: `sort_assignments(idx_TK)` already computed.
     `plan`: the GEMMs' implementations (None: `default_plan` for this shape and `backend`); loops over host
-    counts run as torch._grouped_mm.
+    counts run as torch._grouped_mm. `swiglu_epilogue`: the SwiGLU in QuACK's GEMM epilogues where they run
+    (`moe.swiglu_epilogue`; probabilities at the combine, so not with `probs_in_act`).
     """
     E, F2, H = w13_EFH.shape
     order, inv, bounds = sort_by_expert(idx_TK, E, presorted)
     plan = (plan or default_plan(E, idx_TK.numel(), H, F2 // 2, x_TH.device, backend)).without_host_sync()
     x = x_TH.contiguous()
-    out = _MinimalExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plan)
+    if swiglu_epilogue and not probs_in_act and backend != "torch" and quack_swiglu.runs(x, F2 // 2):
+        out = _EpilogueSwiGLUExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, plan)
+    else:
+        out = _MinimalExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plan)
     return out, (bounds[1:] - bounds[:-1]).long()
