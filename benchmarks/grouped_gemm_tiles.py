@@ -23,7 +23,7 @@ rowwise FP8 grouped GEMM and bf16 grouped GEMM on the same padded rows (no block
 With --quack the six bf16 GEMMs run through QuACK's grouped GEMMs (moecore/kernels/quack_gemm.py; needs the
 `quack` extra and a Hopper GPU) under each of its tiles, beside torch._grouped_mm, each output compared with
 torch's bit for bit (`equal`); `rule` marks the tile `tile_for` guesses and `tuned` the candidate the backend
-chooses by timing (`quack_gemm._choose`):
+chooses by timing (`quack_gemm.choose`):
 
     python benchmarks/grouped_gemm_tiles.py --quack --json OUT.json [--shapes ...,qwen3_235b_a22b,kimi_k2]
 """

@@ -25,7 +25,7 @@ needs clusters of one CTA along N, so the 128x128 tile pairs its CTAs along M th
 
 The tile shape matters (up to 2x between the three of `TILES` at one GEMM), and no rule fitted to the shapes we
 measured held at the next shape (docs/benchmarks.md, "QuACK's grouped GEMMs"), so each GEMM shape is timed once
-per process under each tile and under torch's grouped GEMM, and the fastest is kept (`_choose`): QuACK's kernels
+per process under each tile and under torch's grouped GEMM, and the fastest is kept (`choose`): QuACK's kernels
 run only where they are faster. That first call synchronises with the GPU; under CUDA-graph capture, before any
 eager call has tuned the shape, `tile_for`'s measured rule decides instead.
 """
@@ -96,7 +96,8 @@ def tile_for(kind: str, rows_per_expert: float, n: int) -> str:
     return "128x192"
 
 
-def _config(tile: str, gather: bool = False):
+def tile_config(tile: str, gather: bool = False):
+    """QuACK's GemmConfig for a TILES key (static persistent scheduler); `gather`: for A's rows gathered."""
     from quack.gemm_config import GemmConfig
 
     tm, tn, pingpong, cm, cn = TILES[tile]
@@ -105,13 +106,13 @@ def _config(tile: str, gather: bool = False):
     return GemmConfig(tile_m=tm, tile_n=tn, pingpong=pingpong, cluster_m=cm, cluster_n=cn, is_dynamic_persistent=False)
 
 
-def _launch(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor, tile: str, **varlen) -> torch.Tensor:
+def launch(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor, tile: str, **varlen) -> torch.Tensor:
     """QuACK's GEMM with an explicit tile configuration (its autotuner's wrapped function: no tuning pass).
     varlen: cu_seqlens_m or cu_seqlens_k, and A_idx where A's rows (varlen_m) or columns (varlen_k) are gathered."""
     from quack.gemm_interface import gemm_tuned
 
     run = getattr(gemm_tuned, "fn", gemm_tuned)
-    run(A, B, out, config=_config(tile, varlen.get("A_idx") is not None), **varlen)
+    run(A, B, out, config=tile_config(tile, varlen.get("A_idx") is not None), **varlen)
     return out
 
 
@@ -144,7 +145,7 @@ def _time_ms(fn: Callable[[], object], reps: int = 3) -> float:
 
 
 def _candidates(gathered: bool = False, transposed_out: bool = False) -> tuple[str, ...]:
-    """What `_choose` times: CANDIDATES, with "copy" instead of torch's kernel for gathered rows and without it for
+    """What `choose` times: CANDIDATES, with "copy" instead of torch's kernel for gathered rows and without it for
     a transposed output."""
     if not (gathered or transposed_out):
         return CANDIDATES
@@ -152,7 +153,7 @@ def _candidates(gathered: bool = False, transposed_out: bool = False) -> tuple[s
     return (*tiles, COPY) if gathered else tiles
 
 
-def _choose(key: tuple, guess: str, run: Callable[[str], object], candidates: tuple[str, ...] = ()) -> str:
+def choose(key: tuple, guess: str, run: Callable[[str], object], candidates: tuple[str, ...] = ()) -> str:
     """The candidate for this GEMM shape: the memorised one, else (outside CUDA-graph capture) the fastest of
     `candidates` (default CANDIDATES) by `_time_ms` (one that fails to compile is passed over), else `guess`."""
     choice = _CHOICES.get(key)
@@ -171,7 +172,7 @@ def _choose(key: tuple, guess: str, run: Callable[[str], object], candidates: tu
     return choice
 
 
-def _shape_key(kind: str, a: torch.Tensor, m: int, n: int, E: int, layout: str = "") -> tuple:
+def shape_key(kind: str, a: torch.Tensor, m: int, n: int, E: int, layout: str = "") -> tuple:
     """What a choice depends on: the GEMM, its widths, the experts, the rows per expert (to a power of two) and
     the operands' layout ("rows": the left operand's rows gathered; "t": a transposed output)."""
     per_expert = max(m // max(E, 1), 1)
@@ -200,12 +201,12 @@ def grouped_mm(
             return grouped_mm(a.index_select(0, rows), b, bounds, trans_b, kind)
         if cand == "torch":
             return torch._grouped_mm(a, B, offs=bounds[1:])
-        return _launch(a, B, a.new_empty(m, n), cand, cu_seqlens_m=bounds, A_idx=rows)
+        return launch(a, B, a.new_empty(m, n), cand, cu_seqlens_m=bounds, A_idx=rows)
 
     gathered = rows is not None
-    key = _shape_key(kind, a, m, n, E, "rows" if gathered else "")
+    key = shape_key(kind, a, m, n, E, "rows" if gathered else "")
     guess = COPY if gathered else tile_for(kind, m / max(E, 1), n)
-    return run(_choose(key, guess, run, _candidates(gathered)))
+    return run(choose(key, guess, run, _candidates(gathered)))
 
 
 def grouped_wgrad(
@@ -232,9 +233,9 @@ def grouped_wgrad(
             res = torch._grouped_mm(a.t(), b, offs=bounds[1:])
             return res if out is None else out.copy_(res)
         dst = a.new_empty(E, a.shape[1], b.shape[1]) if out is None else out
-        return _launch(a.t(), b, dst, cand, cu_seqlens_k=bounds, A_idx=rows)
+        return launch(a.t(), b, dst, cand, cu_seqlens_k=bounds, A_idx=rows)
 
     n, gathered, transposed = b.shape[1], rows is not None, out is not None and not out.is_contiguous()
-    key = _shape_key(kind, a, m, n, E, ("rows" if gathered else "") + ("t" if transposed else ""))
+    key = shape_key(kind, a, m, n, E, ("rows" if gathered else "") + ("t" if transposed else ""))
     guess = COPY if gathered else tile_for(kind, m / max(E, 1), n)
-    return run(_choose(key, guess, run, _candidates(gathered, transposed)))
+    return run(choose(key, guess, run, _candidates(gathered, transposed)))

@@ -19,7 +19,7 @@ scales by them (`colvec_scale`) and reduces their gradient (`colvec_reduce`):
     fc1_dgrad:   dx_rows = dhi w13 (w13's rows viewed interleaved)
     fc1_wgrad:   dW13 = dhi^T x (its rows written back in [gate; up] order)
 
-Each GEMM shape is timed once under QuACK's tiles (`quack_gemm._choose`; no torch kernel does these). QuACK's
+Each GEMM shape is timed once under QuACK's tiles (`quack_gemm.choose`; no torch kernel does these). QuACK's
 epilogues compute the activation from the fp32 accumulator, where the unfused path rounds h to bf16 first: the two
 agree to bf16 rounding, not bit for bit.
 """
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from moecore.kernels import quack_gemm
-from moecore.kernels.quack_gemm import TILES, _choose, _config, _launch, _shape_key, tile_for
+from moecore.kernels.quack_gemm import TILES, choose, launch, shape_key, tile_config, tile_for
 
 
 def interleave(h: torch.Tensor) -> torch.Tensor:
@@ -48,7 +48,7 @@ def _launch_gated(A, B, preact, postact, tile: str, **varlen) -> None:
     from quack.gemm_interface import gemm_gated_tuned
 
     run = getattr(gemm_gated_tuned, "fn", gemm_gated_tuned)
-    run(A, B, preact, postact, activation="swiglu", config=_config(tile), concat_layout=("B",), **varlen)
+    run(A, B, preact, postact, activation="swiglu", config=tile_config(tile), concat_layout=("B",), **varlen)
 
 
 def _launch_dgated(A, B, preact, dpreact, postact, scale, tile: str, **varlen) -> torch.Tensor:
@@ -58,14 +58,14 @@ def _launch_dgated(A, B, preact, dpreact, postact, scale, tile: str, **varlen) -
     run = getattr(gemm_dgated_tuned, "fn", gemm_dgated_tuned)
     return run(
         A, B, preact, dpreact, postact, colvec_scale=scale, activation="swiglu", colvec_reduce=True,
-        dynamic_scheduler=False, config=_config(tile), **varlen,
+        dynamic_scheduler=False, config=tile_config(tile), **varlen,
     )  # fmt: skip
 
 
 def _tile(kind: str, a: torch.Tensor, n: int, E: int, run) -> str:
     """The tile for this fused GEMM's shape: timed once among QuACK's tiles (the rule's guess under capture)."""
-    key = _shape_key(kind, a, a.shape[0], n, E, "swiglu")
-    return _choose(key, tile_for(kind, a.shape[0] / max(E, 1), n), run, tuple(TILES))
+    key = shape_key(kind, a, a.shape[0], n, E, "swiglu")
+    return choose(key, tile_for(kind, a.shape[0] / max(E, 1), n), run, tuple(TILES))
 
 
 def gated_fc1(x: torch.Tensor, w13: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +100,7 @@ def fc1_dgrad(dhi: torch.Tensor, w13: torch.Tensor, bounds: torch.Tensor) -> tor
     out = dhi.new_empty(dhi.shape[0], w13.shape[2])
 
     def run(tile: str) -> torch.Tensor:
-        return _launch(dhi, w13, out, tile, cu_seqlens_m=bounds, concat_layout=("B",))
+        return launch(dhi, w13, out, tile, cu_seqlens_m=bounds, concat_layout=("B",))
 
     return run(_tile("dgrad13", dhi, w13.shape[2], w13.shape[0], run))
 
@@ -113,7 +113,7 @@ def fc1_wgrad(dhi: torch.Tensor, x: torch.Tensor, bounds: torch.Tensor) -> torch
         return out.zero_()
 
     def run(tile: str) -> torch.Tensor:
-        return _launch(dhi.t(), x, out, tile, cu_seqlens_k=bounds, concat_layout=("out",))
+        return launch(dhi.t(), x, out, tile, cu_seqlens_k=bounds, concat_layout=("out",))
 
     return run(_tile("wgrad13", dhi, x.shape[1], E, run))
 

@@ -90,15 +90,15 @@ def test_choice_is_the_fastest_candidate_once_per_shape(monkeypatch):
 
     monkeypatch.setattr(quack_gemm, "_time_ms", fake_time)
     monkeypatch.setattr(quack_gemm, "_CHOICES", {})
-    assert quack_gemm._choose(("k", 1), "128x256", lambda c: c) == "128x192"
+    assert quack_gemm.choose(("k", 1), "128x256", lambda c: c) == "128x192"
     assert timed == list(quack_gemm.CANDIDATES)
-    assert quack_gemm._choose(("k", 1), "128x256", lambda c: c) == "128x192"  # memorised: nothing timed again
+    assert quack_gemm.choose(("k", 1), "128x256", lambda c: c) == "128x192"  # memorised: nothing timed again
     assert len(timed) == len(quack_gemm.CANDIDATES)
     ms["torch"] = 1.0
-    assert quack_gemm._choose(("k", 2), "128x256", lambda c: c) == "torch"  # torch's GEMM where it is faster
+    assert quack_gemm.choose(("k", 2), "128x256", lambda c: c) == "torch"  # torch's GEMM where it is faster
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert quack_gemm._choose(("k", 3), "128x128", lambda c: c) == "128x128"  # under capture: the rule's guess
+    assert quack_gemm.choose(("k", 3), "128x128", lambda c: c) == "128x128"  # under capture: the rule's guess
 
 
 def test_run_summary_names_the_expert_gemms(monkeypatch):
@@ -156,7 +156,7 @@ def stand_in_quack(monkeypatch) -> list:
         return 1.0 if len(launched) > n else 2.0
 
     monkeypatch.setattr(quack_gemm, "quack_runs", lambda *t: True)
-    monkeypatch.setattr(quack_gemm, "_launch", stand_in)
+    monkeypatch.setattr(quack_gemm, "launch", stand_in)
     monkeypatch.setattr(quack_gemm, "_time_ms", stand_in_time)
     monkeypatch.setattr(quack_gemm, "_CHOICES", {})
     return launched
@@ -258,14 +258,14 @@ def test_quack_gemms_match_float64_per_expert(tile, monkeypatch):
     want_nt, want_w = torch._grouped_mm(xg, b_nk.mT, offs=offs), torch._grouped_mm(xg.t(), c, offs=offs)
     assert torch.equal(grouped_mm(x, b_nk, bounds, True, "fwd13", rows=rows), want_nt)  # the chosen way
     assert torch.equal(
-        quack_gemm._launch(x, b_nk.mT, torch.empty_like(want_nt), tile, cu_seqlens_m=bounds, A_idx=rows), want_nt
+        quack_gemm.launch(x, b_nk.mT, torch.empty_like(want_nt), tile, cu_seqlens_m=bounds, A_idx=rows), want_nt
     )
     for gather in (rows, None):  # the tile gathering in its loads, and the choice; a transposed output
         dwt = torch.full((E, N, K), float("nan"), device=dev).bfloat16()
         if gather is None:
             grouped_wgrad(x, c, bounds, "wgrad13", out=dwt.transpose(1, 2), rows=rows)
         else:
-            quack_gemm._launch(x.t(), c, dwt.transpose(1, 2), tile, cu_seqlens_k=bounds, A_idx=rows)
+            quack_gemm.launch(x.t(), c, dwt.transpose(1, 2), tile, cu_seqlens_k=bounds, A_idx=rows)
         assert torch.equal(dwt.transpose(1, 2), want_w)
     s = 0
     for e, n in enumerate(COUNTS):

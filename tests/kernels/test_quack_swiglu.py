@@ -75,7 +75,7 @@ def stand_in_epilogues(monkeypatch) -> list:
     monkeypatch.setattr(quack_gemm, "_CHOICES", {})
     monkeypatch.setattr(quack_swiglu, "_launch_gated", gated)
     monkeypatch.setattr(quack_swiglu, "_launch_dgated", dgated)
-    monkeypatch.setattr(quack_swiglu, "_launch", plain)
+    monkeypatch.setattr(quack_swiglu, "launch", plain)
     return launched
 
 
