@@ -23,7 +23,10 @@ rowwise FP8 grouped GEMM and bf16 grouped GEMM on the same padded rows (no block
 With --quack the six bf16 GEMMs run through QuACK's grouped GEMMs (moecore/kernels/quack_gemm.py; needs the
 `quack` extra and a Hopper GPU) under each of its tiles, beside torch._grouped_mm, each output compared with
 torch's bit for bit (`equal`); `rule` marks the tile `tile_for` guesses and `tuned` the candidate the backend
-chooses by timing (`quack_gemm.choose`):
+chooses by timing (`quack_gemm.choose`). Two more kinds time the SwiGLU in QuACK's epilogues
+(moecore/kernels/quack_swiglu.py, `moe.swiglu_epilogue`) against the GEMM followed by moecore's SwiGLU kernel:
+`fwd13_swiglu` (FC1 and the SwiGLU) and `dgrad2_dswiglu` (the activation's gradient and the SwiGLU backward with
+the rows' probabilities), with `err` the fused output's relative error against the unfused one:
 
     python benchmarks/grouped_gemm_tiles.py --quack --json OUT.json [--shapes ...,qwen3_235b_a22b,kimi_k2]
 """
@@ -170,6 +173,39 @@ def run_shape_quack(name: str, kinds: set | None, emit) -> None:
             del ref
     finally:
         quack_gemm.CANDIDATES, quack_gemm._CHOICES = saved, {}
+    run_swiglu_epilogues(name, pb, kinds, emit)
+
+
+def run_swiglu_epilogues(name: str, pb, kinds: set | None, emit) -> None:
+    """FC1 + SwiGLU and the activation's gradient + SwiGLU backward: QuACK's epilogues against QuACK's GEMM (the
+    timed tile) followed by moecore's SwiGLU kernel."""
+    from moecore.kernels import quack_gemm, quack_swiglu
+    from moecore.kernels.swiglu import swiglu, swiglu_backward
+
+    xs, w13, w2, h, dy, p, bounds = pb.xs, pb.w13, pb.w2, pb.h, pb.dy, pb.p, pb.bounds
+    hi = quack_swiglu.interleave(h)
+    f13, f2 = 2 * pb.M * pb.H * 2 * pb.F, 2 * pb.M * pb.H * pb.F
+    pairs = {  # kind: (unfused, fused, the fused output in the unfused one's layout, flops)
+        "fwd13_swiglu": (
+            lambda: swiglu(quack_gemm.grouped_mm(xs, w13, bounds, True, "fwd13")),
+            lambda: quack_swiglu.gated_fc1(xs, w13, bounds),
+            lambda out: out[1], f13),
+        "dgrad2_dswiglu": (
+            lambda: swiglu_backward(h, p, quack_gemm.grouped_mm(dy, w2, bounds, False, "dgrad2"))[0],
+            lambda: quack_swiglu.dgated_fc2(dy, w2, hi, p, bounds),
+            lambda out: quack_swiglu.deinterleave(out[0]), f2),
+    }  # fmt: skip
+    for kind, (unfused, fused, comparable, flops) in pairs.items():
+        if kinds is not None and kind not in kinds:
+            continue
+        ref = unfused()
+        emit(name, kind, "quack+swiglu-kernel", cuda_time_ms(unfused), flops)
+        try:
+            got = comparable(fused()).float()
+            err = ((got - ref.float()).norm() / ref.float().norm()).item()
+            emit(name, kind, "quack-epilogue", cuda_time_ms(fused), flops, err=round(err, 5))
+        except Exception as ex:  # report and go on to the next kind
+            emit(name, kind, "quack-epilogue", 0.0, flops, error=str(ex)[:200])
 
 
 def run_shape_fp8(name: str, cfgs: list, wgrad_cfgs: list, kinds: set | None, emit) -> None:
@@ -332,7 +368,7 @@ def main() -> None:
         "--kinds",
         default=None,
         help="only these GEMMs (fwd_w13,fwd_w2,dgrad_w2,dgrad_w13,wgrad_w13,wgrad_w2; with "
-        "--quack: fwd13,fwd2,dgrad2,dgrad13,wgrad2,wgrad13)",
+        "--quack: fwd13,fwd2,dgrad2,dgrad13,wgrad2,wgrad13,fwd13_swiglu,dgrad2_dswiglu)",
     )
     args = ap.parse_args()
     env = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
