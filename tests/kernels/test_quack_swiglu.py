@@ -96,6 +96,27 @@ def test_minimal_experts_with_the_swiglu_epilogue_equal_the_unfused_path(stand_i
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_layer_with_swiglu_epilogue_equals_the_minimal_layer(stand_in_epilogues):
+    """`moe.swiglu_epilogue=true` reaches the experts from the config (through MoELayer)."""
+    from moecore.moe.layer import MoELayer
+
+    kw = dict(num_experts=4, router_topk=2, ffn_hidden_size=8, activation_memory="minimal")
+    torch.manual_seed(0)
+    plain = MoELayer(MoEConfig(**kw), 16, init_std=0.2)
+    fused = MoELayer(MoEConfig(swiglu_epilogue=True, **kw), 16, init_std=0.2)
+    fused.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 5, 16)
+    results = []
+    for layer in (plain, fused):
+        xi = x.clone().requires_grad_()
+        y, aux = layer(xi)
+        y.square().sum().backward()
+        results.append([y.detach(), xi.grad] + [p.grad for p in layer.parameters()])
+    assert "gated" in stand_in_epilogues
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 def test_swiglu_epilogue_through_quack_matches_the_unfused_path():
     dev = torch.device("cuda")
