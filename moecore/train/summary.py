@@ -39,6 +39,8 @@ def kernels_line(cfg: Config, device: torch.device) -> str | None:
         experts = "torch's / moecore's Triton GEMMs per shape (moe.gemm_backend=torch)"
     elif quack_gemm.quack_available(device):
         experts = "QuACK's grouped GEMMs where they time faster than torch's (moe.gemm_backend=auto)"
+        if cfg.moe.swiglu_epilogue:
+            experts += ", the SwiGLU in their epilogues (moe.swiglu_epilogue)"
     else:
         experts = "torch's / moecore's Triton GEMMs per shape (QuACK not installed, or not a Hopper GPU)"
     return f"kernels  {triton}; expert GEMMs: {experts}"

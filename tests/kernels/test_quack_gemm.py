@@ -109,7 +109,9 @@ def test_run_summary_names_the_expert_gemms(monkeypatch):
     cuda = torch.device("cuda")
     assert kernels_line(cfg, torch.device("cpu")) is None
     monkeypatch.setattr(quack_gemm, "quack_available", lambda device: True)
-    assert "QuACK" in kernels_line(cfg, cuda)
+    assert "QuACK" in kernels_line(cfg, cuda) and "epilogue" not in kernels_line(cfg, cuda)
+    cfg.moe.swiglu_epilogue = True
+    assert "moe.swiglu_epilogue" in kernels_line(cfg, cuda)
     cfg.moe.gemm_backend = "torch"
     assert "moe.gemm_backend=torch" in kernels_line(cfg, cuda)
     cfg.moe.gemm_backend = "auto"
