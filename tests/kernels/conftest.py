@@ -109,6 +109,18 @@ def expert_ffn_inputs(E: int, H: int, Fd: int, counts: list, dev, dt, seed: int 
     return x, w13, w2, torch.tensor(counts, device=dev), p, dy
 
 
+def routed_inputs(T: int, H: int, E: int, K: int, Fd: int, dev, dt, seed: int = 0, scale: float = 1.0):
+    """(x [T, H], w13 [E, 2Fd, H], w2 [E, H, Fd] scaled by `scale`, idx [T, K] distinct experts, weights [T, K]
+    fp32, dout [T, H]) for the routed experts' Functions (moe/minimal.py), drawn on CPU then moved."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dev, dt)
+    w13 = (torch.randn(E, 2 * Fd, H, generator=g) * scale).to(dev, dt)
+    w2 = (torch.randn(E, H, Fd, generator=g) * scale).to(dev, dt)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
+    w, dout = torch.rand(T, K, generator=g).to(dev), torch.randn(T, H, generator=g).to(dev, dt)
+    return x, w13, w2, idx, w, dout
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()

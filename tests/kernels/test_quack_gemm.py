@@ -16,7 +16,7 @@ from moecore.kernels import quack_gemm
 from moecore.kernels.grouped_ffn import GemmPlan, _GroupedFFN, default_plan, expert_ffn, expert_ffn_reference
 from moecore.kernels.quack_gemm import TILES, grouped_mm, grouped_wgrad, tile_for
 from moecore.moe.minimal import minimal_experts
-from tests.kernels.conftest import expert_ffn_inputs, rel_err
+from tests.kernels.conftest import expert_ffn_inputs, rel_err, routed_inputs
 
 # GPU ms of QuACK's tiles (128x256, 128x192, 128x128) per GEMM kind, one H100, 2026-12-06 (benchmarks/
 # grouped_gemm_tiles.py --quack; docs/benchmarks.md, "QuACK's grouped GEMMs"), at (rows per expert, hidden, ffn)
@@ -196,11 +196,7 @@ def test_quack_path_through_the_expert_ffn_with_a_stand_in_kernel(stand_in_quack
 def test_minimal_experts_gather_rows_in_quack_loads_with_a_stand_in_kernel(stand_in_quack):
     """moe.activation_memory=minimal with QuACK's GEMMs: FC1, both FC2 GEMMs of the backward and dW13 (computed
     transposed, into a transposed view) take gathered rows; values and gradients equal the path without QuACK."""
-    torch.manual_seed(2)
-    T, H, E, K, F = 9, 16, 4, 2, 8
-    x, w13, w2 = torch.randn(T, H), torch.randn(E, 2 * F, H), torch.randn(E, H, F)
-    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
-    w, dout = torch.rand(T, K), torch.randn(T, H)
+    x, w13, w2, idx, w, dout = routed_inputs(9, 16, 4, 2, 8, "cpu", torch.float32, seed=2)
     results = []
     for plan in (GemmPlan(), GemmPlan.uniform("quack")):
         ts = [t.clone().requires_grad_() for t in (x, w13, w2, w)]
@@ -286,13 +282,7 @@ def test_minimal_experts_through_quack_match_the_torch_plan():
     """The minimal layer's Function with QuACK gathering rows in its loads against the same Function on torch's
     GEMMs (which gather copies first)."""
     dev = _skip_unless_quack()
-    g = torch.Generator().manual_seed(6)
-    T, H, E, K, F = 1000, 256, 8, 3, 128
-    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
-    w13 = (torch.randn(E, 2 * F, H, generator=g) * 0.05).to(dev, torch.bfloat16)
-    w2 = (torch.randn(E, H, F, generator=g) * 0.05).to(dev, torch.bfloat16)
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
-    w, dout = torch.rand(T, K, generator=g).to(dev), torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    x, w13, w2, idx, w, dout = routed_inputs(1000, 256, 8, 3, 128, dev, torch.bfloat16, seed=6, scale=0.05)
     results = []
     for plan in (GemmPlan.uniform("grouped"), GemmPlan.uniform("quack")):
         ts = [t.clone().requires_grad_() for t in (x, w13, w2, w)]

@@ -17,7 +17,7 @@ from moecore.kernels import quack_gemm, quack_swiglu
 from moecore.kernels.grouped_ffn import GemmPlan
 from moecore.kernels.quack_swiglu import deinterleave, interleave
 from moecore.moe.minimal import minimal_experts
-from tests.kernels.conftest import rel_err
+from tests.kernels.conftest import rel_err, routed_inputs
 
 
 def test_interleave_pairs_gate_and_up_and_inverts():
@@ -80,11 +80,7 @@ def stand_in_epilogues(monkeypatch) -> list:
 
 
 def test_minimal_experts_with_the_swiglu_epilogue_equal_the_unfused_path(stand_in_epilogues):
-    torch.manual_seed(3)
-    T, H, E, K, Fd = 10, 16, 4, 2, 8
-    x, w13, w2 = torch.randn(T, H), torch.randn(E, 2 * Fd, H), torch.randn(E, H, Fd)
-    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
-    w, dout = torch.rand(T, K), torch.randn(T, H)
+    x, w13, w2, idx, w, dout = routed_inputs(10, 16, 4, 2, 8, "cpu", torch.float32, seed=3)
     results = []
     for fused in (False, True):
         ts = [t.clone().requires_grad_() for t in (x, w13, w2, w)]
@@ -122,13 +118,7 @@ def test_swiglu_epilogue_through_quack_matches_the_unfused_path():
     dev = torch.device("cuda")
     if not torch.cuda.is_available() or not quack_gemm.quack_available(dev):
         pytest.skip("needs a Hopper GPU and the quack extra")
-    g = torch.Generator().manual_seed(8)
-    T, H, E, K, Fd = 1000, 256, 8, 3, 128
-    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
-    w13 = (torch.randn(E, 2 * Fd, H, generator=g) * 0.05).to(dev, torch.bfloat16)
-    w2 = (torch.randn(E, H, Fd, generator=g) * 0.05).to(dev, torch.bfloat16)
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
-    w, dout = torch.rand(T, K, generator=g).to(dev), torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    x, w13, w2, idx, w, dout = routed_inputs(1000, 256, 8, 3, 128, dev, torch.bfloat16, seed=8, scale=0.05)
     results = []
     for fused in (False, True):
         ts = [t.clone().requires_grad_() for t in (x, w13, w2, w)]
