@@ -188,7 +188,7 @@ def grouped_mm(
     rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[rows of e] = A[rows of e] @ (b[e]^T if trans_b else b[e]) -> [M, N] in a's dtype, with A = a, or
-    A = a[rows] for `rows` int32 [M] (gathered in QuACK's loads; torch's kernel takes a gathered copy)."""
+    A = a[rows] for `rows` int32 [M] (gathered in QuACK's loads, or copied first: whichever timed faster)."""
     E = b.shape[0]
     B = b.transpose(1, 2) if trans_b else b  # [E, K, N], as QuACK takes it
     n = B.shape[2]
@@ -218,7 +218,7 @@ def grouped_wgrad(
     rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[e] = A[rows of e]^T @ b[rows of e] -> [E, N1, N2] in a's dtype (zeros for an expert without rows), with
-    A = a, or A = a[rows] for `rows` int32 [M] (gathered in QuACK's loads; torch's kernel takes a gathered copy).
+    A = a, or A = a[rows] for `rows` int32 [M] (gathered in QuACK's loads, or copied first: whichever timed faster).
     `out`: an [E, N1, N2] tensor of a's dtype to write (e.g. a slice of a larger gradient, or the transpose of a
     contiguous [E, N2, N1] one: QuACK stores either layout)."""
     E = bounds.numel() - 1
