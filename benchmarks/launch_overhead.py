@@ -9,7 +9,9 @@ synchronising, and reports the host's microseconds per call (time until the last
 microseconds per call once the GPU has finished. Cases: an empty Triton kernel (the floor of a Triton launch),
 the tile-start table the grouped GEMM computes from the expert bounds (`grouped_gemm.tile_starts`, one Triton
 launch; `tile_starts_reference`, the torch operations it replaced), two TMA descriptors, the grouped-GEMM kernel
-launched with prepared arguments, the whole `grouped_mm` call, `torch._grouped_mm`, `torch.mm` and a torch add.
+launched with prepared arguments, the whole `grouped_mm` call, `torch._grouped_mm`, `torch.mm` and a torch add;
+with the `quack` extra on Hopper, QuACK's grouped GEMM launched with a fixed tile and the whole
+`quack_gemm.grouped_mm` call (its tile already chosen).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from moecore.bench.common import env
 from moecore.kernels import grouped_gemm as gg
+from moecore.kernels import quack_gemm
 
 
 def _host_us(fn, calls: int = 100) -> tuple[float, float]:
@@ -66,7 +69,7 @@ def cases() -> list[tuple[str, object]]:
             num_warps=cfg.warps, num_stages=cfg.stages,
         )  # fmt: skip
 
-    return [
+    found = [
         ("empty Triton kernel", lambda: _empty[(1,)](out)),
         ("tile_starts (one Triton launch)", lambda: gg.tile_starts(bounds, cfg.block_m)),
         ("tile_starts_reference (torch ops)", lambda: gg.tile_starts_reference(bounds, cfg.block_m)),
@@ -77,6 +80,16 @@ def cases() -> list[tuple[str, object]]:
         ("torch.mm", lambda: torch.mm(a, out)),
         ("torch add", lambda: a.add(1)),
     ]
+    if quack_gemm.quack_available(dev):
+        b_ekn = w.transpose(1, 2)
+        found += [
+            (
+                "QuACK grouped GEMM, 128x256 tile",
+                lambda: quack_gemm.launch(a, b_ekn, out, "128x256", cu_seqlens_m=bounds),
+            ),
+            ("quack_gemm.grouped_mm (the whole call)", lambda: quack_gemm.grouped_mm(a, w, bounds, True, "fwd2")),
+        ]
+    return found
 
 
 def main() -> None:
