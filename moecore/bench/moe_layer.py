@@ -270,6 +270,20 @@ def expert_load(x: torch.Tensor, gate: torch.Tensor, k: int) -> dict:
     }
 
 
+def quack_choices(num_experts: int) -> dict:
+    """The GEMM choices `quack_gemm` has made so far for layers of `num_experts` experts, for the records:
+    "kind" or "kind/layout" -> {"choice": the fastest candidate, "ms": each candidate's time}; empty without QuACK."""
+    from moecore.kernels.quack_gemm import CHOICE_TIMES
+
+    out = {}
+    for key, times in CHOICE_TIMES.items():
+        kind, experts, layout = key[0], key[1], key[-1]
+        if experts == num_experts and times:
+            name = f"{kind}/{layout}" if layout else kind
+            out[name] = {"choice": min(times, key=times.get), "ms": {c: round(t, 3) for c, t in times.items()}}
+    return out
+
+
 def profile_phases(module, x: torch.Tensor, g: torch.Tensor, steps: int = 3, top: list | None = None) -> dict:
     """GPU milliseconds per forward + backward by phase (see `profile_gpu_ms`; `top` gets the longest kernels)."""
 
@@ -335,6 +349,8 @@ def run_shape(
             if phases:
                 top: list = []
                 extra.update(phases_ms=profile_phases(mod, x, g, top=top), top_kernels=top)
+            if not impl.startswith("transformers") and quack_choices(e):
+                extra["quack_choices"] = quack_choices(e)
             records.append(record(name, impl, ms, flops, peak, **load, **extra))
         except Exception as ex:  # record and continue: one failing implementation must not hide the others
             records.append(record(name, impl, None, None, None, error=f"{type(ex).__name__}: {ex}"[:300]))

@@ -23,7 +23,7 @@ permutation (`moe.activation_memory=minimal`, moecore/moe/minimal.py). Those gat
 by more than the copy at some shapes, so gathering is timed against copying the rows first (below). Gathering
 needs clusters of one CTA along N, so the 128x128 tile pairs its CTAs along M there.
 
-The tile shape matters (up to 2x between the three of `TILES` at one GEMM), and no rule fitted to the shapes we
+The tile shape matters (up to 2x between the tiles of `TILES` at one GEMM), and no rule fitted to the shapes we
 measured held at the next shape (docs/benchmarks.md, "QuACK's grouped GEMMs"), so each GEMM shape is timed once
 per process under each tile and under torch's grouped GEMM, and the fastest is kept (`choose`): QuACK's kernels
 run only where they are faster. That first call synchronises with the GPU; under CUDA-graph capture, before any
@@ -39,11 +39,15 @@ import torch
 from moecore.kernels._triton import modules_import
 
 # name: (tile_m, tile_n, pingpong, cluster_m, cluster_n). Cooperative 128x256 tiles in clusters of two along M;
-# ping-pong 128x192 tiles in clusters of two along M; ping-pong 128x128 tiles in clusters of two along N.
+# ping-pong 128x192 tiles in clusters of two along M; ping-pong 128x128 tiles in clusters of two along N; ping-pong
+# 64x256 tiles in clusters of two along M. Each expert's rows are tiled apart, so its last tile along M is partly
+# empty: with 256 +- 16 rows per expert (DeepSeek-V3's shape, random routing) 128-row tiles hold 320 rows per
+# expert on average, 64-row ones 288; the timing decides whether that outweighs a 64-row tile's lower reuse.
 TILES = {
     "128x256": (128, 256, False, 2, 1),
     "128x192": (128, 192, True, 2, 1),
     "128x128": (128, 128, True, 1, 2),
+    "64x256": (64, 256, True, 2, 1),
 }
 
 KINDS = ("fwd13", "fwd2", "dgrad2", "dgrad13", "wgrad2", "wgrad13")
@@ -119,7 +123,7 @@ def launch(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor, tile: str, **var
 # ---------------------------------------------------------------- choosing per shape, by measuring
 
 # The choice per GEMM shape, made once per process by timing the candidates (as Triton's autotuner keeps its
-# choices): QuACK's three tiles and torch's grouped GEMM, which stays the choice where it is faster. Every candidate
+# choices): QuACK's tiles (`TILES`) and torch's grouped GEMM, which stays the choice where it is faster. Every candidate
 # accumulates each output in the same order, so the choice changes the speed, not the values (their outputs were
 # bit-identical in the measurements of docs/benchmarks.md). Where the rows are gathered, the candidates are QuACK's
 # tiles gathering in their loads and "copy": the gathered rows written out first, then this GEMM without rows (its
