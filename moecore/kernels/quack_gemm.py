@@ -42,7 +42,9 @@ from moecore.kernels._triton import modules_import
 # ping-pong 128x192 tiles in clusters of two along M; ping-pong 128x128 tiles in clusters of two along N; ping-pong
 # 64x256 tiles in clusters of two along M. Each expert's rows are tiled apart, so its last tile along M is partly
 # empty: with 256 +- 16 rows per expert (DeepSeek-V3's shape, random routing) 128-row tiles hold 320 rows per
-# expert on average, 64-row ones 288; the timing decides whether that outweighs a 64-row tile's lower reuse.
+# expert on average, 64-row ones 288. Measured (one H100, docs/benchmarks.md, "The 64-row tile"), the 64-row
+# tile's lower operand reuse costs more than that at most GEMMs (DeepSeek-V3's FC1 10.5-11.4 ms against 7.7-8.2);
+# it is the fastest at a few (Qwen3-Next's FC1 by ~1%, its SwiGLU-backward GEMM by 12%), so it stays a candidate.
 TILES = {
     "128x256": (128, 256, False, 2, 1),
     "128x192": (128, 192, True, 2, 1),

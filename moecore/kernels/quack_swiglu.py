@@ -21,7 +21,9 @@ scales by them (`colvec_scale`) and reduces their gradient (`colvec_reduce`):
 
 Each GEMM shape is timed once under QuACK's tiles (`quack_gemm.choose`; no torch kernel does these). QuACK's
 epilogues compute the activation from the fp32 accumulator, where the unfused path rounds h to bf16 first: the two
-agree to bf16 rounding, not bit for bit.
+agree to bf16 rounding, not bit for bit. Measured on an H100 (docs/benchmarks.md, run CD), the two fused GEMMs cost
+more than the SwiGLU passes they save at DeepSeek-V3's shape (+1.23 ms against 0.81) and nearly as much at
+Qwen3-Next's (+0.34 against 0.50), so `moe.swiglu_epilogue` is off by default.
 """
 
 from __future__ import annotations
