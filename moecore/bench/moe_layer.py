@@ -349,8 +349,9 @@ def run_shape(
             if phases:
                 top: list = []
                 extra.update(phases_ms=profile_phases(mod, x, g, top=top), top_kernels=top)
-            if not impl.startswith("transformers") and quack_choices(e):
-                extra["quack_choices"] = quack_choices(e)
+            choices = {} if impl.startswith("transformers") else quack_choices(e)
+            if choices:
+                extra["quack_choices"] = choices
             records.append(record(name, impl, ms, flops, peak, **load, **extra))
         except Exception as ex:  # record and continue: one failing implementation must not hide the others
             records.append(record(name, impl, None, None, None, error=f"{type(ex).__name__}: {ex}"[:300]))

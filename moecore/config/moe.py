@@ -55,7 +55,8 @@ class MoEConfig:
     # torch / Triton per shape elsewhere; torch: never QuACK's (moecore/kernels/grouped_ffn.py, default_plan)
     gemm_backend: str = "auto"
     # minimal mode with QuACK: the SwiGLU and its backward in the expert GEMMs' epilogues (moecore/kernels/
-    # quack_swiglu.py; probabilities at the combine). Not yet timed on a GPU: off by default
+    # quack_swiglu.py; probabilities at the combine). Off by default: slower than the standard path on an H100
+    # (docs/benchmarks.md, run CD)
     swiglu_epilogue: bool = False
 
     BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")

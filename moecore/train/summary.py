@@ -64,7 +64,7 @@ def run_summary(cfg: Config, model: torch.nn.Module, rt, run_dir: Path, start_st
     precision = t.precision if t.precision != "auto" else ("bf16" if rt.device.type == "cuda" else "fp32")
     start = f", resuming after step {start_step}" if start_step else ""
     kernels = kernels_line(cfg, rt.device)
-    lines = [
+    return [
         f"model    {cfg.recipe} ({m.family}): {m.num_layers} layers, hidden {m.hidden_size}{moe}; "
         f"{_count(total)} parameters, {_count(active)} active per token",
         f"layout   {d.world_size} process(es) on {rt.device.type}: {layout}",
@@ -74,4 +74,3 @@ def run_summary(cfg: Config, model: torch.nn.Module, rt, run_dir: Path, start_st
         *([kernels] if kernels else []),
         f"run      {run_dir} (full config: {Path(run_dir) / 'config.yaml'})",
     ]
-    return lines
