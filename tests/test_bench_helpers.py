@@ -164,15 +164,17 @@ def test_quack_choices_report_the_fastest_candidate_per_gemm_of_this_layer(monke
     from moecore.kernels import quack_gemm
 
     times = {
-        ("fwd13", 256, 7168, 4096, torch.bfloat16, 9, ""): {"128x256": 7.7, "64x256": 7.1, "torch": 8.2},
-        ("wgrad13", 256, 4096, 7168, torch.bfloat16, 9, "t"): {"128x192": 7.1},
-        ("fwd13", 512, 2048, 1024, torch.bfloat16, 9, ""): {"torch": 1.5},  # another layer's
+        ("fwd13", 256, 7168, 4096, torch.bfloat16, 9, 1, ""): {"128x256": 7.7, "64x256": 7.1, "torch": 8.2},
+        ("wgrad13", 256, 4096, 7168, torch.bfloat16, 9, 1, "t"): {"128x192": 7.1},
+        ("wgrad13", 256, 4096, 7168, torch.bfloat16, 9, 6, "t"): {"128x192": 9.9, "128x256+dyn": 9.1},
+        ("fwd13", 512, 2048, 1024, torch.bfloat16, 9, 1, ""): {"torch": 1.5},  # another layer's
     }
     monkeypatch.setattr(quack_gemm, "CHOICE_TIMES", times)
     got = moe_layer.quack_choices(256)
     assert got == {
         "fwd13": {"choice": "64x256", "ms": {"128x256": 7.7, "64x256": 7.1, "torch": 8.2}},
         "wgrad13/t": {"choice": "128x192", "ms": {"128x192": 7.1}},
+        "wgrad13/t spread=6": {"choice": "128x256+dyn", "ms": {"128x192": 9.9, "128x256+dyn": 9.1}},
     }
     monkeypatch.setattr(quack_gemm, "CHOICE_TIMES", {})
     assert moe_layer.quack_choices(256) == {}

@@ -272,14 +272,15 @@ def expert_load(x: torch.Tensor, gate: torch.Tensor, k: int) -> dict:
 
 def quack_choices(num_experts: int) -> dict:
     """The GEMM choices `quack_gemm` has made so far for layers of `num_experts` experts, for the records:
-    "kind" or "kind/layout" -> {"choice": the fastest candidate, "ms": each candidate's time}; empty without QuACK."""
+    "kind[/layout][ spread=S]" -> {"choice": the fastest candidate, "ms": each candidate's time}, with S the load
+    spread the choice was made for where it is above 1 (`quack_gemm.LoadSpread`); empty without QuACK."""
     from moecore.kernels.quack_gemm import CHOICE_TIMES
 
     out = {}
     for key, times in CHOICE_TIMES.items():
-        kind, experts, layout = key[0], key[1], key[-1]
+        kind, experts, spread, layout = key[0], key[1], key[-2], key[-1]
         if experts == num_experts and times:
-            name = f"{kind}/{layout}" if layout else kind
+            name = (f"{kind}/{layout}" if layout else kind) + (f" spread={spread}" if spread > 1 else "")
             out[name] = {"choice": min(times, key=times.get), "ms": {c: round(t, 3) for c, t in times.items()}}
     return out
 

@@ -27,6 +27,7 @@ the Function where the GEMMs can run (CUDA, or `impl="triton"`) and the referenc
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ class GemmPlan:
 
     fwd13 / fwd2: h = x @ w13^T, y = a @ w2^T; dgrad2 / dgrad13: da = dy @ w2, dx = dh @ w13;
     wgrad2 / wgrad13: dW2 = dy^T a, dW13 = dh^T x. Values: grouped | loop | streams | triton | quack.
+    `spread`: the layer's load spread (`quack_gemm.LoadSpread`), which QuACK's tile choices are keyed by.
     """
 
     fwd13: str = "grouped"
@@ -55,6 +57,7 @@ class GemmPlan:
     dgrad13: str = "grouped"
     wgrad2: str = "grouped"
     wgrad13: str = "grouped"
+    spread: int = 1
 
     def __post_init__(self) -> None:
         for name in GEMM_KINDS:
@@ -73,13 +76,20 @@ class GemmPlan:
 
     def without_host_sync(self) -> GemmPlan:
         """This plan with every "loop" / "streams" GEMM run as "grouped" (device offsets only)."""
-        return GemmPlan(
-            *("grouped" if getattr(self, n) in ("loop", "streams") else getattr(self, n) for n in GEMM_KINDS)
+        return dataclasses.replace(
+            self, **{n: "grouped" for n in GEMM_KINDS if getattr(self, n) in ("loop", "streams")}
         )
 
     def with_streams(self) -> GemmPlan:
         """This plan with every "loop" GEMM run as "streams"."""
-        return GemmPlan(*("streams" if getattr(self, n) == "loop" else getattr(self, n) for n in GEMM_KINDS))
+        return dataclasses.replace(self, **{n: "streams" for n in GEMM_KINDS if getattr(self, n) == "loop"})
+
+    def observing(self, load_spread: quack_gemm.LoadSpread | None, counts: torch.Tensor, rows: int) -> GemmPlan:
+        """This plan keyed by the load spread `load_spread` observes in `counts` (summing to `rows`), where a GEMM
+        runs through QuACK and a tracker is given; else this plan."""
+        if load_spread is None or not any(getattr(self, n) == "quack" for n in GEMM_KINDS):
+            return self
+        return dataclasses.replace(self, spread=load_spread.observe(counts, rows))
 
 
 def default_plan(
@@ -152,16 +162,22 @@ def _runnable(impl: str, *operands: torch.Tensor) -> str:
 
 
 def gemm_nt(
-    a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, counts: list | None, impl: str, kind: str = "fwd13"
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bounds: torch.Tensor,
+    counts: list | None,
+    impl: str,
+    kind: str = "fwd13",
+    spread: int = 1,
 ) -> torch.Tensor:
-    """out[rows of e] = a[rows of e] @ b[e]^T; a [M, K], b [E, N, K] -> [M, N]."""
+    """out[rows of e] = a[rows of e] @ b[e]^T; a [M, K], b [E, N, K] -> [M, N]. `spread`: see GemmPlan."""
     impl = _runnable(impl, a, b)
     if impl == "grouped":
         return torch._grouped_mm(a, b.transpose(-2, -1), offs=bounds[1:])
     if impl == "triton":
         return grouped_mm(a, b, bounds, True, tiles_for(kind, a))
     if impl == "quack":
-        return quack_gemm.grouped_mm(a, b, bounds, True, kind)
+        return quack_gemm.grouped_mm(a, b, bounds, True, kind, spread=spread)
     out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
 
     def gemm(e: int, s: int, n: int) -> None:
@@ -173,16 +189,22 @@ def gemm_nt(
 
 
 def gemm_nn(
-    a: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, counts: list | None, impl: str, kind: str = "dgrad13"
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bounds: torch.Tensor,
+    counts: list | None,
+    impl: str,
+    kind: str = "dgrad13",
+    spread: int = 1,
 ) -> torch.Tensor:
-    """out[rows of e] = a[rows of e] @ b[e]; a [M, N], b [E, N, K] -> [M, K]."""
+    """out[rows of e] = a[rows of e] @ b[e]; a [M, N], b [E, N, K] -> [M, K]. `spread`: see GemmPlan."""
     impl = _runnable(impl, a, b)
     if impl == "grouped":
         return torch._grouped_mm(a, b, offs=bounds[1:])
     if impl == "triton":
         return grouped_mm(a, b, bounds, False, tiles_for(kind, a))
     if impl == "quack":
-        return quack_gemm.grouped_mm(a, b, bounds, False, kind)
+        return quack_gemm.grouped_mm(a, b, bounds, False, kind, spread=spread)
     out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype, device=a.device)
 
     def gemm(e: int, s: int, n: int) -> None:
@@ -202,18 +224,19 @@ def gemm_tn(
     out_dtype: torch.dtype,
     kind: str = "wgrad13",
     out: torch.Tensor | None = None,
+    spread: int = 1,
 ) -> torch.Tensor:
     """out[e] = a[rows of e]^T @ b[rows of e]; a [M, N1], b [M, N2] -> [E, N1, N2] (zeros for empty experts).
 
     `out`: a contiguous [E, N1, N2] tensor of out_dtype to fill and return (e.g. a slice of a larger gradient);
-    "triton", "quack" and "loop" write into it, "grouped" copies its result there."""
+    "triton", "quack" and "loop" write into it, "grouped" copies its result there. `spread`: see GemmPlan."""
     E = bounds.numel() - 1
     N1, N2 = a.shape[1], b.shape[1]
     impl = _runnable(impl, a, b)
     if impl == "quack":
         if out is not None and out.dtype == a.dtype:
-            return quack_gemm.grouped_wgrad(a, b, bounds, kind, out)
-        res = quack_gemm.grouped_wgrad(a, b, bounds, kind)
+            return quack_gemm.grouped_wgrad(a, b, bounds, kind, out, spread=spread)
+        res = quack_gemm.grouped_wgrad(a, b, bounds, kind, spread=spread)
         return res.to(out_dtype) if out is None else out.copy_(res)
     if impl == "grouped":
         res = torch._grouped_mm(a.t(), b, offs=bounds[1:]).to(out_dtype)
@@ -256,10 +279,10 @@ class _GroupedFFN(torch.autograd.Function):
         w13c, w2c = w13.to(dt), w2.to(dt)
         bounds = group_bounds(counts)
         host = counts.tolist() if plan.needs_host_counts else None
-        h = gemm_nt(x, w13c, bounds, host, plan.fwd13, "fwd13")
+        h = gemm_nt(x, w13c, bounds, host, plan.fwd13, "fwd13", plan.spread)
         with torch.no_grad():
             a = swiglu(h, probs, impl=act_impl)
-        y = gemm_nt(a, w2c, bounds, host, plan.fwd2, "fwd2")
+        y = gemm_nt(a, w2c, bounds, host, plan.fwd2, "fwd2", plan.spread)
         ctx.hooked = _saved_tensor_hooks_active()
         if ctx.hooked:  # activation checkpointing (or offloading) must see x and h to drop or move them
             ctx.save_for_backward(w13c, w2c, probs, bounds, x, h)
@@ -281,16 +304,22 @@ class _GroupedFFN(torch.autograd.Function):
             ctx.x = ctx.h = None
         plan, host = ctx.plan, ctx.host
         dy = dy.contiguous()
-        da = gemm_nn(dy, w2c, bounds, host, plan.dgrad2, "dgrad2")
+        da = gemm_nn(dy, w2c, bounds, host, plan.dgrad2, "dgrad2", plan.spread)
         dh, dp, a = swiglu_backward(h, probs, da, impl=ctx.act_impl)
         del da, h
-        dw2 = gemm_tn(dy, a, bounds, host, plan.wgrad2, ctx.w_dtypes[1], "wgrad2") if ctx.needs_input_grad[2] else None
+        dw2 = (
+            gemm_tn(dy, a, bounds, host, plan.wgrad2, ctx.w_dtypes[1], "wgrad2", spread=plan.spread)
+            if ctx.needs_input_grad[2]
+            else None
+        )
         del a
         dw13 = (
-            gemm_tn(dh, x, bounds, host, plan.wgrad13, ctx.w_dtypes[0], "wgrad13") if ctx.needs_input_grad[1] else None
+            gemm_tn(dh, x, bounds, host, plan.wgrad13, ctx.w_dtypes[0], "wgrad13", spread=plan.spread)
+            if ctx.needs_input_grad[1]
+            else None
         )
         del x
-        dx = gemm_nn(dh, w13c, bounds, host, plan.dgrad13, "dgrad13") if ctx.needs_input_grad[0] else None
+        dx = gemm_nn(dh, w13c, bounds, host, plan.dgrad13, "dgrad13", plan.spread) if ctx.needs_input_grad[0] else None
         dprobs = dp.to(ctx.p_dtype) if dp is not None and ctx.needs_input_grad[4] else None
         return dx, dw13, dw2, None, dprobs, None, None
 
@@ -330,12 +359,14 @@ def expert_ffn(
     impl: str = "auto",
     sync_free: bool = False,
     backend: str = "auto",
+    load_spread: quack_gemm.LoadSpread | None = None,
 ) -> torch.Tensor:
     """The expert FFN of the module docstring on rows already sorted by expert ([M, H] -> [M, H]).
 
     counts_E: rows per expert (sum = M); probs_M: the routing probability of each row, multiplied
     inside the activation, or None. `plan`: GEMM choice per kind (default: `default_plan`, with
     `sync_free` its GEMMs that read the counts on the host replaced by grouped ones; `backend` as there).
+    `load_spread`: the layer's tracker of its load spread, which QuACK's tile choices are keyed by.
     """
     if x_MH.shape[0] == 0 or not use_triton(impl, x_MH, w13_EFH, w2_EHF):
         return expert_ffn_reference(x_MH, w13_EFH, w2_EHF, counts_E, probs_M)
@@ -344,5 +375,6 @@ def expert_ffn(
         plan = default_plan(E, M, H, F, x_MH.device, backend)
         if sync_free:
             plan = plan.without_host_sync()
+    plan = plan.observing(load_spread, counts_E, x_MH.shape[0])
     act_impl = "triton" if impl == "triton" else "auto"
     return _GroupedFFN.apply(x_MH.contiguous(), w13_EFH, w2_EHF, counts_E, probs_M, plan, act_impl)

@@ -28,6 +28,12 @@ measured held at the next shape (docs/benchmarks.md, "QuACK's grouped GEMMs"), s
 per process under each tile and under torch's grouped GEMM, and the fastest is kept (`choose`): QuACK's kernels
 run only where they are faster. That first call synchronises with the GPU; under CUDA-graph capture, before any
 eager call has tuned the shape, `tile_for`'s measured rule decides instead.
+
+How evenly the rows fall on the experts changes which tile is fastest (with a few experts holding most rows, the
+others' last tiles are mostly empty and the tiles' work is uneven), so a choice is also keyed by the layer's load
+spread (`LoadSpread`: the busiest expert's rows over the mean, as a power of two), read from an earlier step's
+counts without waiting for the GPU. Where the load is skewed, tiles handed out by an atomic counter on the GPU
+(QuACK's dynamic persistent scheduler) are timed beside the statically assigned ones.
 """
 
 from __future__ import annotations
@@ -102,14 +108,26 @@ def tile_for(kind: str, rows_per_expert: float, n: int) -> str:
     return "128x192"
 
 
+# Tiles whose dynamically scheduled variant ("<tile>+dyn": each CTA takes its next tile from an atomic counter
+# rather than every P-th one) is timed where the load is skewed (spread >= SKEWED: the busiest expert holds >= 4x
+# the mean). Under random routing every tile of a GEMM does about the same work and the static order is as good.
+DYNAMIC = "+dyn"
+DYNAMIC_TILES = ("128x256", "128x192")
+SKEWED = 3
+
+
 def tile_config(tile: str, gather: bool = False):
-    """QuACK's GemmConfig for a TILES key (static persistent scheduler); `gather`: for A's rows gathered."""
+    """QuACK's GemmConfig for a TILES key, statically scheduled, or dynamically for "<key>+dyn"; `gather`: for
+    A's rows gathered."""
     from quack.gemm_config import GemmConfig
 
-    tm, tn, pingpong, cm, cn = TILES[tile]
+    dynamic = tile.endswith(DYNAMIC)
+    tm, tn, pingpong, cm, cn = TILES[tile.removesuffix(DYNAMIC)]
     if gather and cn > 1:  # QuACK gathers A's rows only in clusters of one CTA along N
         cm, cn = cn, 1
-    return GemmConfig(tile_m=tm, tile_n=tn, pingpong=pingpong, cluster_m=cm, cluster_n=cn, is_dynamic_persistent=False)
+    return GemmConfig(
+        tile_m=tm, tile_n=tn, pingpong=pingpong, cluster_m=cm, cluster_n=cn, is_dynamic_persistent=dynamic
+    )
 
 
 def launch(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor, tile: str, **varlen) -> torch.Tensor:
@@ -150,13 +168,15 @@ def _time_ms(fn: Callable[[], object], reps: int = 3) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _candidates(gathered: bool = False, transposed_out: bool = False) -> tuple[str, ...]:
+def _candidates(gathered: bool = False, transposed_out: bool = False, spread: int = 1) -> tuple[str, ...]:
     """What `choose` times: CANDIDATES, with "copy" instead of torch's kernel for gathered rows and without it for
-    a transposed output."""
+    a transposed output; with a skewed load (spread >= SKEWED) the DYNAMIC_TILES' dynamically scheduled variants
+    too, except for gathered rows (QuACK gathers only under the static scheduler on Hopper)."""
+    dynamic = tuple(t + DYNAMIC for t in DYNAMIC_TILES) if spread >= SKEWED and not gathered else ()
     if not (gathered or transposed_out):
-        return CANDIDATES
+        return (*CANDIDATES, *dynamic)
     tiles = tuple(c for c in CANDIDATES if c != "torch")
-    return (*tiles, COPY) if gathered else tiles
+    return (*tiles, COPY) if gathered else (*tiles, *dynamic)
 
 
 def choose(key: tuple, guess: str, run: Callable[[str], object], candidates: tuple[str, ...] = ()) -> str:
@@ -178,11 +198,12 @@ def choose(key: tuple, guess: str, run: Callable[[str], object], candidates: tup
     return choice
 
 
-def shape_key(kind: str, a: torch.Tensor, m: int, n: int, E: int, layout: str = "") -> tuple:
-    """What a choice depends on: the GEMM, its widths, the experts, the rows per expert (to a power of two) and
-    the operands' layout ("rows": the left operand's rows gathered; "t": a transposed output)."""
+def shape_key(kind: str, a: torch.Tensor, m: int, n: int, E: int, layout: str = "", spread: int = 1) -> tuple:
+    """What a choice depends on: the GEMM, its widths, the experts, the rows per expert (to a power of two), the
+    load's spread (`LoadSpread`) and the operands' layout ("rows": the left operand's rows gathered; "t": a
+    transposed output)."""
     per_expert = max(m // max(E, 1), 1)
-    return (kind, E, a.shape[1], n, a.dtype, per_expert.bit_length(), layout)
+    return (kind, E, a.shape[1], n, a.dtype, per_expert.bit_length(), spread, layout)
 
 
 def grouped_mm(
@@ -192,9 +213,11 @@ def grouped_mm(
     trans_b: bool,
     kind: str,
     rows: torch.Tensor | None = None,
+    spread: int = 1,
 ) -> torch.Tensor:
     """out[rows of e] = A[rows of e] @ (b[e]^T if trans_b else b[e]) -> [M, N] in a's dtype, with A = a, or
-    A = a[rows] for `rows` int32 [M] (gathered in QuACK's loads, or copied first: whichever timed faster)."""
+    A = a[rows] for `rows` int32 [M] (gathered in QuACK's loads, or copied first: whichever timed faster).
+    `spread`: the layer's `LoadSpread` value, which the choice is keyed by."""
     E = b.shape[0]
     B = b.transpose(1, 2) if trans_b else b  # [E, K, N], as QuACK takes it
     n = B.shape[2]
@@ -204,15 +227,15 @@ def grouped_mm(
 
     def run(cand: str) -> torch.Tensor:
         if cand == COPY:
-            return grouped_mm(a.index_select(0, rows), b, bounds, trans_b, kind)
+            return grouped_mm(a.index_select(0, rows), b, bounds, trans_b, kind, spread=spread)
         if cand == "torch":
             return torch._grouped_mm(a, B, offs=bounds[1:])
         return launch(a, B, a.new_empty(m, n), cand, cu_seqlens_m=bounds, A_idx=rows)
 
     gathered = rows is not None
-    key = shape_key(kind, a, m, n, E, "rows" if gathered else "")
+    key = shape_key(kind, a, m, n, E, "rows" if gathered else "", spread)
     guess = COPY if gathered else tile_for(kind, m / max(E, 1), n)
-    return run(choose(key, guess, run, _candidates(gathered)))
+    return run(choose(key, guess, run, _candidates(gathered, spread=spread)))
 
 
 def grouped_wgrad(
@@ -222,11 +245,12 @@ def grouped_wgrad(
     kind: str,
     out: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    spread: int = 1,
 ) -> torch.Tensor:
     """out[e] = A[rows of e]^T @ b[rows of e] -> [E, N1, N2] in a's dtype (zeros for an expert without rows), with
     A = a, or A = a[rows] for `rows` int32 [M] (gathered in QuACK's loads, or copied first: whichever timed faster).
     `out`: an [E, N1, N2] tensor of a's dtype to write (e.g. a slice of a larger gradient, or the transpose of a
-    contiguous [E, N2, N1] one: QuACK stores either layout)."""
+    contiguous [E, N2, N1] one: QuACK stores either layout). `spread`: as for `grouped_mm`."""
     E = bounds.numel() - 1
     m = b.shape[0]
     if m == 0:
@@ -234,7 +258,7 @@ def grouped_wgrad(
 
     def run(cand: str) -> torch.Tensor:
         if cand == COPY:
-            return grouped_wgrad(a.index_select(0, rows), b, bounds, kind, out)
+            return grouped_wgrad(a.index_select(0, rows), b, bounds, kind, out, spread=spread)
         if cand == "torch":  # torch's grouped GEMM has no out=: its result is copied in where one is given
             res = torch._grouped_mm(a.t(), b, offs=bounds[1:])
             return res if out is None else out.copy_(res)
@@ -242,6 +266,53 @@ def grouped_wgrad(
         return launch(a.t(), b, dst, cand, cu_seqlens_k=bounds, A_idx=rows)
 
     n, gathered, transposed = b.shape[1], rows is not None, out is not None and not out.is_contiguous()
-    key = shape_key(kind, a, m, n, E, ("rows" if gathered else "") + ("t" if transposed else ""))
+    key = shape_key(kind, a, m, n, E, ("rows" if gathered else "") + ("t" if transposed else ""), spread)
     guess = COPY if gathered else tile_for(kind, m / max(E, 1), n)
-    return run(choose(key, guess, run, _candidates(gathered, transposed)))
+    return run(choose(key, guess, run, _candidates(gathered, transposed, spread)))
+
+
+# ---------------------------------------------------------------- the load's spread, read without waiting
+
+
+def spread_of(busiest: int, rows: int, num_experts: int) -> int:
+    """The load spread the choices are keyed by: the busiest expert's rows over the mean, floored to a power of two
+    and given as its bit length (1: under 2x the mean, 2: 2-4x, 3: 4-8x, ...; 1 without rows)."""
+    return max(busiest * num_experts // rows, 1).bit_length() if rows > 0 else 1
+
+
+class LoadSpread:
+    """A layer's load spread (`spread_of`), as of the latest of its steps whose counts the host can read without
+    waiting: each `observe` queues the busiest expert's count for an asynchronous copy to pinned host memory (one
+    reduction and one copy) and returns the value from the last copy that has landed, 1 before any has (in training,
+    an earlier step's: the loads drift slowly, and a stale value changes only the speed, never the results). On the
+    CPU the value is read at once; under CUDA-graph capture nothing is queued and the last value stays."""
+
+    def __init__(self) -> None:
+        self.value = 1
+        self._pending: tuple[torch.Tensor, torch.cuda.Event, int, int] | None = None
+        self._host: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo: dict) -> LoadSpread:  # a copied layer (e.g. for a reference run) starts afresh
+        return LoadSpread()
+
+    def observe(self, counts: torch.Tensor, rows: int) -> int:
+        """counts: rows per expert [E] (any integer dtype, any device); rows: their sum, known on the host."""
+        E = counts.numel()
+        if E == 0:
+            return self.value
+        if not counts.is_cuda:
+            self.value = spread_of(int(counts.max()), rows, E)
+            return self.value
+        if torch.cuda.is_current_stream_capturing():
+            return self.value
+        if self._pending is not None and self._pending[1].query():
+            host, _, n, experts = self._pending
+            self.value, self._pending = spread_of(int(host), n, experts), None
+        if self._pending is None:
+            if self._host is None:
+                self._host = torch.empty((), dtype=torch.int64, pin_memory=True)
+            self._host.copy_(counts.max().to(torch.int64), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (self._host, event, rows, E)
+        return self.value

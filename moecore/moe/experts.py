@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moecore.kernels.fp8_grouped import fp8_expert_ffn
 from moecore.kernels.grouped_ffn import expert_ffn, fused_expert_ffn_available
+from moecore.kernels.quack_gemm import LoadSpread
 
 ACTIVATIONS = ("swiglu", "gelu")
 
@@ -196,6 +197,7 @@ class GroupedExperts(nn.Module):
         self.gemm_plan = None  # GemmPlan for the fused expert FFN; None: default_plan per shape (benchmarks)
         self.sync_free = False  # moe.sync_free: no GEMM that reads the counts on the host
         self.gemm_backend = "auto"  # moe.gemm_backend: whether default_plan may take QuACK's grouped GEMMs
+        self.load_spread = LoadSpread()  # how unevenly recent steps loaded the experts: QuACK's tiles are keyed by it
         self.name = "experts"  # the module's name in the model, for the slow-path warning (set by the model)
         self.warned = False
         self.last_path = None  # "fused" | "grouped_mm" | "loop" | "fp8" | "minimal" | "chunked": what the last forward ran (tests, diagnostics)
@@ -252,6 +254,7 @@ class GroupedExperts(nn.Module):
                 self.gemm_plan,
                 sync_free=self.sync_free,
                 backend=self.gemm_backend,
+                load_spread=self.load_spread,
             )
         if self.uses_grouped_mm(x_NH):
             self.last_path = "grouped_mm"

@@ -232,6 +232,7 @@ class MoELayer(nn.Module):
                         e.gemm_plan,
                         e.gemm_backend,
                         self.cfg.swiglu_epilogue,
+                        e.load_spread,
                     )
                 e.last_path = self.cfg.activation_memory
         else:

@@ -87,11 +87,11 @@ class _MinimalExperts(torch.autograd.Function):
         K, w13c, w2c, tok_M, p_M = row_operands(x_TH, w13, w2, weight_TK, order_M)
         ctx.gather = gathers_in_loads(plan, x_TH, w13c, w2c)
         if ctx.gather:  # QuACK reads x[token of row] in the GEMM's loads
-            h = quack_gemm.grouped_mm(x_TH, w13c, bounds, True, "fwd13", rows=tok_M.int())
+            h = quack_gemm.grouped_mm(x_TH, w13c, bounds, True, "fwd13", rows=tok_M.int(), spread=plan.spread)
         else:
-            h = gemm_nt(x_TH.index_select(0, tok_M), w13c, bounds, None, plan.fwd13, "fwd13")
+            h = gemm_nt(x_TH.index_select(0, tok_M), w13c, bounds, None, plan.fwd13, "fwd13", plan.spread)
         a = swiglu(h, p_M if probs_in_act else None)
-        y = gemm_nt(a, w2c, bounds, None, plan.fwd2, "fwd2")
+        y = gemm_nt(a, w2c, bounds, None, plan.fwd2, "fwd2", plan.spread)
         del a
         out = unpermute_rows(y, order_M, inv_M, None if probs_in_act else weight_TK, T, K)
         ctx.save_for_backward(x_TH, w13c, w2c, h, p_M, order_M, inv_M, bounds)
@@ -107,27 +107,29 @@ class _MinimalExperts(torch.autograd.Function):
         d = d_out.to(x_TH.dtype).contiguous()
         g = d if ctx.gather else d.index_select(0, tok_M)  # dOut of each row's token (rows: gathered later)
         if ctx.gather:
-            da_u = quack_gemm.grouped_mm(g, w2c, bounds, False, "dgrad2", rows=rows)
+            da_u = quack_gemm.grouped_mm(g, w2c, bounds, False, "dgrad2", rows=rows, spread=plan.spread)
         else:
-            da_u = gemm_nn(g, w2c, bounds, None, plan.dgrad2, "dgrad2")
+            da_u = gemm_nn(g, w2c, bounds, None, plan.dgrad2, "dgrad2", plan.spread)
         dh, dp, a_p = swiglu_backward(h, p_M, da_u)  # dp = <da_u, a> = <dOut_t, expert output of the row>
         del da_u, d
         dw2 = None
         if ctx.needs_input_grad[2] and ctx.gather:
-            dw2 = quack_gemm.grouped_wgrad(g, a_p, bounds, "wgrad2", rows=rows).to(ctx.w_dtypes[1])
+            dw2 = quack_gemm.grouped_wgrad(g, a_p, bounds, "wgrad2", rows=rows, spread=plan.spread).to(ctx.w_dtypes[1])
         elif ctx.needs_input_grad[2]:
-            dw2 = gemm_tn(g, a_p, bounds, None, plan.wgrad2, ctx.w_dtypes[1], "wgrad2")
+            dw2 = gemm_tn(g, a_p, bounds, None, plan.wgrad2, ctx.w_dtypes[1], "wgrad2", spread=plan.spread)
         del g, a_p
         dw13 = None
         if ctx.needs_input_grad[1] and ctx.gather:  # dW13[e]^T = x[rows of e]^T dh[rows of e], through a view
             dw13 = torch.empty(w13c.shape, dtype=x_TH.dtype, device=x_TH.device)
-            quack_gemm.grouped_wgrad(x_TH, dh, bounds, "wgrad13", out=dw13.transpose(1, 2), rows=rows)
+            dw13_t = dw13.transpose(1, 2)
+            quack_gemm.grouped_wgrad(x_TH, dh, bounds, "wgrad13", out=dw13_t, rows=rows, spread=plan.spread)
             dw13 = dw13.to(ctx.w_dtypes[0])
         elif ctx.needs_input_grad[1]:
-            dw13 = gemm_tn(dh, x_TH.index_select(0, tok_M), bounds, None, plan.wgrad13, ctx.w_dtypes[0], "wgrad13")
+            xg = x_TH.index_select(0, tok_M)
+            dw13 = gemm_tn(dh, xg, bounds, None, plan.wgrad13, ctx.w_dtypes[0], "wgrad13", spread=plan.spread)
         dx = None
         if ctx.needs_input_grad[0]:
-            dxg = gemm_nn(dh, w13c, bounds, None, plan.dgrad13, "dgrad13")
+            dxg = gemm_nn(dh, w13c, bounds, None, plan.dgrad13, "dgrad13", plan.spread)
             dx = unpermute_rows(dxg, order_M, inv_M, None, T, K)  # sum over each token's K rows (fp32)
         dw = None
         if ctx.needs_input_grad[3]:
@@ -182,6 +184,7 @@ def minimal_experts(
     plan: GemmPlan | None = None,
     backend: str = "auto",
     swiglu_epilogue: bool = False,
+    load_spread: quack_gemm.LoadSpread | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_k weight[t, k] * expert_{idx[t, k]}(x[t]) for SwiGLU experts, keeping x, h and routing for backward.
 
@@ -189,14 +192,17 @@ def minimal_experts(
     weight_TK (the router's gradient path). `presorted`: `sort_assignments(idx_TK)` already computed.
     `plan`: the GEMMs' implementations (None: `default_plan` for this shape and `backend`); loops over host
     counts run as torch._grouped_mm. `swiglu_epilogue`: the SwiGLU in QuACK's GEMM epilogues where they run
-    (`moe.swiglu_epilogue`; probabilities at the combine, so not with `probs_in_act`).
+    (`moe.swiglu_epilogue`; probabilities at the combine, so not with `probs_in_act`). `load_spread`: the layer's
+    tracker of its load spread, which QuACK's tile choices are keyed by.
     """
     E, F2, H = w13_EFH.shape
     order, inv, bounds = sort_by_expert(idx_TK, E, presorted)
+    counts = (bounds[1:] - bounds[:-1]).long()
     plan = (plan or default_plan(E, idx_TK.numel(), H, F2 // 2, x_TH.device, backend)).without_host_sync()
+    plan = plan.observing(load_spread, counts, idx_TK.numel())
     x = x_TH.contiguous()
     if swiglu_epilogue and not probs_in_act and backend != "torch" and quack_swiglu.runs(x, F2 // 2):
         out = _EpilogueSwiGLUExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, plan)
     else:
         out = _MinimalExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plan)
-    return out, (bounds[1:] - bounds[:-1]).long()
+    return out, counts

@@ -161,6 +161,7 @@ def stand_in_quack(monkeypatch) -> list:
     monkeypatch.setattr(quack_gemm, "launch", stand_in)
     monkeypatch.setattr(quack_gemm, "_time_ms", stand_in_time)
     monkeypatch.setattr(quack_gemm, "_CHOICES", {})
+    monkeypatch.setattr(quack_gemm, "CHOICE_TIMES", {})
     return launched
 
 
@@ -209,6 +210,61 @@ def test_minimal_experts_gather_rows_in_quack_loads_with_a_stand_in_kernel(stand
     assert sorted(gathered) == [("dgrad2", "rows"), ("fwd13", "rows"), ("wgrad13", "rowst"), ("wgrad2", "rows")]
     assert set(gathered.values()) <= set(TILES)  # the gathering tiles ran: as "fast" as the copy, and timed first
     assert ("wgrad13", "t") in choices and choices[("fwd2", "")] in TILES
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_load_spread_is_the_busiest_expert_over_the_mean_as_a_power_of_two():
+    assert quack_gemm.spread_of(320, 163840, 512) == 1  # random routing at Qwen3-Next's shape: ~1.0-1.2x the mean
+    assert quack_gemm.spread_of(640, 163840, 512) == 2  # 2x
+    assert quack_gemm.spread_of(15520, 163840, 512) == 6  # the skewed bench's busiest expert: 48.5x
+    assert quack_gemm.spread_of(0, 0, 8) == 1
+    tracker = quack_gemm.LoadSpread()
+    assert tracker.value == 1
+    assert tracker.observe(torch.tensor([40, 1, 1, 1, 0, 1, 0, 4]), 48) == 3  # 6.7x; on the CPU read at once
+    assert tracker.observe(torch.tensor([], dtype=torch.int64), 0) == 3  # no experts: the last value stays
+    import copy
+
+    assert copy.deepcopy(tracker).value == 1  # a copied layer starts afresh
+
+
+def test_skewed_loads_time_the_dynamically_scheduled_tiles_too(monkeypatch):
+    dyn = tuple(t + quack_gemm.DYNAMIC for t in quack_gemm.DYNAMIC_TILES)
+    assert quack_gemm._candidates(spread=quack_gemm.SKEWED - 1) == quack_gemm.CANDIDATES
+    assert quack_gemm._candidates(spread=quack_gemm.SKEWED) == (*quack_gemm.CANDIDATES, *dyn)
+    assert not set(dyn) & set(quack_gemm._candidates(gathered=True, spread=6))  # QuACK gathers only statically
+    assert set(dyn) < set(quack_gemm._candidates(transposed_out=True, spread=6))
+    # "<tile>+dyn" is the tile's config with the dynamic scheduler (QuACK's GemmConfig stood in for)
+    import sys
+    import types
+
+    fake = types.ModuleType("quack.gemm_config")
+    fake.GemmConfig = lambda **kw: kw
+    monkeypatch.setitem(sys.modules, "quack.gemm_config", fake)
+    for tile in quack_gemm.DYNAMIC_TILES:
+        static, dynamic = quack_gemm.tile_config(tile), quack_gemm.tile_config(tile + quack_gemm.DYNAMIC)
+        assert not static["is_dynamic_persistent"] and dynamic["is_dynamic_persistent"]
+        assert {**static, "is_dynamic_persistent": True} == dynamic
+
+
+def test_minimal_experts_key_their_choices_by_the_observed_load_spread(stand_in_quack):
+    """A skewed routing seen by the layer's tracker gives its GEMMs choices of their own (keyed by the spread),
+    timed among the dynamically scheduled tiles too where the rows are not gathered; the values are unchanged."""
+    launched = stand_in_quack
+    x, w13, w2, idx, w, dout = routed_inputs(24, 16, 8, 2, 8, "cpu", torch.float32, seed=4)
+    idx[:, 0] = 0  # every token's first choice is expert 0: 24 of 48 rows, 4x the mean
+    idx[:, 1] = torch.arange(24) % 7 + 1
+    tracker = quack_gemm.LoadSpread()
+    results = []
+    for plan, spread in ((GemmPlan(), None), (GemmPlan.uniform("quack"), tracker)):
+        ts = [t.clone().requires_grad_() for t in (x, w13, w2, w)]
+        out, _ = minimal_experts(ts[0], idx, ts[3], ts[1], ts[2], plan=plan, load_spread=spread)
+        out.backward(dout)
+        results.append([out.detach()] + [t.grad for t in ts])
+    assert tracker.value == quack_gemm.SKEWED
+    assert {key[-2] for key in quack_gemm._CHOICES} == {quack_gemm.SKEWED}
+    timed = {c for times in quack_gemm.CHOICE_TIMES.values() for c in times}
+    assert "128x256+dyn" in timed and launched
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -306,3 +362,40 @@ def test_expert_ffn_through_quack_matches_reference():
     assert rel_err(out.detach(), expert_ffn_reference(x, w13, w2, c, p)) < 2e-2
     for a, b in zip(ts, ref):
         assert rel_err(a.grad, b.grad) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [t + quack_gemm.DYNAMIC for t in quack_gemm.DYNAMIC_TILES])
+def test_dynamically_scheduled_tiles_equal_torch_bit_for_bit(tile, monkeypatch):
+    dev = _skip_unless_quack()
+    monkeypatch.setattr(quack_gemm, "CANDIDATES", (tile,))
+    monkeypatch.setattr(quack_gemm, "_CHOICES", {})
+    g = torch.Generator().manual_seed(8)
+    counts = [2000, 3, 0, 17, 1, 129, 0, 5]  # skewed: one expert holds most rows
+    E, K, N, M = len(counts), 256, 384, sum(counts)
+    a = torch.randn(M, K, generator=g).to(dev, torch.bfloat16)
+    b_nk = torch.randn(E, N, K, generator=g).to(dev, torch.bfloat16)
+    c = torch.randn(M, N, generator=g).to(dev, torch.bfloat16)
+    bounds = torch.zeros(E + 1, dtype=torch.int32, device=dev)
+    bounds[1:] = torch.cumsum(torch.tensor(counts, device=dev), 0)
+    offs = bounds[1:]
+    for _ in range(2):  # twice: the scheduler's tile counter starts from zero on every call
+        assert torch.equal(grouped_mm(a, b_nk, bounds, True, "fwd13"), torch._grouped_mm(a, b_nk.mT, offs=offs))
+        dwt = torch.full((E, N, K), float("nan"), device=dev).bfloat16()
+        grouped_wgrad(a, c, bounds, "wgrad13", out=dwt.transpose(1, 2))
+        assert torch.equal(dwt.transpose(1, 2), torch._grouped_mm(a.t(), c, offs=offs))
+    assert set(quack_gemm._CHOICES.values()) == {tile}
+
+
+@pytest.mark.gpu
+def test_load_spread_reads_cuda_counts_without_waiting():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    tracker = quack_gemm.LoadSpread()
+    counts = torch.tensor([40, 1, 1, 1, 0, 1, 0, 4], device="cuda", dtype=torch.int32)
+    torch.cuda._sleep(10**8)  # keep the GPU busy: the copy queued below cannot have landed at the first call
+    assert tracker.observe(counts, 48) == 1  # nothing landed yet: the default
+    torch.cuda.synchronize()
+    assert tracker.observe(counts * 0 + 6, 48) == 3  # the first call's counts (6.7x the mean)
+    torch.cuda.synchronize()
+    assert tracker.observe(counts, 48) == 1  # the second call's: 6 rows each, 1x the mean
