@@ -48,7 +48,7 @@ def _fused_path_on_cpu():
     from moecore.kernels import grouped_ffn
     from moecore.moe import experts
 
-    def ffn(x, w13, w2, counts, probs, plan=None, sync_free=False, backend="auto"):
+    def ffn(x, w13, w2, counts, probs, plan=None, sync_free=False, backend="auto", load_spread=None):
         return grouped_ffn._GroupedFFN.apply(x.contiguous(), w13, w2, counts, probs, grouped_ffn.GemmPlan(), "auto")
 
     stack = contextlib.ExitStack()
