@@ -84,10 +84,14 @@ class GemmPlan:
         """This plan with every "loop" GEMM run as "streams"."""
         return dataclasses.replace(self, **{n: "streams" for n in GEMM_KINDS if getattr(self, n) == "loop"})
 
+    @property
+    def uses_quack(self) -> bool:
+        return any(getattr(self, n) == "quack" for n in GEMM_KINDS)
+
     def observing(self, load_spread: quack_gemm.LoadSpread | None, counts: torch.Tensor, rows: int) -> GemmPlan:
         """This plan keyed by the load spread `load_spread` observes in `counts` (summing to `rows`), where a GEMM
         runs through QuACK and a tracker is given; else this plan."""
-        if load_spread is None or not any(getattr(self, n) == "quack" for n in GEMM_KINDS):
+        if load_spread is None or not self.uses_quack:
             return self
         return dataclasses.replace(self, spread=load_spread.observe(counts, rows))
 

@@ -41,6 +41,7 @@ import torch
 from moecore.kernels._triton import triton_importable
 from moecore.kernels.grouped_ffn import GemmPlan, default_plan, gemm_nn, gemm_nt, gemm_tn
 from moecore.kernels.permute import gather_add_rows
+from moecore.kernels.quack_gemm import spread_of
 from moecore.kernels.swiglu import swiglu, swiglu_backward
 from moecore.moe.minimal import expert_bounds, row_operands, sort_by_expert
 from moecore.moe.permute import SortedAssignments
@@ -92,6 +93,14 @@ def chunk_plans(
     return small, dataclasses.replace(plan, **direct)
 
 
+def _keyed(plan: GemmPlan, host: list[int], e0: int, e1: int) -> GemmPlan:
+    """`plan` with its `spread` that of experts e0..e1 (host bounds), where it runs QuACK's GEMMs."""
+    if not plan.uses_quack or host[e1] == host[e0]:
+        return plan
+    busiest = max(host[e + 1] - host[e] for e in range(e0, e1))
+    return dataclasses.replace(plan, spread=spread_of(busiest, host[e1] - host[e0], e1 - e0))
+
+
 def _rows(t: torch.Tensor, tok_M: torch.Tensor | None, r0: int, r1: int) -> torch.Tensor:
     """Rows r0:r1 of the sorted order: t's rows of those tokens, or a view of t when rows are in order already."""
     return t[r0:r1] if tok_M is None else t.index_select(0, tok_M[r0:r1])
@@ -113,18 +122,19 @@ class _ChunkedExperts(torch.autograd.Function):
         host = bounds.tolist()  # the one host synchronisation: where the chunks start and end
         chunks = expert_chunks(host, chunk_rows)
         per_row = H * w2.shape[2]  # multiply-adds of one row through one expert GEMM
-        # each chunk's GEMMs (chunk_plans), for its forward and its backward
-        gemms = [plans[(host[e1] - host[e0]) * per_row >= GPU_BOUND_CHUNK] for e0, e1 in chunks]
+        # each chunk's GEMMs (chunk_plans), for its forward and its backward, with QuACK's tiles keyed by the chunk's
+        # load spread (read from the host bounds at no cost)
+        gemms = [_keyed(plans[(host[e1] - host[e0]) * per_row >= GPU_BOUND_CHUNK], host, e0, e1) for e0, e1 in chunks]
         out = torch.zeros(T, H, dtype=x_TH.dtype if in_order else torch.float32, device=x_TH.device)
         for (e0, e1), plan in zip(chunks, gemms):
             r0, r1 = host[e0], host[e1]
             if r0 == r1:
                 continue
             p, b = None if p_M is None else p_M[r0:r1], bounds[e0 : e1 + 1] - r0
-            h = gemm_nt(_rows(x_TH, tok_M, r0, r1), w13c[e0:e1], b, None, plan.fwd13, "fwd13")
+            h = gemm_nt(_rows(x_TH, tok_M, r0, r1), w13c[e0:e1], b, None, plan.fwd13, "fwd13", plan.spread)
             a = swiglu(h, p if probs_in_act else None)
             del h
-            y = gemm_nt(a, w2c[e0:e1], b, None, plan.fwd2, "fwd2")
+            y = gemm_nt(a, w2c[e0:e1], b, None, plan.fwd2, "fwd2", plan.spread)
             del a
             if in_order:
                 out[r0:r1] = y
@@ -159,21 +169,21 @@ class _ChunkedExperts(torch.autograd.Function):
                 continue
             p, b = None if p_M is None else p_M[r0:r1], bounds[e0 : e1 + 1] - r0
             xg = _rows(x_TH, tok_M, r0, r1)
-            h = gemm_nt(xg, w13c[e0:e1], b, None, plan.fwd13, "fwd13")  # FC1 again
+            h = gemm_nt(xg, w13c[e0:e1], b, None, plan.fwd13, "fwd13", plan.spread)  # FC1 again
             g = _rows(d_out, tok_M, r0, r1)  # dOut of each row's token
-            da_u = gemm_nn(g, w2c[e0:e1], b, None, plan.dgrad2, "dgrad2")
+            da_u = gemm_nn(g, w2c[e0:e1], b, None, plan.dgrad2, "dgrad2", plan.spread)
             dh, dp_c, a_p = swiglu_backward(h, p, da_u)  # dp = <da_u, a> = <dOut_t, expert output of the row>
             del h, da_u
             if dp is not None:
                 dp[r0:r1] = dp_c
             if dw2 is not None:
-                gemm_tn(g, a_p, b, None, plan.wgrad2, ctx.w_dtypes[1], "wgrad2", out=dw2[e0:e1])
+                gemm_tn(g, a_p, b, None, plan.wgrad2, ctx.w_dtypes[1], "wgrad2", out=dw2[e0:e1], spread=plan.spread)
             del g, a_p
             if dw13 is not None:
-                gemm_tn(dh, xg, b, None, plan.wgrad13, ctx.w_dtypes[0], "wgrad13", out=dw13[e0:e1])
+                gemm_tn(dh, xg, b, None, plan.wgrad13, ctx.w_dtypes[0], "wgrad13", out=dw13[e0:e1], spread=plan.spread)
             del xg
             if dx is not None:
-                dxg = gemm_nn(dh, w13c[e0:e1], b, None, plan.dgrad13, "dgrad13")
+                dxg = gemm_nn(dh, w13c[e0:e1], b, None, plan.dgrad13, "dgrad13", plan.spread)
                 if in_order:
                     dx[r0:r1] = dxg
                 else:

@@ -15,6 +15,7 @@ from moecore.config import Config, ConfigError, MoEConfig
 from moecore.kernels import quack_gemm
 from moecore.kernels.grouped_ffn import GemmPlan, _GroupedFFN, default_plan, expert_ffn, expert_ffn_reference
 from moecore.kernels.quack_gemm import TILES, grouped_mm, grouped_wgrad, tile_for
+from moecore.moe.chunked import chunked_experts
 from moecore.moe.minimal import minimal_experts
 from tests.kernels.conftest import expert_ffn_inputs, rel_err, routed_inputs
 
@@ -272,6 +273,23 @@ def test_minimal_experts_key_their_choices_by_the_observed_load_spread(stand_in_
     assert {"128x256+dyn", "128x256+mix"} <= timed and launched
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_experts_key_each_chunks_choices_by_its_spread(stand_in_quack):
+    """moe.activation_memory=chunked reads the bounds on the host anyway: each chunk's choices are keyed by that
+    chunk's own spread (one chunk: the layer's, 4x; in chunks of 24 rows: expert 0 alone, then 7 even ones: 1)."""
+    x, w13, w2, idx, w, dout = routed_inputs(24, 16, 8, 2, 8, "cpu", torch.float32, seed=4)
+    idx[:, 0], idx[:, 1] = 0, torch.arange(24) % 7 + 1  # expert 0: 24 of 48 rows
+    ref = [t.clone().requires_grad_() for t in (x, w13, w2, w)]
+    minimal_experts(ref[0], idx, ref[3], ref[1], ref[2])[0].backward(dout)
+    for chunk_rows, spreads in ((48, {quack_gemm.SKEWED}), (24, {1})):
+        quack_gemm._CHOICES.clear()
+        ts = [t.clone().requires_grad_() for t in (x, w13, w2, w)]
+        plan = GemmPlan.uniform("quack")
+        chunked_experts(ts[0], idx, ts[3], ts[1], ts[2], chunk_rows, plan=plan)[0].backward(dout)
+        assert {key[-2] for key in quack_gemm._CHOICES} == spreads
+        for got, want in zip(ts, ref):
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- on a Hopper GPU with QuACK installed
