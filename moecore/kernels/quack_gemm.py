@@ -108,26 +108,26 @@ def tile_for(kind: str, rows_per_expert: float, n: int) -> str:
     return "128x192"
 
 
-# Tiles whose dynamically scheduled variants are timed where the load is skewed (spread >= SKEWED: the busiest
-# expert holds >= 4x the mean). "<tile>+dyn": each CTA takes its next tile from an atomic counter rather than every
-# P-th one. "<tile>+mix" (weight gradients): the same, with the experts taken heaviest, lightest, second heaviest,
-# ... (`mixed_order`). A weight gradient's tiles are the same in number for every expert, but an expert of a few
-# rows makes them all store and no compute: in expert order the busy experts' tiles (compute) come first and the
-# idle ones' (stores) last, one phase after the other; mixed, they run side by side. Under random routing every
-# tile of a GEMM does about the same work and the static order is as good.
-DYNAMIC, MIXED = "+dyn", "+mix"
+# Tiles whose dynamically scheduled variant ("<tile>+dyn": each CTA takes its next tile from an atomic counter
+# rather than every P-th one) is timed where the load is skewed (spread >= SKEWED: the busiest expert holds >= 4x
+# the mean), where the tiles' work is uneven: an expert of a few rows gives weight-gradient tiles that only store.
+# Measured on an H100 (docs/benchmarks.md, "Tiles chosen per load spread"), it won the weight gradients at
+# Qwen3-Next's skewed shape (dW13 1.49 against 1.69 ms) and most GEMMs at DeepSeek-V3's. Under random routing every
+# tile of a GEMM does about the same work, and it is not timed. Taking the experts heaviest, lightest, second
+# heaviest, ... (QuACK's `batch_idx_permute`) was also timed and lost to plain dynamic scheduling at every weight
+# gradient measured.
+DYNAMIC = "+dyn"
 DYNAMIC_TILES = ("128x256", "128x192")
 SKEWED = 3
 
 
 def tile_config(tile: str, gather: bool = False):
-    """QuACK's GemmConfig for a TILES key, statically scheduled, or dynamically for "<key>+dyn" / "<key>+mix";
-    `gather`: for A's rows gathered."""
+    """QuACK's GemmConfig for a TILES key, statically scheduled, or dynamically for "<key>+dyn"; `gather`: for
+    A's rows gathered."""
     from quack.gemm_config import GemmConfig
 
-    base, plus, schedule = tile.partition("+")
-    dynamic = plus + schedule in (DYNAMIC, MIXED)
-    tm, tn, pingpong, cm, cn = TILES[base]
+    dynamic = tile.endswith(DYNAMIC)
+    tm, tn, pingpong, cm, cn = TILES[tile.removesuffix(DYNAMIC)]
     if gather and cn > 1:  # QuACK gathers A's rows only in clusters of one CTA along N
         cm, cn = cn, 1
     return GemmConfig(
@@ -137,8 +137,7 @@ def tile_config(tile: str, gather: bool = False):
 
 def launch(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor, tile: str, **varlen) -> torch.Tensor:
     """QuACK's GEMM with an explicit tile configuration (its autotuner's wrapped function: no tuning pass).
-    varlen: cu_seqlens_m or cu_seqlens_k, A_idx where A's rows (varlen_m) or columns (varlen_k) are gathered, and
-    batch_idx_permute (varlen_k: the order the scheduler takes the experts in)."""
+    varlen: cu_seqlens_m or cu_seqlens_k, and A_idx where A's rows (varlen_m) or columns (varlen_k) are gathered."""
     from quack.gemm_interface import gemm_tuned
 
     run = getattr(gemm_tuned, "fn", gemm_tuned)
@@ -174,16 +173,11 @@ def _time_ms(fn: Callable[[], object], reps: int = 3) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _candidates(
-    gathered: bool = False, transposed_out: bool = False, spread: int = 1, weight_grad: bool = False
-) -> tuple[str, ...]:
+def _candidates(gathered: bool = False, transposed_out: bool = False, spread: int = 1) -> tuple[str, ...]:
     """What `choose` times: CANDIDATES, with "copy" instead of torch's kernel for gathered rows and without it for
     a transposed output; with a skewed load (spread >= SKEWED) the DYNAMIC_TILES' dynamically scheduled variants
-    too ("+mix" ones for weight gradients), except for gathered rows (QuACK gathers only under the static scheduler
-    on Hopper)."""
-    dynamic = ()
-    if spread >= SKEWED and not gathered:
-        dynamic = tuple(t + s for s in ((DYNAMIC, MIXED) if weight_grad else (DYNAMIC,)) for t in DYNAMIC_TILES)
+    too, except for gathered rows (QuACK gathers only under the static scheduler on Hopper)."""
+    dynamic = tuple(t + DYNAMIC for t in DYNAMIC_TILES) if spread >= SKEWED and not gathered else ()
     if not (gathered or transposed_out):
         return (*CANDIDATES, *dynamic)
     tiles = tuple(c for c in CANDIDATES if c != "torch")
@@ -274,26 +268,12 @@ def grouped_wgrad(
             res = torch._grouped_mm(a.t(), b, offs=bounds[1:])
             return res if out is None else out.copy_(res)
         dst = a.new_empty(E, a.shape[1], b.shape[1]) if out is None else out
-        order = mixed_order(bounds) if cand.endswith(MIXED) else None
-        return launch(a.t(), b, dst, cand, cu_seqlens_k=bounds, A_idx=rows, batch_idx_permute=order)
+        return launch(a.t(), b, dst, cand, cu_seqlens_k=bounds, A_idx=rows)
 
     n, gathered, transposed = b.shape[1], rows is not None, out is not None and not out.is_contiguous()
     key = shape_key(kind, a, m, n, E, ("rows" if gathered else "") + ("t" if transposed else ""), spread)
     guess = COPY if gathered else tile_for(kind, m / max(E, 1), n)
-    return run(choose(key, guess, run, _candidates(gathered, transposed, spread, weight_grad=True)))
-
-
-def mixed_order(bounds: torch.Tensor) -> torch.Tensor:
-    """int32 [E]: the experts by rows, heaviest, lightest, second heaviest, second lightest, ... (on the device of
-    `bounds`, the experts' row offsets [E + 1]; nothing read on the host)."""
-    counts = bounds[1:] - bounds[:-1]
-    E = counts.numel()
-    by_rows = torch.argsort(counts, descending=True, stable=True).to(torch.int32)
-    order = torch.empty_like(by_rows)
-    half = (E + 1) // 2
-    order[0::2] = by_rows[:half]
-    order[1::2] = by_rows[half:].flip(0)
-    return order
+    return run(choose(key, guess, run, _candidates(gathered, transposed, spread)))
 
 
 # ---------------------------------------------------------------- the load's spread, read without waiting

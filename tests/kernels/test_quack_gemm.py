@@ -146,7 +146,7 @@ def stand_in_quack(monkeypatch) -> list:
     so the path under test runs. Returns the launches as (tile, gathered) pairs."""
     launched = []
 
-    def stand_in(A, B, out, tile, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None, batch_idx_permute=None):
+    def stand_in(A, B, out, tile, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None):
         launched.append((tile, A_idx is not None))
         if cu_seqlens_m is not None:
             return out.copy_(torch._grouped_mm(A if A_idx is None else A[A_idx.long()], B, offs=cu_seqlens_m[1:]))
@@ -234,11 +234,7 @@ def test_skewed_loads_time_the_dynamically_scheduled_tiles_too(monkeypatch):
     assert quack_gemm._candidates(spread=quack_gemm.SKEWED - 1) == quack_gemm.CANDIDATES
     assert quack_gemm._candidates(spread=quack_gemm.SKEWED) == (*quack_gemm.CANDIDATES, *dyn)
     assert not set(dyn) & set(quack_gemm._candidates(gathered=True, spread=6))  # QuACK gathers only statically
-    mix = tuple(t + quack_gemm.MIXED for t in quack_gemm.DYNAMIC_TILES)
-    assert not set(mix) & set(quack_gemm._candidates(spread=6))  # the experts' order matters to weight gradients
-    assert set(dyn + mix) < set(quack_gemm._candidates(transposed_out=True, spread=6, weight_grad=True))
-    bounds = torch.tensor([0, 5, 5, 105, 106, 126], dtype=torch.int32)  # rows 5, 0, 100, 1, 20
-    assert quack_gemm.mixed_order(bounds).tolist() == [2, 1, 4, 3, 0]  # heaviest, lightest, 2nd of each, ...
+    assert set(dyn) < set(quack_gemm._candidates(transposed_out=True, spread=6))
     # "<tile>+dyn" is the tile's config with the dynamic scheduler (QuACK's GemmConfig stood in for)
     import sys
     import types
@@ -249,8 +245,7 @@ def test_skewed_loads_time_the_dynamically_scheduled_tiles_too(monkeypatch):
     for tile in quack_gemm.DYNAMIC_TILES:
         static = quack_gemm.tile_config(tile)
         assert not static["is_dynamic_persistent"]
-        for suffix in (quack_gemm.DYNAMIC, quack_gemm.MIXED):
-            assert quack_gemm.tile_config(tile + suffix) == {**static, "is_dynamic_persistent": True}
+        assert quack_gemm.tile_config(tile + quack_gemm.DYNAMIC) == {**static, "is_dynamic_persistent": True}
 
 
 def test_minimal_experts_key_their_choices_by_the_observed_load_spread(stand_in_quack):
@@ -270,7 +265,7 @@ def test_minimal_experts_key_their_choices_by_the_observed_load_spread(stand_in_
     assert tracker.value == quack_gemm.SKEWED
     assert {key[-2] for key in quack_gemm._CHOICES} == {quack_gemm.SKEWED}
     timed = {c for times in quack_gemm.CHOICE_TIMES.values() for c in times}
-    assert {"128x256+dyn", "128x256+mix"} <= timed and launched
+    assert "128x256+dyn" in timed and launched
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -388,9 +383,7 @@ def test_expert_ffn_through_quack_matches_reference():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "tile", [t + s for t in quack_gemm.DYNAMIC_TILES for s in (quack_gemm.DYNAMIC, quack_gemm.MIXED)]
-)
+@pytest.mark.parametrize("tile", [t + quack_gemm.DYNAMIC for t in quack_gemm.DYNAMIC_TILES])
 def test_dynamically_scheduled_tiles_equal_torch_bit_for_bit(tile, monkeypatch):
     dev = _skip_unless_quack()
     monkeypatch.setattr(quack_gemm, "CANDIDATES", (tile,))
