@@ -113,6 +113,7 @@ def test_moe_layer_variants_build_on_cpu():
         layer = moe_layer._moecore_layer(32, 32, 4, 2, name, tokens=64)
         recipe = getattr(layer.experts, "fp8_recipe", None)
         assert (recipe is not None) == name.startswith("moecore-fp8-")
+        assert (layer.experts.load_spread is None) == (name == "moecore-spread-blind")
         if recipe is not None:
             assert recipe.scaling == name.split("-")[2]
             options = name.split("-")[3:]

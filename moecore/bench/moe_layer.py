@@ -60,6 +60,8 @@ VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore"
     "moecore-torch-gemms": "moe.gemm_backend=torch: the per-shape plan among torch's and moecore's Triton GEMMs, "
     "never QuACK's",
     "moecore-all-quack": "every expert GEMM through QuACK's grouped GEMMs (where they run; torch's elsewhere)",
+    "moecore-spread-blind": "QuACK's tile choices not keyed by the layer's load spread: every load timed as the "
+    "first one seen (under --routing random,skewed: the skewed layer runs random routing's tiles)",
     "moecore-minimal": "moe.activation_memory=minimal: experts, permute and combine as one Function (x, h, routing kept)",
     "moecore-minimal-swiglu-epilogue": "minimal with moe.swiglu_epilogue=true: the SwiGLU and its backward in QuACK's "
     "GEMM epilogues (probabilities at the combine)",
@@ -168,6 +170,8 @@ def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore", tok
         layer.experts.gemm_plan = GemmPlan.uniform("triton")
     if variant == "moecore-all-quack":
         layer.experts.gemm_plan = GemmPlan.uniform("quack")
+    if variant == "moecore-spread-blind":
+        layer.experts.load_spread = None
     if variant == "moecore-streams":
         layer.experts.gemm_plan = default_plan(e, tokens * k, h, f, torch.device("cuda")).with_streams()
     if variant.startswith("moecore-fp8-"):  # train.precision=fp8 with fp8.modules=[experts]
