@@ -112,7 +112,7 @@ def tile_for(kind: str, rows_per_expert: float, n: int) -> str:
 # rather than every P-th one) is timed where the load is skewed (spread >= SKEWED: the busiest expert holds >= 4x
 # the mean), where the tiles' work is uneven: an expert of a few rows gives weight-gradient tiles that only store.
 # Measured on an H100 (docs/benchmarks.md, "Tiles chosen per load spread"), it won the weight gradients at
-# Qwen3-Next's skewed shape (dW13 1.49 against 1.69 ms) and most GEMMs at DeepSeek-V3's. Under random routing every
+# Qwen3-Next's skewed shape (dW13 1.49 against 1.69 ms) and every GEMM at DeepSeek-V3's. Under random routing every
 # tile of a GEMM does about the same work, and it is not timed. Taking the experts heaviest, lightest, second
 # heaviest, ... (QuACK's `batch_idx_permute`) was also timed and lost to plain dynamic scheduling at every weight
 # gradient measured.
