@@ -86,6 +86,7 @@ class GemmPlan:
 
     @property
     def uses_quack(self) -> bool:
+        """Whether any of the six GEMMs runs through QuACK's grouped GEMMs (the only ones keyed by `spread`)."""
         return any(getattr(self, n) == "quack" for n in GEMM_KINDS)
 
     def observing(self, load_spread: quack_gemm.LoadSpread | None, counts: torch.Tensor, rows: int) -> GemmPlan:

@@ -411,8 +411,9 @@ def test_load_spread_reads_cuda_counts_without_waiting():
         pytest.skip("needs CUDA")
     tracker = quack_gemm.LoadSpread()
     counts = torch.tensor([40, 1, 1, 1, 0, 1, 0, 4], device="cuda", dtype=torch.int32)
-    torch.cuda._sleep(10**8)  # keep the GPU busy: the copy queued below cannot have landed at the first call
+    torch.cuda._sleep(10**9)  # ~0.5 s of GPU work queued ahead of the copy the first call queues
     assert tracker.observe(counts, 48) == 1  # nothing landed yet: the default
+    assert tracker.observe(counts, 48) == 1  # the copy waits behind the sleep: not landed, and not waited for
     torch.cuda.synchronize()
     assert tracker.observe(counts * 0 + 6, 48) == 3  # the first call's counts (6.7x the mean)
     torch.cuda.synchronize()
