@@ -7,10 +7,11 @@ of one expert stay in token order (deterministic), and returns:
   order_M  : for each sorted row, the flat index t * K + k it came from;
   inv_M    : for each flat index t * K + k, the sorted row that holds it (inverse of order_M);
   counts_E : rows per expert (int64), the group sizes of the expert GEMMs.
-`permute(x_TH, perm)` gathers x[order // K] -> [M, H]; `unpermute(y_MH, perm, probs_TK)` returns
-out[t] = sum_k probs[t, k] * y[inv[t*K + k]] (probs optional) in fp32, rounded to y's dtype. Both are
-gathers: each output row is written by one program, so there are no atomics and the result is
-bit-reproducible. The backward of each is the other gather (plus, for the probabilities, a row dot).
+`permute(x_TH, perm)` returns x[order // K] -> [M, H], written from the source side: one program per token reads
+its row once and stores it to its K sorted rows inv[t*K + k]. `unpermute(y_MH, perm, probs_TK)` returns
+out[t] = sum_k probs[t, k] * y[inv[t*K + k]] (probs optional) in fp32, rounded to y's dtype, a gather. Each
+output row is written by one program, so there are no atomics and the result is bit-reproducible. The
+backward of each is the other (plus, for the probabilities, a row dot).
 `gather_add_rows` adds a slice of the sorted rows (a chunk of whole experts: moecore/moe/chunked.py) into per-token
 fp32 sums by the same kind of gather, one program per token.
 """
@@ -28,23 +29,22 @@ if triton_importable():
     import triton.language as tl
 
     @triton.jit
-    def _gather_rows_kernel(
-        src_ptr, idx_ptr, scale_ptr, out_ptr, H, DIV: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_H: tl.constexpr
+    def _spread_rows_kernel(
+        src_ptr, inv_ptr, scale_ptr, out_ptr, H, K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_H: tl.constexpr
     ):
-        # out[i] = src[idx[i] // DIV] (* scale[idx[i]])
-        i = tl.program_id(0)
-        j = tl.load(idx_ptr + i)
-        src_row = (j // DIV).to(tl.int64)
-        dst = i.to(tl.int64) * H
-        if HAS_SCALE:
-            s = tl.load(scale_ptr + j).to(tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            rh = h0 + tl.arange(0, BLOCK_H)
-            m = rh < H
-            v = tl.load(src_ptr + src_row * H + rh, mask=m, other=0.0)
+        # out[inv[t*K + k]] = src[t] (* scale[t*K + k]) for k < K: the gather out[i] = src[order[i] // K] written
+        # from the source side, so each source row is read from memory once rather than once per copy.
+        t = tl.program_id(0)
+        rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = rh < H
+        v = tl.load(src_ptr + t.to(tl.int64) * H + rh, mask=m, other=0.0)
+        for k in tl.static_range(K):
+            r = tl.load(inv_ptr + t * K + k).to(tl.int64)
             if HAS_SCALE:
-                v = (v.to(tl.float32) * s).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + dst + rh, v, mask=m)
+                s = tl.load(scale_ptr + t * K + k).to(tl.float32)
+                tl.store(out_ptr + r * H + rh, (v.to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=m)
+            else:
+                tl.store(out_ptr + r * H + rh, v, mask=m)
 
     @triton.jit
     def _gather_sum_kernel(
@@ -114,13 +114,19 @@ class Permutation:
     topk: int
 
 
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """inv with inv[order[i]] = i, for a permutation `order` of 0..N-1."""
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    return inv
+
+
 def make_permutation(idx_TK: torch.Tensor, num_experts: int) -> Permutation:
     """Stable sort of the (token, slot) pairs by expert id."""
     T, K = idx_TK.shape
     flat = idx_TK.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
+    inv = inverse_permutation(order)
     counts = torch.bincount(flat, minlength=num_experts)
     return Permutation(order, inv, counts, T, K)
 
@@ -201,13 +207,26 @@ def unpermute_reference(y_MH: torch.Tensor, perm: Permutation, probs_TK: torch.T
 # ---------------------------------------------------------------- Triton launches
 
 
-def _gather_rows(src: torch.Tensor, idx: torch.Tensor, div: int, scale: torch.Tensor | None = None) -> torch.Tensor:
-    H = src.shape[-1]
-    out = torch.empty(idx.numel(), H, dtype=src.dtype, device=src.device)
-    if idx.numel():
-        block = min(next_pow2(H), 4096)
-        _gather_rows_kernel[(idx.numel(),)](
-            src, idx, scale if scale is not None else src, out, H, div, scale is not None, block, num_warps=4
+def _row_block(H: int) -> int:
+    """Columns per program for the row kernels: a power of two up to 2048 that divides H where one >= 256 does
+    (H = 7168: 1024, no masked half block), else the next power of two (capped)."""
+    block = min(next_pow2(H), 2048)
+    while block > 256 and H % block:
+        block //= 2
+    return block if H % block == 0 else min(next_pow2(H), 2048)
+
+
+def _spread_rows(src: torch.Tensor, inv: torch.Tensor, K: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """out[inv[t*K + k]] = src[t] (* scale[t*K + k]): [T, H] -> [T*K, H] for a bijection `inv` of the T*K rows.
+    The same values as the gather out[i] = src[order[i] // K] (* scale[order[i]]) with `order` inv's inverse,
+    reading each source row once (a gather reads it K times, and the T*K*H bytes of copies it writes evict it
+    from L2 in between)."""
+    T, H = src.shape
+    out = torch.empty(T * K, H, dtype=src.dtype, device=src.device)
+    if T:
+        block = _row_block(H)
+        _spread_rows_kernel[(T, triton.cdiv(H, block))](
+            src, inv, scale if scale is not None else src, out, H, K, scale is not None, block, num_warps=4
         )
     return out
 
@@ -216,7 +235,7 @@ def _gather_sum(src: torch.Tensor, inv: torch.Tensor, T: int, K: int, w: torch.T
     H = src.shape[-1]
     out = torch.empty(T, H, dtype=src.dtype, device=src.device)
     if T:
-        block = min(next_pow2(H), 2048)
+        block = _row_block(H)
         grid = (T, triton.cdiv(H, block))
         _gather_sum_kernel[grid](src, inv, w if w is not None else src, out, H, K, w is not None, block, num_warps=4)
     return out
@@ -289,46 +308,44 @@ def _gather_dot(a_TH: torch.Tensor, b_MH: torch.Tensor, inv: torch.Tensor, T: in
 
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, T: int, K: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, inv: torch.Tensor, T: int, K: int) -> torch.Tensor:
         ctx.save_for_backward(inv)
         ctx.T, ctx.K = T, K
-        return _gather_rows(x.contiguous(), order, K)
+        return _spread_rows(x.contiguous(), inv, K)
 
     @staticmethod
     def backward(ctx, d_y: torch.Tensor):
         (inv,) = ctx.saved_tensors
-        return _gather_sum(d_y.contiguous(), inv, ctx.T, ctx.K, None), None, None, None, None
+        return _gather_sum(d_y.contiguous(), inv, ctx.T, ctx.K, None), None, None, None
 
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, y: torch.Tensor, order: torch.Tensor, inv: torch.Tensor, probs: torch.Tensor | None, T: int, K: int
-    ):
+    def forward(ctx, y: torch.Tensor, inv: torch.Tensor, probs: torch.Tensor | None, T: int, K: int):
         y = y.contiguous()
         p = probs.contiguous() if probs is not None else None
-        ctx.save_for_backward(y if p is not None else None, order, inv, p)
+        ctx.save_for_backward(y if p is not None else None, inv, p)
         ctx.T, ctx.K = T, K
         ctx.p_dtype = None if probs is None else probs.dtype
         return _gather_sum(y, inv, T, K, p)
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor):
-        y, order, inv, p = ctx.saved_tensors
+        y, inv, p = ctx.saved_tensors
         d_out = d_out.contiguous()
-        # d y[i] = d_out[order[i] // K] * p[order[i]]
-        d_y = _gather_rows(d_out, order, ctx.K, p)
+        # d y[i] = d_out[order[i] // K] * p[order[i]], written as d y[inv[t*K + k]] = d_out[t] * p[t*K + k]
+        d_y = _spread_rows(d_out, inv, ctx.K, p)
         d_p = None
-        if p is not None and ctx.needs_input_grad[3]:
+        if p is not None and ctx.needs_input_grad[2]:
             d_p = _gather_dot(d_out, y, inv, ctx.T, ctx.K).to(ctx.p_dtype)
-        return d_y, None, None, d_p, None, None
+        return d_y, None, d_p, None, None
 
 
 def permute(x_TH: torch.Tensor, perm: Permutation, impl: str = "auto") -> torch.Tensor:
     """Rows of x in expert order: [M, H]. Differentiable in x."""
     if not use_triton(impl, x_TH):
         return permute_reference(x_TH, perm)
-    return _Permute.apply(x_TH, perm.order_M, perm.inv_M, perm.num_tokens, perm.topk)
+    return _Permute.apply(x_TH, perm.inv_M, perm.num_tokens, perm.topk)
 
 
 def unpermute(
@@ -337,7 +354,7 @@ def unpermute(
     """Per-token (weighted) sum of its K expert outputs: [T, H]. Differentiable in y and probs."""
     if not use_triton(impl, y_MH):
         return unpermute_reference(y_MH, perm, probs_TK)
-    return _Unpermute.apply(y_MH, perm.order_M, perm.inv_M, probs_TK, perm.num_tokens, perm.topk)
+    return _Unpermute.apply(y_MH, perm.inv_M, probs_TK, perm.num_tokens, perm.topk)
 
 
 def permute_probs(probs_TK: torch.Tensor, perm: Permutation) -> torch.Tensor:
@@ -345,17 +362,18 @@ def permute_probs(probs_TK: torch.Tensor, perm: Permutation) -> torch.Tensor:
     return probs_TK.reshape(-1)[perm.order_M]
 
 
-def permute_rows(x_TH: torch.Tensor, order_M: torch.Tensor, topk: int, impl: str = "auto") -> torch.Tensor:
+def permute_rows(
+    x_TH: torch.Tensor, order_M: torch.Tensor, topk: int, impl: str = "auto", inv: torch.Tensor | None = None
+) -> torch.Tensor:
     """x[order // topk] for a dropless sort `order_M` (as the MoE layer's permute holds it), fused on GPU.
 
     Same values as `x_TH.index_select(0, order_M // topk)`; the backward is a per-token gather-sum in
-    fp32 instead of an atomic scatter-add.
+    fp32 instead of an atomic scatter-add. `inv`: `inverse_permutation(order_M)` if the caller has it.
     """
     if not use_triton(impl, x_TH):
         return x_TH.index_select(0, order_M // topk)
-    inv = torch.empty_like(order_M)
-    inv[order_M] = torch.arange(order_M.numel(), device=order_M.device)
-    return _Permute.apply(x_TH, order_M, inv, x_TH.shape[0], topk)
+    inv = inverse_permutation(order_M) if inv is None else inv
+    return _Permute.apply(x_TH, inv, x_TH.shape[0], topk)
 
 
 def unpermute_rows(

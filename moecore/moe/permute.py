@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moecore.kernels.permute import permute_rows, scatter_rows, unpermute_rows, weighted_sum_k
+from moecore.kernels.permute import inverse_permutation, permute_rows, scatter_rows, unpermute_rows, weighted_sum_k
 
 
 @dataclass
@@ -39,6 +39,7 @@ class PermuteCtx:
     num_rows: int  # rows of the permuted buffer: N_kept, or E*C when padded to capacity
     tokens_per_expert: torch.Tensor  # [E] int64 rows per expert in the buffer (C each when padded)
     kept_per_expert: torch.Tensor  # [E] int64 real (unpadded) assignments per expert
+    inv_flat: torch.Tensor | None = None  # dropless on GPU: the sorted row of each assignment (src_flat's inverse)
 
 
 def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
@@ -119,11 +120,13 @@ def permute(
     if pad_to_capacity is None:
         n_kept = T * K if keep_TK is None else int(kept_per_expert.sum())  # drops, unpadded: a host sync
         src_flat = order[:n_kept]
-        if keep_TK is None and x_TH.is_cuda:  # fused gather (Triton), same values; see moecore/kernels/permute.py
-            rows = permute_rows(x_TH, src_flat, K)
+        inv = None
+        if keep_TK is None and x_TH.is_cuda:  # fused copy (Triton), same values; see moecore/kernels/permute.py
+            inv = inverse_permutation(src_flat)
+            rows = permute_rows(x_TH, src_flat, K, inv=inv)
         else:
             rows = x_TH.index_select(0, src_flat // K)
-        ctx = PermuteCtx(T, K, src_flat, None, n_kept, kept_per_expert, kept_per_expert)
+        ctx = PermuteCtx(T, K, src_flat, None, n_kept, kept_per_expert, kept_per_expert, inv)
         return rows, ctx
     # Padded: static shapes. Every assignment keeps a row index; dropped ones point at a scratch row E*C
     # past the buffer (written, then cut off), so nothing depends on how many were kept.
@@ -158,8 +161,7 @@ def unpermute(rows_NH: torch.Tensor, ctx: PermuteCtx, weight_TK: torch.Tensor | 
         rows = rows_NH.index_select(0, ctx.dest_rows.clamp(max=ctx.num_rows - 1)) * kept
     if ctx.src_flat.numel() == T * K and ctx.dest_rows is None:
         # Dropless: every slot is filled, a gather by the inverse permutation is enough.
-        inv = torch.empty_like(ctx.src_flat)
-        inv[ctx.src_flat] = torch.arange(T * K, device=inv.device)
+        inv = ctx.inv_flat if ctx.inv_flat is not None else inverse_permutation(ctx.src_flat)
         if rows.is_cuda:  # fused gather-sum (Triton), same maths; see moecore/kernels/permute.py
             return unpermute_rows(rows, ctx.src_flat, inv, weight_TK, T, K)
         slots = rows.index_select(0, inv)
