@@ -114,6 +114,8 @@ def test_moe_layer_variants_build_on_cpu():
         recipe = getattr(layer.experts, "fp8_recipe", None)
         assert (recipe is not None) == name.startswith("moecore-fp8-")
         assert (layer.experts.load_spread is None) == (name == "moecore-spread-blind")
+        at_combine = name in ("moecore-probs-at-combine", "moecore-minimal-swiglu-epilogue")
+        assert layer.cfg.apply_probs_on_input != at_combine
         if recipe is not None:
             assert recipe.scaling == name.split("-")[2]
             options = name.split("-")[3:]

@@ -62,6 +62,8 @@ VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore"
     "moecore-all-quack": "every expert GEMM through QuACK's grouped GEMMs (where they run; torch's elsewhere)",
     "moecore-spread-blind": "QuACK's tile choices not keyed by the layer's load spread: every load timed as the "
     "first one seen (under --routing random,skewed: the skewed layer runs random routing's tiles)",
+    "moecore-probs-at-combine": "moe.apply_probs_on_input=false (the option's default; the recipes set true): the "
+    "routing weights applied at the combine, whose backward then keeps the expert outputs",
     "moecore-minimal": "moe.activation_memory=minimal: experts, permute and combine as one Function (x, h, routing kept)",
     "moecore-minimal-swiglu-epilogue": "minimal with moe.swiglu_epilogue=true: the SwiGLU and its backward in QuACK's "
     "GEMM epilogues (probabilities at the combine)",
@@ -147,8 +149,9 @@ def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore", tok
         norm_topk_prob=True,
         router_load_balancing_type="none",  # transformers' block computes no balancing loss either
         aux_loss_coeff=0.0,
-        # weights inside the SwiGLU (Megatron-Core's fused weighted SwiGLU); QuACK's SwiGLU epilogue: at the combine
-        apply_probs_on_input=variant != "moecore-minimal-swiglu-epilogue",
+        # weights inside the SwiGLU as `moecore train`'s recipes run them (Megatron-Core's fused weighted SwiGLU);
+        # QuACK's SwiGLU epilogue takes them at the combine
+        apply_probs_on_input=variant not in ("moecore-minimal-swiglu-epilogue", "moecore-probs-at-combine"),
         swiglu_epilogue=variant == "moecore-minimal-swiglu-epilogue",
         router_fusion=variant != "moecore-unfused-router",
         activation_memory="chunked"
