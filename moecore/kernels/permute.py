@@ -231,6 +231,16 @@ def _spread_rows(src: torch.Tensor, inv: torch.Tensor, K: int, scale: torch.Tens
     return out
 
 
+def sorted_copies(
+    x_TH: torch.Tensor, order_M: torch.Tensor, inv_M: torch.Tensor, topk: int, impl: str = "auto"
+) -> torch.Tensor:
+    """x[order // topk] ([T, H] -> [T*K, H]) for a dropless sort `order_M` and its inverse `inv_M`, without
+    autograd: the copy `permute` makes, for Functions that write their own backward (moecore/moe/minimal.py)."""
+    if not use_triton(impl, x_TH):
+        return x_TH.index_select(0, order_M // topk)
+    return _spread_rows(x_TH.contiguous(), inv_M, topk)
+
+
 def _gather_sum(src: torch.Tensor, inv: torch.Tensor, T: int, K: int, w: torch.Tensor | None) -> torch.Tensor:
     H = src.shape[-1]
     out = torch.empty(T, H, dtype=src.dtype, device=src.device)

@@ -37,7 +37,7 @@ import torch
 
 from moecore.kernels import quack_gemm, quack_swiglu
 from moecore.kernels.grouped_ffn import GemmPlan, default_plan, gemm_nn, gemm_nt, gemm_tn
-from moecore.kernels.permute import unpermute_rows
+from moecore.kernels.permute import sorted_copies, unpermute_rows
 from moecore.kernels.swiglu import swiglu, swiglu_backward
 from moecore.moe.permute import SortedAssignments, sort_assignments
 
@@ -89,7 +89,7 @@ class _MinimalExperts(torch.autograd.Function):
         if ctx.gather:  # QuACK reads x[token of row] in the GEMM's loads
             h = quack_gemm.grouped_mm(x_TH, w13c, bounds, True, "fwd13", rows=tok_M.int(), spread=plan.spread)
         else:
-            h = gemm_nt(x_TH.index_select(0, tok_M), w13c, bounds, None, plan.fwd13, "fwd13", plan.spread)
+            h = gemm_nt(sorted_copies(x_TH, order_M, inv_M, K), w13c, bounds, None, plan.fwd13, "fwd13", plan.spread)
         a = swiglu(h, p_M if probs_in_act else None)
         y = gemm_nt(a, w2c, bounds, None, plan.fwd2, "fwd2", plan.spread)
         del a
@@ -105,7 +105,7 @@ class _MinimalExperts(torch.autograd.Function):
         tok_M = order_M // K
         rows = tok_M.int() if ctx.gather else None  # QuACK gathers dOut's and x's rows in its loads
         d = d_out.to(x_TH.dtype).contiguous()
-        g = d if ctx.gather else d.index_select(0, tok_M)  # dOut of each row's token (rows: gathered later)
+        g = d if ctx.gather else sorted_copies(d, order_M, inv_M, K)  # dOut of each row's token (rows: gathered later)
         if ctx.gather:
             da_u = quack_gemm.grouped_mm(g, w2c, bounds, False, "dgrad2", rows=rows, spread=plan.spread)
         else:
@@ -125,7 +125,7 @@ class _MinimalExperts(torch.autograd.Function):
             quack_gemm.grouped_wgrad(x_TH, dh, bounds, "wgrad13", out=dw13_t, rows=rows, spread=plan.spread)
             dw13 = dw13.to(ctx.w_dtypes[0])
         elif ctx.needs_input_grad[1]:
-            xg = x_TH.index_select(0, tok_M)
+            xg = sorted_copies(x_TH, order_M, inv_M, K)
             dw13 = gemm_tn(dh, xg, bounds, None, plan.wgrad13, ctx.w_dtypes[0], "wgrad13", spread=plan.spread)
         dx = None
         if ctx.needs_input_grad[0]:
@@ -145,7 +145,7 @@ class _EpilogueSwiGLUExperts(torch.autograd.Function):
     def forward(ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, plan: GemmPlan):
         T = x_TH.shape[0]
         K, w13c, w2c, tok_M, p_M = row_operands(x_TH, w13, w2, weight_TK, order_M)
-        hi, s = quack_swiglu.gated_fc1(x_TH.index_select(0, tok_M), w13c, bounds)
+        hi, s = quack_swiglu.gated_fc1(sorted_copies(x_TH, order_M, inv_M, K), w13c, bounds)
         y = gemm_nt(s, w2c, bounds, None, plan.fwd2, "fwd2")
         del s
         out = unpermute_rows(y, order_M, inv_M, weight_TK, T, K)
@@ -157,15 +157,14 @@ class _EpilogueSwiGLUExperts(torch.autograd.Function):
     def backward(ctx, d_out):
         x_TH, w13c, w2c, hi, p_M, order_M, inv_M, bounds = ctx.saved_tensors
         T, K, needs = x_TH.shape[0], ctx.K, ctx.needs_input_grad
-        tok_M = order_M // K
-        g = d_out.to(x_TH.dtype).contiguous().index_select(0, tok_M)  # dOut of each row's token
+        g = sorted_copies(d_out.to(x_TH.dtype), order_M, inv_M, K)  # dOut of each row's token
         dhi, a_p, dp = quack_swiglu.dgated_fc2(g, w2c, hi, p_M, bounds)  # dp = <dOut_t, expert output of the row>
         del hi
         dw2 = gemm_tn(g, a_p, bounds, None, ctx.plan.wgrad2, ctx.w_dtypes[1], "wgrad2") if needs[2] else None
         del g, a_p
         dw13 = None
         if needs[1]:
-            dw13 = quack_swiglu.fc1_wgrad(dhi, x_TH.index_select(0, tok_M), bounds).to(ctx.w_dtypes[0])
+            dw13 = quack_swiglu.fc1_wgrad(dhi, sorted_copies(x_TH, order_M, inv_M, K), bounds).to(ctx.w_dtypes[0])
         dx = None
         if needs[0]:
             dx = unpermute_rows(quack_swiglu.fc1_dgrad(dhi, w13c, bounds), order_M, inv_M, None, T, K)
