@@ -179,6 +179,8 @@ def _split_dx(g4: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torc
         a, b = g4[:, E : 3 * E], torch.cat([w, w], dim=0)
     else:
         a, b = g4[:, : 3 * E], split3_pieces(w, (0, 1, 0), stacked=True).view(3 * E, -1)  # [T, 3E] x [3E, H]
+    if a.is_cuda and out_dtype == torch.bfloat16:  # fp32 sums rounded once by the GEMM: no fp32 [T, H] pass
+        return torch.mm(a, b)
     return _mm32(a, b).to(out_dtype)
 
 
