@@ -26,6 +26,21 @@ def cuda_time_ms(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> 
     return statistics.median(times)
 
 
+def cuda_back_to_back_ms(fn: Callable[[], object], iters: int = 10) -> float:
+    """Mean milliseconds of `fn` over `iters` runs launched back to back between two CUDA events (no host wait
+    in between), as a layer runs inside a model's step, where the host launches ahead of the GPU. The
+    per-run `cuda_time_ms` instead starts each run from an idle GPU, so it also counts the time the GPU waits
+    for the host's first launches."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def env() -> dict:
     """date, gpu and torch version for every record; on a GPU whose driver answers NVML (pynvml installed), the SM
     clock (MHz), power (W) and temperature (C) just after the measurement, which tell a throttled run apart."""
@@ -168,7 +183,18 @@ def chrome_trace(step: Callable[[], object], path: str) -> None:
 
 def print_table(records: list[dict]) -> None:
     """One line per record: shape, impl, TFLOP/s, ms, peak GB (+ tokens/s and MFU where present)."""
-    cols = ["shape", "routing", "impl", "tflops", "ms", "peak_mem_gb", "tokens_per_s", "mfu", "error"]
+    cols = [
+        "shape",
+        "routing",
+        "impl",
+        "tflops",
+        "ms",
+        "ms_back_to_back",
+        "peak_mem_gb",
+        "tokens_per_s",
+        "mfu",
+        "error",
+    ]
     cols = [c for c in cols if any(r.get(c) is not None for r in records)]
     rows = [[("" if r.get(c) is None else str(r.get(c)))[:60] for c in cols] for r in records]
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]

@@ -25,7 +25,7 @@ import json
 
 import torch
 
-from moecore.bench.common import cuda_time_ms, profile_gpu_ms, record
+from moecore.bench.common import cuda_back_to_back_ms, cuda_time_ms, profile_gpu_ms, record
 
 SHAPES = {  # hidden, expert ffn, experts, top-k, tokens
     "qwen3_30b_a3b": (2048, 768, 128, 8, 16384),
@@ -212,8 +212,9 @@ def _copy_hf_to_moecore(hf_state: dict, layer) -> None:
         layer.experts.w2.copy_(hf_state["experts.down_proj"])
 
 
-def _time_step(module, x: torch.Tensor, g: torch.Tensor, warmup: int, iters: int) -> tuple[float, float]:
-    """(median ms of forward + backward, peak GB) for module(x) -> y (or (y, aux))."""
+def _time_step(module, x: torch.Tensor, g: torch.Tensor, warmup: int, iters: int) -> tuple[float, float, float]:
+    """(median ms of forward + backward, each from an idle GPU; mean ms launched back to back; peak GB) for
+    module(x) -> y (or (y, aux))."""
 
     def step():
         x.grad = None
@@ -226,7 +227,8 @@ def _time_step(module, x: torch.Tensor, g: torch.Tensor, warmup: int, iters: int
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     ms = cuda_time_ms(step, warmup, iters)
-    return ms, torch.cuda.max_memory_allocated() / 2**30
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    return ms, cuda_back_to_back_ms(step, iters), peak
 
 
 def _free() -> None:
@@ -353,7 +355,8 @@ def run_shape(
             if impl.startswith("moecore-fp8-") and "primary" in impl.split("-"):
                 extra["primary_requant_ms"] = _fp8_primary_weights(mod)
             _free()
-            ms, peak = _time_step(mod, x, g, warmup, iters)
+            ms, ms_b2b, peak = _time_step(mod, x, g, warmup, iters)
+            extra["ms_back_to_back"] = round(ms_b2b, 3)
             if phases:
                 top: list = []
                 extra.update(phases_ms=profile_phases(mod, x, g, top=top), top_kernels=top)
