@@ -32,7 +32,8 @@ def _randomise(module: torch.nn.Module, std: float = 0.2) -> None:
             p.normal_(std=std)
 
 
-def test_matches_hf_mixtral_block():
+@pytest.mark.parametrize("probs_on_input", [False, True], ids=["probs-at-combine", "probs-in-activation"])
+def test_matches_hf_mixtral_block(probs_on_input):
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
@@ -41,10 +42,42 @@ def test_matches_hf_mixtral_block():
     hf_cfg._experts_implementation = "eager"
     hf = MixtralSparseMoeBlock(hf_cfg).eval()
     _randomise(hf)
-    ours = MoELayer(MoEConfig(num_experts=8, router_topk=2, router_pre_softmax=True, ffn_hidden_size=24), 16).eval()
+    cfg = MoEConfig(
+        num_experts=8, router_topk=2, router_pre_softmax=True, ffn_hidden_size=24, apply_probs_on_input=probs_on_input
+    )
+    ours = MoELayer(cfg, 16).eval()
     _load(ours, hf.gate, hf.experts)
     x = torch.randn(3, 10, 16)
     torch.testing.assert_close(ours(x)[0], hf(x))
+
+
+def test_routing_weights_inside_the_activation_give_the_same_layer_and_gradients():
+    """moe.apply_probs_on_input (every full-size recipe sets it) against weighting at the combine: the same
+    outputs, input gradient, weight gradients and routing-loss values in float64, with a gated shared expert,
+    an auxiliary loss and experts that receive no token."""
+    torch.manual_seed(5)
+    results = []
+    for inside in (False, True):
+        cfg = MoEConfig(
+            num_experts=12, router_topk=3, ffn_hidden_size=10, shared_expert_intermediate_size=14,
+            shared_expert_gate=True, router_load_balancing_type="aux_loss", aux_loss_coeff=1e-2,
+            apply_probs_on_input=inside,
+        )  # fmt: skip
+        torch.manual_seed(6)
+        layer = MoELayer(cfg, 16).double()
+        _randomise(layer)
+        x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+        y, aux = layer(x)
+        (y.square().sum() + aux.loss).backward()
+        results.append((y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}, aux.stats))
+    (y0, dx0, g0, s0), (y1, dx1, g1, s1) = results
+    assert (s0["tokens_per_expert"] == 0).any()  # some experts get no token
+    torch.testing.assert_close(y1, y0)
+    torch.testing.assert_close(dx1, dx0)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], msg=n)
+    torch.testing.assert_close(s1["aux_loss"], s0["aux_loss"])
 
 
 def test_matches_hf_qwen2_moe_block_with_gated_shared_expert():
