@@ -38,6 +38,7 @@ def test_import_export_sharded(tmp_path):
     ours, out = import_export_parity(hf, tmp_path, {"max_shard_size": "20KB"})
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     assert ours.cfg.moe.norm_topk_prob and ours.cfg.moe.router_pre_softmax
+    assert ours.cfg.moe.apply_probs_on_input  # the parity above ran with the weights inside the activation
     # Our own writer shards too; transformers must read that index.
     from transformers import AutoModelForCausalLM
 

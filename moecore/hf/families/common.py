@@ -167,6 +167,9 @@ def base_config(f: HFFields) -> Config:
     e.router_load_balancing_type = "aux_loss"
     e.aux_loss_coeff = float(f.get("router_aux_loss_coef", 0.001))
     e.router_topk = f.integer("num_experts_per_tok")
+    # transformers weights each expert's output; the same sum with the weight applied before the down projection,
+    # as the recipes run it (less kept for backward; docs/moe.md)
+    e.apply_probs_on_input = True
     return cfg
 
 
