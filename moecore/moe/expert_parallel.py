@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from moecore.kernels.permute import inverse_permutation
 from moecore.moe.dispatch import DispatchCtx, LocalDispatcher, TokenDispatcher
 from moecore.moe.permute import permute, permute_probs, unpermute
 from moecore.parallel import comm
@@ -148,10 +149,7 @@ class AllToAllDispatcher(TokenDispatcher):
 
     def combine_preprocess(self, expert_out: torch.Tensor, ctx: DispatchCtx) -> torch.Tensor:
         # 4. Back to (ETP source, EP source, local expert) order.
-        order = ctx.extra["order"]
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.numel(), device=order.device)
-        return expert_out.index_select(0, inv)
+        return expert_out.index_select(0, inverse_permutation(ctx.extra["order"]))
 
     def combine(self, rows: torch.Tensor, ctx: DispatchCtx) -> torch.Tensor:
         # 5. Sum the ETP partial outputs (each ETP source keeps its rows), then return rows over EP.

@@ -37,7 +37,7 @@ import torch
 
 from moecore.kernels import quack_gemm, quack_swiglu
 from moecore.kernels.grouped_ffn import GemmPlan, default_plan, gemm_nn, gemm_nt, gemm_tn
-from moecore.kernels.permute import sorted_copies, unpermute_rows
+from moecore.kernels.permute import inverse_permutation, sorted_copies, unpermute_rows
 from moecore.kernels.swiglu import swiglu, swiglu_backward
 from moecore.moe.permute import SortedAssignments, sort_assignments
 
@@ -52,9 +52,7 @@ def sort_by_expert(
     """
     s = presorted if presorted is not None else sort_assignments(idx_TK, num_experts)
     bounds = expert_bounds(s.counts, idx_TK.device)
-    inv = torch.empty_like(s.order)
-    inv[s.order] = torch.arange(s.order.numel(), device=s.order.device)
-    return s.order, inv, bounds
+    return s.order, inverse_permutation(s.order), bounds
 
 
 def expert_bounds(counts_E: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -87,7 +87,7 @@ class SortedAssignments:
     counts: torch.Tensor  # [E] int64 assignments per expert
 
 
-def sort_by_expert(flat_e: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_expert_ids(flat_e: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ascending ids, stable order) of the expert ids `flat_e` in 0..num_experts (num_experts: a dropped
     assignment's sentinel). On CUDA the keys are sorted as int16 where they fit: a radix sort passes over its
     keys once per 8 bits, so 2 passes instead of int64's 8 (the ids come back in flat_e's dtype)."""
@@ -99,7 +99,7 @@ def sort_by_expert(flat_e: torch.Tensor, num_experts: int) -> tuple[torch.Tensor
 
 def sort_assignments(idx_TK: torch.Tensor, num_experts: int) -> SortedAssignments:
     """Sort the assignments by expert on the device (dispatch preprocessing; no host synchronisation)."""
-    sorted_e, order = sort_by_expert(idx_TK.reshape(-1), num_experts)
+    sorted_e, order = sort_expert_ids(idx_TK.reshape(-1), num_experts)
     return SortedAssignments(sorted_e, order, sorted_counts(sorted_e, num_experts))
 
 
@@ -125,7 +125,7 @@ def permute(
         flat_e = idx_TK.reshape(-1)
         if keep_TK is not None:
             flat_e = torch.where(keep_TK.reshape(-1), flat_e, num_experts)  # dropped -> sentinel, sorted last
-        sorted_flat, order = sort_by_expert(flat_e, num_experts)
+        sorted_flat, order = sort_expert_ids(flat_e, num_experts)
         kept_per_expert = sorted_counts(sorted_flat, num_experts)
     if pad_to_capacity is None:
         n_kept = T * K if keep_TK is None else int(kept_per_expert.sum())  # drops, unpadded: a host sync

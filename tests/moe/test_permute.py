@@ -129,12 +129,12 @@ def test_dropping_paths_are_differentiable_and_keep_no_row_copies(pad):
 def test_expert_sort_on_narrow_keys_equals_the_int64_sort():
     """On CUDA the ids are sorted as int16 keys: the same ids, the same stable order, as sorting the int64 ids;
     the dropped assignments' sentinel (num_experts) sorts last; the padded path's row arithmetic stays int64."""
-    from moecore.moe.permute import sort_by_expert
+    from moecore.moe.permute import sort_expert_ids
 
     g = torch.Generator().manual_seed(0)
     for E in (8, 512, 20000):
         flat = torch.randint(0, E + 1, (50000,), generator=g).cuda()  # E: the sentinel
-        ids, order = sort_by_expert(flat, E)
+        ids, order = sort_expert_ids(flat, E)
         ref_ids, ref_order = torch.sort(flat, stable=True)
         assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids) and torch.equal(order, ref_order)
     idx, w = _random_routing(64, 8, 2, 0)
