@@ -90,11 +90,18 @@ class GemmPlan:
         return any(getattr(self, n) == "quack" for n in GEMM_KINDS)
 
     def observing(self, load_spread: quack_gemm.LoadSpread | None, counts: torch.Tensor, rows: int) -> GemmPlan:
-        """This plan keyed by the load spread `load_spread` observes in `counts` (summing to `rows`), where a GEMM
-        runs through QuACK and a tracker is given; else this plan."""
+        """This plan keyed by the load spread `load_spread` holds (`LoadSpread.current`), where a GEMM runs through
+        QuACK and a tracker is given; else this plan. Call `observed` with the same arguments once the GEMMs are
+        launched."""
         if load_spread is None or not self.uses_quack:
             return self
-        return dataclasses.replace(self, spread=load_spread.observe(counts, rows))
+        return dataclasses.replace(self, spread=load_spread.current(counts, rows))
+
+    def observed(self, load_spread: quack_gemm.LoadSpread | None, counts: torch.Tensor, rows: int) -> None:
+        """After `observing`'s GEMMs are launched: queue `counts` (summing to `rows`) for the tracker's next value
+        (`LoadSpread.queue`), so its reduction and copy do not delay the first GEMM's launch."""
+        if load_spread is not None and self.uses_quack:
+            load_spread.queue(counts, rows)
 
 
 def default_plan(
@@ -382,4 +389,6 @@ def expert_ffn(
             plan = plan.without_host_sync()
     plan = plan.observing(load_spread, counts_E, x_MH.shape[0])
     act_impl = "triton" if impl == "triton" else "auto"
-    return _GroupedFFN.apply(x_MH.contiguous(), w13_EFH, w2_EHF, counts_E, probs_M, plan, act_impl)
+    y = _GroupedFFN.apply(x_MH.contiguous(), w13_EFH, w2_EHF, counts_E, probs_M, plan, act_impl)
+    plan.observed(load_spread, counts_E, x_MH.shape[0])
+    return y

@@ -287,10 +287,12 @@ def spread_of(busiest: int, rows: int, num_experts: int) -> int:
 
 class LoadSpread:
     """A layer's load spread (`spread_of`), as of the latest of its steps whose counts the host can read without
-    waiting: each `observe` queues the busiest expert's count for an asynchronous copy to pinned host memory (one
-    reduction and one copy) and returns the value from the last copy that has landed, 1 before any has (in training,
-    an earlier step's: the loads drift slowly, and a stale value changes only the speed, never the results). On the
-    CPU the value is read at once; under CUDA-graph capture nothing is queued and the last value stays."""
+    waiting: `current` returns the value from the last asynchronous copy that has landed (1 before any has; in
+    training, an earlier step's: the loads drift slowly, and a stale value changes only the speed, never the
+    results), and `queue`, called once the step's GEMMs are launched, queues the busiest expert's count for the
+    next copy to pinned host memory (one reduction and one copy, kept off the launches before the first GEMM).
+    `observe` does both. On the CPU the value is read at once; under CUDA-graph capture nothing is queued and the
+    last value stays."""
 
     def __init__(self) -> None:
         self.value = 1
@@ -300,24 +302,33 @@ class LoadSpread:
     def __deepcopy__(self, memo: dict) -> LoadSpread:  # a copied layer (e.g. for a reference run) starts afresh
         return LoadSpread()
 
-    def observe(self, counts: torch.Tensor, rows: int) -> int:
-        """counts: rows per expert [E] (any integer dtype, any device); rows: their sum, known on the host."""
+    def current(self, counts: torch.Tensor, rows: int) -> int:
+        """The value to key this step's choices by; launches nothing on the GPU. counts: rows per expert [E] (any
+        integer dtype, any device); rows: their sum, known on the host."""
         E = counts.numel()
         if E == 0:
             return self.value
         if not counts.is_cuda:
             self.value = spread_of(int(counts.max()), rows, E)
-            return self.value
-        if torch.cuda.is_current_stream_capturing():
-            return self.value
-        if self._pending is not None and self._pending[1].query():
+        elif self._pending is not None and self._pending[1].query():
             host, _, n, experts = self._pending
             self.value, self._pending = spread_of(int(host), n, experts), None
-        if self._pending is None:
-            if self._host is None:
-                self._host = torch.empty((), dtype=torch.int64, pin_memory=True)
-            self._host.copy_(counts.max().to(torch.int64), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._pending = (self._host, event, rows, E)
         return self.value
+
+    def queue(self, counts: torch.Tensor, rows: int) -> None:
+        """Queue these counts' busiest expert for a copy to the host, unless one is still in flight (CUDA only)."""
+        E = counts.numel()
+        if E == 0 or not counts.is_cuda or self._pending is not None or torch.cuda.is_current_stream_capturing():
+            return
+        if self._host is None:
+            self._host = torch.empty((), dtype=torch.int64, pin_memory=True)
+        self._host.copy_(counts.max().to(torch.int64), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending = (self._host, event, rows, E)
+
+    def observe(self, counts: torch.Tensor, rows: int) -> int:
+        """`current`, then `queue`: the value for this step, and these counts queued for a later one."""
+        value = self.current(counts, rows)
+        self.queue(counts, rows)
+        return value

@@ -202,4 +202,5 @@ def minimal_experts(
         out = _EpilogueSwiGLUExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, plan)
     else:
         out = _MinimalExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plan)
+    plan.observed(load_spread, counts, idx_TK.numel())
     return out, counts

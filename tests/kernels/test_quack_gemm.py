@@ -418,3 +418,12 @@ def test_load_spread_reads_cuda_counts_without_waiting():
     assert tracker.observe(counts * 0 + 6, 48) == 3  # the first call's counts (6.7x the mean)
     torch.cuda.synchronize()
     assert tracker.observe(counts, 48) == 1  # the second call's: 6 rows each, 1x the mean
+    # `current` alone queues nothing (the layer queues after its GEMMs' launches): the value stays the last landed
+    even = counts * 0 + 6
+    torch.cuda.synchronize()
+    assert tracker.current(even, 48) == 3  # the fourth call's queued counts (6.7x the mean)
+    torch.cuda.synchronize()
+    assert tracker.current(even, 48) == 3  # `current` queued nothing
+    tracker.queue(even, 48)
+    torch.cuda.synchronize()
+    assert tracker.current(counts, 48) == 1  # the queued counts: 1x the mean
