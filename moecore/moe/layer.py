@@ -159,7 +159,9 @@ class MoELayer(nn.Module):
                 segment = S if "seq_aux_loss" in self.coeffs else B * S
                 r, sums = self.router.forward_fused(x_TH, valid_T, segment, need_sums, need_z, self.fused_router_impl)
                 loss, stats = self._routing_losses_from_sums(sums)
-                return Routed(r.topk_idx_TK, r.topk_weight_TK, loss, stats, sums.counts_GE.sum(0))
+                counts_GE = sums.counts_GE  # one segment: its row is the sum (no reduction launched)
+                counts_E = counts_GE[0] if counts_GE.shape[0] == 1 else counts_GE.sum(0)
+                return Routed(r.topk_idx_TK, r.topk_weight_TK, loss, stats, counts_E)
             r = self.router(x_TH)
             loss_logits, loss_valid, loss_S = ep_util.router_logits_for_losses(
                 r.logits_TE, B, full_loss_mask, self.dims
