@@ -215,7 +215,8 @@ class _MoEHead(nn.Module):
         empty = h.new_empty(0)  # stands for None (graph outputs are tensors)
         counts = routed.counts_E if routed.counts_E is not None else empty
         ps = routed.presorted
-        sort = (ps.sorted_e, ps.order, ps.counts) if ps is not None else (empty, empty, empty)
+        inv = ps.inv if ps is not None and ps.inv is not None else empty
+        sort = (ps.sorted_e, ps.order, ps.counts, inv) if ps is not None else (empty, empty, empty, empty)
         head = (h, routed.idx_TK, routed.weight_TK, routed.loss, counts, *sort)
         return (*head, *(routed.stats[k] for k in self.stat_keys))
 
@@ -263,9 +264,11 @@ class LayerGraphs:
         from moecore.moe.permute import SortedAssignments
 
         outs = self.moe_head(x, *(() if loss_mask is None else (loss_mask,)))
-        h, idx, weight, loss, counts, sorted_e, order, sorted_counts = outs[:8]
-        stats = dict(zip(self._head.stat_keys, outs[8:]))
-        presorted = SortedAssignments(sorted_e, order, sorted_counts) if order.numel() else None
+        h, idx, weight, loss, counts, sorted_e, order, sorted_counts, inv = outs[:9]
+        stats = dict(zip(self._head.stat_keys, outs[9:]))
+        presorted = (
+            SortedAssignments(sorted_e, order, sorted_counts, inv if inv.numel() else None) if order.numel() else None
+        )
         return h, Routed(idx, weight, loss, stats, counts if counts.numel() else None, presorted)
 
 

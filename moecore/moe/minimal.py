@@ -52,7 +52,7 @@ def sort_by_expert(
     """
     s = presorted if presorted is not None else sort_assignments(idx_TK, num_experts)
     bounds = expert_bounds(s.counts, idx_TK.device)
-    return s.order, inverse_permutation(s.order), bounds
+    return s.order, inverse_permutation(s.order) if s.inv is None else s.inv, bounds
 
 
 def expert_bounds(counts_E: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moecore.kernels.expert_sort import expert_sort, expert_sort_supported
 from moecore.kernels.permute import inverse_permutation, permute_rows, scatter_rows, unpermute_rows, weighted_sum_k
 
 
@@ -85,6 +86,7 @@ class SortedAssignments:
     sorted_e: torch.Tensor  # [T*K] expert ids, ascending
     order: torch.Tensor  # [T*K] the flat assignment at each sorted position
     counts: torch.Tensor  # [E] int64 assignments per expert
+    inv: torch.Tensor | None = None  # [T*K] the sorted position of each flat assignment (order's inverse), if known
 
 
 def sort_expert_ids(flat_e: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,8 +100,12 @@ def sort_expert_ids(flat_e: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
 
 
 def sort_assignments(idx_TK: torch.Tensor, num_experts: int) -> SortedAssignments:
-    """Sort the assignments by expert on the device (dispatch preprocessing; no host synchronisation)."""
-    sorted_e, order = sort_expert_ids(idx_TK.reshape(-1), num_experts)
+    """Sort the assignments by expert on the device (dispatch preprocessing; no host synchronisation). On CUDA
+    a counting sort in three launches that also gives the inverse (moecore/kernels/expert_sort.py)."""
+    flat_e = idx_TK.reshape(-1)
+    if expert_sort_supported(flat_e, num_experts):
+        return SortedAssignments(*expert_sort(flat_e, num_experts))
+    sorted_e, order = sort_expert_ids(flat_e, num_experts)
     return SortedAssignments(sorted_e, order, sorted_counts(sorted_e, num_experts))
 
 
@@ -119,20 +125,19 @@ def permute(
     `presorted`: `sort_assignments(idx_TK)` already computed (dropless only; e.g. inside a captured CUDA graph).
     """
     T, K = idx_TK.shape
-    if presorted is not None and keep_TK is None:
-        sorted_flat, order, kept_per_expert = presorted.sorted_e, presorted.order, presorted.counts
+    inv = None
+    if keep_TK is None:
+        s = presorted if presorted is not None else sort_assignments(idx_TK, num_experts)
+        sorted_flat, order, kept_per_expert, inv = s.sorted_e, s.order, s.counts, s.inv
     else:
-        flat_e = idx_TK.reshape(-1)
-        if keep_TK is not None:
-            flat_e = torch.where(keep_TK.reshape(-1), flat_e, num_experts)  # dropped -> sentinel, sorted last
+        flat_e = torch.where(keep_TK.reshape(-1), idx_TK.reshape(-1), num_experts)  # dropped -> sentinel, last
         sorted_flat, order = sort_expert_ids(flat_e, num_experts)
         kept_per_expert = sorted_counts(sorted_flat, num_experts)
     if pad_to_capacity is None:
         n_kept = T * K if keep_TK is None else int(kept_per_expert.sum())  # drops, unpadded: a host sync
         src_flat = order[:n_kept]
-        inv = None
         if keep_TK is None and x_TH.is_cuda:  # fused copy (Triton), same values; see moecore/kernels/permute.py
-            inv = inverse_permutation(src_flat)
+            inv = inverse_permutation(src_flat) if inv is None else inv
             rows = permute_rows(x_TH, src_flat, K, inv=inv)
         else:
             rows = x_TH.index_select(0, src_flat // K)
