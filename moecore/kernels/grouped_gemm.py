@@ -90,6 +90,15 @@ if triton_importable():
         tl.store(starts_ptr + e, tiles * 0, mask=e == 0)
 
     @triton.jit
+    def _group_bounds_kernel(counts_ptr, bounds_ptr, E, BLOCK_E: tl.constexpr):
+        # bounds[0] = 0, bounds[e + 1] = sum over j <= e of counts[j]
+        e = tl.arange(0, BLOCK_E)
+        inside = e < E
+        rows = tl.load(counts_ptr + e, mask=inside, other=0).to(tl.int32)
+        tl.store(bounds_ptr + e + 1, tl.cumsum(rows, 0), mask=inside)
+        tl.store(bounds_ptr + e, rows * 0, mask=e == 0)
+
+    @triton.jit
     def _swizzle(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
         # tile -> (tm, tn), walking GROUP_M m-tiles down a column of n-tiles before moving right
         in_group = GROUP_M * tiles_n
@@ -276,15 +285,28 @@ def tiles_for(kind: str, a: torch.Tensor) -> TileConfig:
     return GPU_TILES[kind] if a.is_cuda else INTERPRETER_TILES
 
 
-def group_bounds(counts: torch.Tensor) -> torch.Tensor:
-    """[E + 1] int32 on counts' device: 0, then the running sum of the rows per group (the kernels' `bounds`)."""
-    bounds = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
-    torch.cumsum(counts, 0, out=bounds[1:])
+# Experts up to which `group_bounds` and `tile_starts` run as one Triton launch (a cumsum over one block of registers).
+TILE_STARTS_MAX_EXPERTS = 4096
+
+
+def group_bounds(counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """[E + 1] int32 on counts' device: 0, then the running sum of the rows per group (the kernels' `bounds`).
+
+    On CUDA one Triton launch: `group_bounds_reference`'s zeros, cast and two-kernel scan cost the host three
+    launches before every expert FFN's first GEMM."""
+    E = counts.numel()
+    if not use_triton(impl, counts) or E > TILE_STARTS_MAX_EXPERTS or counts.is_floating_point():
+        return group_bounds_reference(counts)
+    bounds = torch.empty(E + 1, dtype=torch.int32, device=counts.device)
+    _group_bounds_kernel[(1,)](counts.contiguous(), bounds, E, BLOCK_E=max(16, next_pow2(E)), num_warps=4)
     return bounds
 
 
-# Experts up to which `tile_starts` runs as one Triton launch (a cumsum over one block of registers).
-TILE_STARTS_MAX_EXPERTS = 4096
+def group_bounds_reference(counts: torch.Tensor) -> torch.Tensor:
+    """`group_bounds` through torch operations (CPU, the tests' reference)."""
+    bounds = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
+    torch.cumsum(counts, 0, out=bounds[1:])
+    return bounds
 
 
 def tile_starts(bounds: torch.Tensor, block_m: int, impl: str = "auto") -> torch.Tensor:

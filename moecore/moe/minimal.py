@@ -37,6 +37,7 @@ import torch
 
 from moecore.kernels import quack_gemm, quack_swiglu
 from moecore.kernels.grouped_ffn import GemmPlan, default_plan, gemm_nn, gemm_nt, gemm_tn
+from moecore.kernels.grouped_gemm import group_bounds
 from moecore.kernels.permute import inverse_permutation, sorted_copies, unpermute_rows
 from moecore.kernels.swiglu import swiglu, swiglu_backward
 from moecore.moe.permute import SortedAssignments, sort_assignments
@@ -57,9 +58,7 @@ def sort_by_expert(
 
 def expert_bounds(counts_E: torch.Tensor, device: torch.device) -> torch.Tensor:
     """int32 [E+1]: where each expert's rows start in the sorted rows (and the end), from its row counts."""
-    bounds = torch.zeros(counts_E.numel() + 1, dtype=torch.int32, device=device)
-    torch.cumsum(counts_E.to(device), 0, out=bounds[1:])
-    return bounds
+    return group_bounds(counts_E.to(device))
 
 
 def row_operands(

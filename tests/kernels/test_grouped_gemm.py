@@ -7,6 +7,8 @@ import torch
 
 from moecore.kernels.grouped_gemm import (
     TileConfig,
+    group_bounds,
+    group_bounds_reference,
     grouped_mm,
     grouped_mm_reference,
     grouped_wgrad,
@@ -55,6 +57,19 @@ def test_tile_starts_kernel_matches_reference(backend, num_experts):
         got = tile_starts(bounds, block_m, impl="triton")
         assert got.dtype == torch.int32
         assert torch.equal(got.cpu(), tile_starts_reference(bounds.cpu(), block_m))
+
+
+@pytest.mark.parametrize("num_experts", [1, 6, 600])
+def test_group_bounds_kernel_matches_reference(backend, num_experts):
+    dev, _ = setup(backend)
+    g = torch.Generator().manual_seed(num_experts)
+    counts = torch.randint(0, 3000, (num_experts,), generator=g)
+    counts[::3] = 0
+    assert group_bounds_reference(torch.tensor([3, 0, 5])).tolist() == [0, 3, 3, 8]
+    for dtype in (torch.int64, torch.int32):
+        got = group_bounds(counts.to(dev, dtype), impl="triton")
+        assert got.dtype == torch.int32
+        assert torch.equal(got.cpu(), group_bounds_reference(counts))
 
 
 def test_references_match_per_row_formula():
