@@ -47,7 +47,7 @@ if triton_importable():
         blocks = tl.arange(0, NBP)
         in_blocks = blocks < NB
         before_row = tl.zeros([NBP], dtype=tl.int32)  # sum over experts of earlier chunks, per block
-        start = 0  # assignments to experts of earlier chunks
+        start = tl.sum(before_row, 0)  # assignments to experts of earlier chunks (an int32 zero to start)
         for c in range(0, E, CE):
             cols = c + tl.arange(0, CE)
             m = in_blocks[:, None] & (cols < E)[None, :]
