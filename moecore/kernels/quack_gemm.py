@@ -310,7 +310,7 @@ class LoadSpread:
             return self.value
         if not counts.is_cuda:
             self.value = spread_of(int(counts.max()), rows, E)
-        elif self._pending is not None and self._pending[1].query():
+        elif self._pending is not None and not torch.cuda.is_current_stream_capturing() and self._pending[1].query():
             host, _, n, experts = self._pending
             self.value, self._pending = spread_of(int(host), n, experts), None
         return self.value
