@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from moecore.kernels._triton import next_pow2, triton_importable, use_triton
+from moecore.kernels.permute import inverse_permutation
 
 MAX_BLOCKS = 256  # step 2 holds a [blocks, experts-chunk] tile of the histogram in one program
 MAX_BLOCK = 4096  # assignments per block sorted in registers by one program (so N <= 2^20 on the kernel path)
@@ -78,16 +79,21 @@ if triton_importable():
         tl.store(inv_ptr + flat, row.to(tl.int64), mask=real)
 
 
+def sorted_counts(sorted_e: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64 occurrences of 0..E-1 in the ascending ids `sorted_e` (ids >= E, the dropped sentinel, not
+    counted). A binary search per expert: no host synchronisation, where torch.bincount on CUDA reads the
+    maximum back to size its output."""
+    targets = torch.arange(num_experts + 1, device=sorted_e.device, dtype=sorted_e.dtype)
+    bounds = torch.searchsorted(sorted_e, targets)
+    return bounds[1:] - bounds[:-1]
+
+
 def expert_sort_reference(
     flat_e: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted ids, stable order, [E] int64 counts, inverse order) of expert ids `flat_e` in 0..E-1, by torch ops."""
     sorted_e, order = torch.sort(flat_e, stable=True)
-    targets = torch.arange(num_experts + 1, device=flat_e.device, dtype=sorted_e.dtype)
-    bounds = torch.searchsorted(sorted_e, targets)  # no host sync, unlike torch.bincount on CUDA
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
-    return sorted_e, order, bounds[1:] - bounds[:-1], inv
+    return sorted_e, order, sorted_counts(sorted_e, num_experts), inverse_permutation(order)
 
 
 def _block_size(n: int) -> int:

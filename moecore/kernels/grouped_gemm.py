@@ -286,7 +286,7 @@ def tiles_for(kind: str, a: torch.Tensor) -> TileConfig:
 
 
 # Experts up to which `group_bounds` and `tile_starts` run as one Triton launch (a cumsum over one block of registers).
-TILE_STARTS_MAX_EXPERTS = 4096
+ONE_BLOCK_MAX_EXPERTS = 4096
 
 
 def group_bounds(counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
@@ -295,7 +295,7 @@ def group_bounds(counts: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     On CUDA one Triton launch: `group_bounds_reference`'s zeros, cast and two-kernel scan cost the host three
     launches before every expert FFN's first GEMM."""
     E = counts.numel()
-    if not use_triton(impl, counts) or E > TILE_STARTS_MAX_EXPERTS or counts.is_floating_point():
+    if not use_triton(impl, counts) or E > ONE_BLOCK_MAX_EXPERTS or counts.is_floating_point():
         return group_bounds_reference(counts)
     bounds = torch.empty(E + 1, dtype=torch.int32, device=counts.device)
     _group_bounds_kernel[(1,)](counts.contiguous(), bounds, E, BLOCK_E=max(16, next_pow2(E)), num_warps=4)
@@ -316,7 +316,7 @@ def tile_starts(bounds: torch.Tensor, block_m: int, impl: str = "auto") -> torch
     `tile_starts_reference` cost the host 60-126 us per grouped GEMM, more than the GEMM's own launch
     (docs/benchmarks.md, "Host cost of a grouped-GEMM launch"; benchmarks/launch_overhead.py)."""
     E = bounds.numel() - 1
-    if not use_triton(impl, bounds) or E > TILE_STARTS_MAX_EXPERTS or bounds.dtype != torch.int32:
+    if not use_triton(impl, bounds) or E > ONE_BLOCK_MAX_EXPERTS or bounds.dtype != torch.int32:
         return tile_starts_reference(bounds, block_m)
     starts = torch.empty_like(bounds)
     _tile_starts_kernel[(1,)](bounds, starts, E, BLOCK_M=block_m, BLOCK_E=max(16, next_pow2(E)), num_warps=4)

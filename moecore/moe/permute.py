@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moecore.kernels.expert_sort import expert_sort, expert_sort_supported
+from moecore.kernels.expert_sort import expert_sort, expert_sort_supported, sorted_counts
 from moecore.kernels.permute import inverse_permutation, permute_rows, scatter_rows, unpermute_rows, weighted_sum_k
 
 
@@ -68,15 +68,6 @@ def capacity_keep(
     keep = torch.empty_like(flat_e, dtype=torch.bool)
     keep[order] = rank < capacity
     return keep.view_as(idx_TK)
-
-
-def sorted_counts(sorted_e: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[E] int64 occurrences of 0..E-1 in the ascending ids `sorted_e` (ids >= E, the dropped sentinel, not
-    counted). A binary search per expert: no host synchronisation, where torch.bincount on CUDA reads the
-    maximum back to size its output."""
-    targets = torch.arange(num_experts + 1, device=sorted_e.device, dtype=sorted_e.dtype)
-    bounds = torch.searchsorted(sorted_e, targets)
-    return bounds[1:] - bounds[:-1]
 
 
 @dataclass
