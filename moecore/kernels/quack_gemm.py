@@ -153,8 +153,9 @@ def launch(A: torch.Tensor, B: torch.Tensor, out: torch.Tensor, tile: str, **var
 # bit-identical in the measurements of docs/benchmarks.md). Where the rows are gathered, the candidates are QuACK's
 # tiles gathering in their loads and "copy": the gathered rows written out first, then this GEMM without rows (its
 # own choice). Gathering loads run through cp.async rather than TMA and were slower than the copy at some shapes
-# (DeepSeek-V3's FC1, 10.9 against 7.9 ms + the copy, docs/benchmarks.md). Into a transposed `out` torch's kernel
-# would write a whole extra gradient and copy it: it is not a candidate there.
+# (DeepSeek-V3's FC1, 10.9 against 7.9 ms + the copy, docs/benchmarks.md). Into a given `out` torch's kernel
+# would write a whole extra gradient and copy it (14 GiB at DeepSeek-V3's FC1 weight gradient, a peak the first
+# step would pay while choosing, enough to run an 80 GB GPU out of memory): it is not a candidate there.
 CANDIDATES = (*TILES, "torch")
 COPY = "copy"
 _CHOICES: dict[tuple, str] = {}
@@ -173,12 +174,12 @@ def _time_ms(fn: Callable[[], object], reps: int = 3) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _candidates(gathered: bool = False, transposed_out: bool = False, spread: int = 1) -> tuple[str, ...]:
+def _candidates(gathered: bool = False, into_out: bool = False, spread: int = 1) -> tuple[str, ...]:
     """What `choose` times: CANDIDATES, with "copy" instead of torch's kernel for gathered rows and without it for
-    a transposed output; with a skewed load (spread >= SKEWED) the DYNAMIC_TILES' dynamically scheduled variants
+    a given output tensor (`into_out`); with a skewed load (spread >= SKEWED) the DYNAMIC_TILES' dynamically scheduled variants
     too, except for gathered rows (QuACK gathers only under the static scheduler on Hopper)."""
     dynamic = tuple(t + DYNAMIC for t in DYNAMIC_TILES) if spread >= SKEWED and not gathered else ()
-    if not (gathered or transposed_out):
+    if not (gathered or into_out):
         return (*CANDIDATES, *dynamic)
     tiles = tuple(c for c in CANDIDATES if c != "torch")
     return (*tiles, COPY) if gathered else (*tiles, *dynamic)
@@ -273,7 +274,7 @@ def grouped_wgrad(
     n, gathered, transposed = b.shape[1], rows is not None, out is not None and not out.is_contiguous()
     key = shape_key(kind, a, m, n, E, ("rows" if gathered else "") + ("t" if transposed else ""), spread)
     guess = COPY if gathered else tile_for(kind, m / max(E, 1), n)
-    return run(choose(key, guess, run, _candidates(gathered, transposed, spread)))
+    return run(choose(key, guess, run, _candidates(gathered, out is not None, spread)))
 
 
 # ---------------------------------------------------------------- the load's spread, read without waiting

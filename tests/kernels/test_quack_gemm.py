@@ -234,7 +234,9 @@ def test_skewed_loads_time_the_dynamically_scheduled_tiles_too(monkeypatch):
     assert quack_gemm._candidates(spread=quack_gemm.SKEWED - 1) == quack_gemm.CANDIDATES
     assert quack_gemm._candidates(spread=quack_gemm.SKEWED) == (*quack_gemm.CANDIDATES, *dyn)
     assert not set(dyn) & set(quack_gemm._candidates(gathered=True, spread=6))  # QuACK gathers only statically
-    assert set(dyn) < set(quack_gemm._candidates(transposed_out=True, spread=6))
+    assert set(dyn) < set(quack_gemm._candidates(into_out=True, spread=6))
+    # into a given gradient tensor torch's kernel would need a whole second gradient: not timed there
+    assert "torch" not in quack_gemm._candidates(into_out=True) and "torch" in quack_gemm._candidates()
     # "<tile>+dyn" is the tile's config with the dynamic scheduler (QuACK's GemmConfig stood in for)
     import sys
     import types
