@@ -117,6 +117,30 @@ def test_kernel_matches_reference(backend, name, T, E, segments):
     assert rel_err(lk.grad, lr.grad) < 1e-5
 
 
+@pytest.mark.parametrize("name", ["softmax_after_topk", "sigmoid_no_renorm", "sigmoid_bias"])
+def test_kernel_picks_ties_by_the_smallest_expert_in_descending_order(backend, name):
+    """Exact ties (integer logits, +-0.0, negatives) go to the smallest expert id, slot by slot, as a stable sort
+    of the selection scores; the picked weights are the reference's."""
+    dev, _ = setup(backend)
+    spec = SPECS[name]
+    g = torch.Generator().manual_seed(3)
+    T, E = 40, 16
+    logits = torch.randint(-3, 3, (T, E), generator=g).float()
+    logits[::3, ::2] = -0.0
+    logits[1::3] = 0.0  # whole rows of +0.0 and -0.0 ties
+    logits[1::3, 5::4] = -0.0
+    logits[0] = -1.0
+    logits[0, [0, 2]], logits[0, [1, 3]] = -0.0, 0.0  # the top-3 are experts 0, 1, 2
+    bias = (torch.randint(0, 2, (E,), generator=g).float() * 0.5) if name in BIASED else None
+    out = fused_router(logits.to(dev), spec, None if bias is None else bias.to(dev), impl="triton")
+    sel = (torch.sigmoid(logits) if spec.score_function == "sigmoid" else logits) + (0.0 if bias is None else bias)
+    want = torch.sort(-sel, dim=1, stable=True).indices[:, : spec.topk]
+    assert torch.equal(out.idx_TK.cpu(), want)
+    ref = fused_router_reference(logits.double(), spec, None if bias is None else bias, None, T)
+    # torch.topk may break the ties otherwise; the weights depend only on the tied values
+    assert rel_err(out.weight_TK.cpu().sort(1).values, ref.weight_TK.sort(1).values.float()) < 1e-6
+
+
 def test_kernel_covers_groups_only_for_power_of_two_experts():
     spec = SPECS["softmax_groups_max"]
     assert kernel_covers(spec, 256) and kernel_covers(spec, 16)
