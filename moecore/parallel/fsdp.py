@@ -31,7 +31,8 @@ from the local gradient shards, each weighted by the number of ranks holding the
 saves a DTensor of an EP-sharded parameter as its chunk of the global tensor, so the files are
 layout-free as without FSDP.
 
-Supported: tp, dp and ep with edp > 1; etp = cp = pp = 1 (refused otherwise by `check_layout`). On one
+Supported: tp, dp, cp (the dense mesh is dp x cp; each cp rank's gradient is its share of the whole
+sequences'), and ep / etp with edp > 1; pp = 1 (refused otherwise by `check_layout`). On one
 process (`moecore train` without torchrun) the run initialises a one-rank process group
 (`moecore.parallel.dims.init_distributed`) and FSDP2 runs over a one-rank mesh: nothing is split, but
 parameters, gradients and optimizer state are the DTensors and the all-gather / reduce-scatter calls are

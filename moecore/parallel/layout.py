@@ -116,7 +116,6 @@ def _check_context_parallel(cfg: Config) -> None:
         )
     refused = [
         ("parallel.pp", p.pp, p.pp > 1, "1"),
-        ("parallel.fsdp", p.fsdp, p.fsdp, "false"),
         ("model.attention_type", m.attention_type, m.attention_type == "dsa", "gqa | mla"),
         ("model.attention_dropout", m.attention_dropout, m.attention_dropout > 0, "0"),
     ]

@@ -20,7 +20,8 @@ from moecore.models.transformer import MoETransformer
 from moecore.parallel.context import split_batch_for_cp
 from moecore.parallel.data_parallel import clip_grad_norm_, wrap_model_for_data_parallel
 from moecore.parallel.dims import ParallelDims
-from moecore.parallel.sharding import global_grads, load_global_state_dict
+from moecore.parallel.fsdp import FullyShardedModel
+from moecore.parallel.sharding import _ATTR, get_shard, global_grads, global_tensor, load_global_state_dict
 
 STEPS, GLOBAL_BATCH, MICRO_BATCH, SEQ, VOCAB = 3, 8, 2, 8, 64
 CLIP = 0.05  # small enough that clipping is active, so the global norm matters
@@ -85,11 +86,15 @@ def train_steps(
     model: MoETransformer, dims: ParallelDims | None, data, steps: int = STEPS, opt=None, first: int = 0
 ) -> dict:
     """`steps` optimizer steps on data[first:]; returns losses, grad norms and (full) grads after the first one."""
-    opt = make_optimizer(model) if opt is None else opt
     dp = 1 if dims is None else dims.dp
     replicas = 1 if dims is None else dims.dp * dims.cp  # gradients are averaged over dp x cp
     dp_rank = 0 if dims is None else dims.dp_group.rank
-    sync = None if dims is None else wrap_model_for_data_parallel(model, dims, bucket_mb=0.002)
+    fsdp = dims is not None and dims.cfg.fsdp
+    if fsdp:  # FSDP2 over dp x cp (experts over edp): sharded weights and gradients (moecore/parallel/fsdp.py)
+        sync = FullyShardedModel(model, dims)
+    else:
+        sync = None if dims is None else wrap_model_for_data_parallel(model, dims, bucket_mb=0.002)
+    opt = make_optimizer(model) if opt is None else opt  # after FSDP2 replaced the parameters with its DTensors
     n_mb = GLOBAL_BATCH // MICRO_BATCH
     per_rank = n_mb // dp
     out = {"losses": [], "norms": [], "grads": None}
@@ -118,12 +123,12 @@ def train_steps(
                 out["grads"] = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         else:
-            # Overlap: buckets whose gradients were complete have been launched from the backward hooks.
-            out.setdefault("launched_in_backward", []).append((sync._next_launch, len(sync.buckets)))
+            if not fsdp:  # Overlap: buckets whose gradients were complete have been launched from the backward hooks.
+                out.setdefault("launched_in_backward", []).append((sync._next_launch, len(sync.buckets)))
             sync.finish_grad_sync()
             if step == 0:
-                out["grads"] = global_grads(model, dims)
-            norm = clip_grad_norm_(model, CLIP, dims)
+                out["grads"] = _fsdp_global_grads(model, dims) if fsdp else global_grads(model, dims)
+            norm = sync.clip_grad_norm(CLIP) if fsdp else clip_grad_norm_(model, CLIP, dims)
             lm_sum = dims.all_reduce_dp(lm_sum)
         opt.step()
         for layer in model.moe_layers():
@@ -131,6 +136,17 @@ def train_steps(
         out["losses"].append(float(lm_sum / global_tokens))
         out["norms"].append(float(norm))
     out["expert_paths"] = sorted({str(layer.experts.last_path) for layer in model.moe_layers()})
+    return out
+
+
+def _fsdp_global_grads(model: MoETransformer, dims: ParallelDims) -> dict[str, torch.Tensor]:
+    """`global_grads` of a model under FSDP2: each DTensor gradient gathered over its FSDP mesh first (the
+    rank's TP / EP-local tensor), then assembled from the TP / EP shards."""
+    out = {}
+    for name, p in model.named_parameters():
+        carrier = p.grad.full_tensor() if p.grad is not None else torch.zeros(p.shape, dtype=p.dtype)
+        setattr(carrier, _ATTR, get_shard(p))
+        out[name] = global_tensor(carrier, dims)
     return out
 
 

@@ -7,7 +7,7 @@ global-batch aux loss and the z-loss), `sinks` (gpt-oss's attention sinks on alt
 layers), `qwen3-recompute` (full layer recomputation, so the ring runs again inside the backward) and
 `dsv3` (tiny-deepseek-v3: MLA with q LoRA and YaRN, sigmoid group routing with expert bias, sequence aux loss,
 one MTP layer). Each layout runs the ring and / or the all-gather exchange (`parallel.cp_comm`), alone
-and folded with data, expert and tensor parallel. Tolerance: relative 1e-5 (the issue's bar) on losses,
+and folded with data, expert and tensor parallel and with FSDP2 (`parallel.fsdp`). Tolerance: relative 1e-5 (the issue's bar) on losses,
 grad norms and every parameter's first-step gradient.
 """
 
@@ -60,6 +60,7 @@ LAYOUTS = {
         ("qwen3-recompute", {"cp": 2}),
         ("dsv3", {"cp": 2}),
         ("dsv3", {"cp": 2, "cp_comm": "allgather"}),
+        ("qwen3", {"cp": 2, "fsdp": True}),  # FSDP2 over the cp ranks (dense dp_cp mesh, experts over edp 2)
     ],
     4: [
         ("qwen3", {"cp": 4}),
@@ -71,6 +72,7 @@ LAYOUTS = {
         ("dsv3", {"cp": 2, "ep": 2}),
         ("qwen3", {"cp": 2, "tp": 2}),
         ("qwen3-swa", {"cp": 2}),  # cp 2 x dp 2
+        ("dsv3", {"cp": 2, "ep": 2, "fsdp": True}),  # FSDP2 over cp 2 x dp 2, experts over edp 2
     ],
 }
 MODELS = ("qwen3", "qwen3-swa", "gated", "sinks", "qwen3-recompute", "dsv3")

@@ -30,12 +30,18 @@ def test_plan_prints_a_ranked_table_and_writes_json(tmp_path, capsys) -> None:
     pp = [c for c in cands if " pp2" in c["layout"]]
     assert pp and all(c["supported"] and c["unsupported_reason"] is None for c in pp)
     assert all("parallel.pp=2" in c["overrides"] and "parallel.pp_schedule=1f1b" in c["overrides"] for c in pp)
-    # context-parallel layouts run too, with the override that selects them (not with FSDP yet)
-    cp = [c for c in cands if " cp2" in c["layout"] and " fsdp" not in c["layout"]]
+    # context-parallel layouts run too (with FSDP as well), with the override that selects them
+    cp = [c for c in cands if " cp2" in c["layout"]]
+    assert any(" fsdp" in c["layout"] for c in cp)
     assert cp and all(c["supported"] and "parallel.cp=2" in c["overrides"] for c in cp)
-    # layouts the trainer does not run yet are listed, marked with the trainer's reason
-    cp_fsdp = [c for c in cands if " cp2" in c["layout"] and " fsdp" in c["layout"]]
-    assert all(not c["supported"] and "parallel.fsdp" in c["unsupported_reason"] for c in cp_fsdp)
+    # layouts the trainer does not run yet are listed, marked with the trainer's reason (pipeline with FSDP)
+    out4 = tmp_path / "plan4.json"
+    rc = main(["plan", "tiny-moe", "model.num_layers=2", "--gpus", "4", "--gpu-mem", "16", "--json", str(out4)])
+    pp_fsdp = [
+        c for c in json.loads(out4.read_text())["candidates"] if " pp2" in c["layout"] and " fsdp" in c["layout"]
+    ]
+    assert rc == 0 and pp_fsdp
+    assert all(not c["supported"] and "parallel.fsdp" in c["unsupported_reason"] for c in pp_fsdp)
 
 
 def test_plan_says_when_nothing_fits(capsys) -> None:
