@@ -7,7 +7,7 @@ steps with clipping (gloo on CPU, fp32, some padding): losses, grad norms and ev
 first-step gradient against the one-process run, relative 1e-5 (the issue's bar). Layouts: cp2 and cp4
 with the ring and the all-gather exchange for the attention layer, cp2 x ep2, cp2 x dp2, and cp2 x tp2
 (DeltaNet heads split over TP, each TP rank passing its heads' state maps over CP) with and without
-sequence parallel.
+sequence parallel, and cp2 x dp2 with FSDP2.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ LAYOUTS = {  # world -> parallel overrides
         {"cp": 2},  # cp 2 x dp 2
         {"cp": 2, "tp": 2},
         {"cp": 2, "tp": 2, "sequence_parallel": True},
+        {"cp": 2, "fsdp": True},  # FSDP2 over cp 2 x dp 2 (experts over edp 4)
     ],
 }
 
