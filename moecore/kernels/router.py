@@ -364,14 +364,15 @@ if triton_importable():
         tl.store(dlogits_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :], dl, mask=m2)
 
 
-def _blocking(T: int, E: int, segment: int) -> tuple[int, int, int]:
-    """(BLOCK_T, number of blocks, blocks per segment): a block never straddles two segments."""
+def _blocking(T: int, E: int, segment: int) -> tuple[int, int, int, int]:
+    """(BLOCK_T, number of blocks, blocks per segment, warps): a block never straddles two segments."""
     block_t = max(1, min(32, 2048 // next_pow2(E)))
     if segment != T:  # several segments: the block size must divide the segment length
         while segment % block_t:
             block_t //= 2
     nblocks = -(-T // block_t)
-    return block_t, nblocks, (nblocks if segment == T else segment // block_t)
+    warps = 4 if block_t * next_pow2(E) <= 2048 else 8
+    return block_t, nblocks, (nblocks if segment == T else segment // block_t), warps
 
 
 class _FusedRouterFn(torch.autograd.Function):
@@ -381,7 +382,7 @@ class _FusedRouterFn(torch.autograd.Function):
         T, E = logits.shape
         K = spec.topk
         G = T // segment
-        block_t, nblocks, per_seg = _blocking(T, E, segment)
+        block_t, nblocks, per_seg, warps = _blocking(T, E, segment)
         dev = logits.device
         weight = torch.empty(T, K, dtype=logits.dtype, device=dev)
         idx = torch.empty(T, K, dtype=torch.int64, device=dev)
@@ -398,7 +399,7 @@ class _FusedRouterFn(torch.autograd.Function):
                 K, block_t, next_pow2(E), next_pow2(K), spec.score_code, spec.norm_topk_prob,
                 bias is not None, valid is not None, spec.need_sums, spec.need_z,
                 spec.num_groups, spec.group_topk, spec.group_score == "top2_sum",
-                num_warps=4 if block_t * next_pow2(E) <= 2048 else 8,
+                num_warps=warps,
             )  # fmt: skip
 
         def per_segment(part: torch.Tensor) -> torch.Tensor:
@@ -422,7 +423,7 @@ class _FusedRouterFn(torch.autograd.Function):
         d_psum = d_psum if spec.need_sums else None  # sums that were not computed carry no gradient
         d_zsum = d_zsum if spec.need_z else None
         T, E = logits.shape
-        block_t, nblocks, per_seg = _blocking(T, E, ctx.segment)
+        block_t, nblocks, per_seg, warps = _blocking(T, E, ctx.segment)
         d_logits = torch.empty_like(logits)
         if T:
             _router_bwd_kernel[(nblocks,)](
@@ -434,7 +435,7 @@ class _FusedRouterFn(torch.autograd.Function):
                 T, E, per_seg, float(spec.scaling_factor or 1.0),
                 spec.topk, block_t, next_pow2(E), next_pow2(spec.topk), spec.score_code, spec.norm_topk_prob,
                 valid is not None, d_weight is not None, d_psum is not None, d_zsum is not None,
-                num_warps=4 if block_t * next_pow2(E) <= 2048 else 8,
+                num_warps=warps,
             )  # fmt: skip
         return d_logits, None, None, None, None
 
