@@ -331,13 +331,15 @@ def _params(params: Iterable[torch.nn.Parameter] | torch.nn.Module) -> list[torc
 
 
 def squared_norm(grad: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of one gradient tensor: its float32 norm, squared in float64 (every layout's grad norm
-    sums these, so a one-process run and a sharded run of the same gradients report the same norm).
+    """Sum of squares of one gradient tensor: its norm, squared in float64 (every layout's grad norm sums these,
+    so a one-process run and a sharded run of the same gradients report the same norm).
 
-    Known limit: torch's float32 norm on CPU accumulates with a relative error of ~2e-5 at 5e5 elements and
-    ~2e-4 at 4e6 (CUDA's tree reduction: ~1e-7), so reported CPU norms carry that error.
+    On CUDA the norm accumulates in float32 (the tree reduction's relative error is ~1e-7). On CPU it accumulates
+    in float64: torch's float32 norm there sums with a relative error of ~2e-5 at 5e5 elements and ~2e-4 at 4e6,
+    which differs between a whole tensor and its shards (CPU runs are small; the cost is a float64 pass).
     """
-    return torch.linalg.vector_norm(grad, dtype=torch.float32).double().square()
+    acc = torch.float64 if grad.device.type == "cpu" else torch.float32
+    return torch.linalg.vector_norm(grad, dtype=acc).double().square()
 
 
 def global_grad_norm(params: Iterable[torch.nn.Parameter] | torch.nn.Module, dims: ParallelDims | None) -> torch.Tensor:

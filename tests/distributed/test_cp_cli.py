@@ -73,11 +73,7 @@ def test_torchrun_context_parallel_with_fsdp_trains_and_its_checkpoint_resumes_o
     ref, got = read_metrics(a), read_metrics(d)
     assert [m["step"] for m in got] == [1, 2]
     for r, g in zip(ref, got):
-        _close(g, r, keys=("loss", "mtp_loss", "val_loss"))
-        # the norm is summed from each rank's shards, whose float32 norms carry CPU's accumulation error
-        # (moecore.parallel.data_parallel.squared_norm: ~1e-5 relative here); the gradients themselves are held
-        # to 1e-5 by tests/distributed/test_cp_parity.py
-        assert abs(g["grad_norm"] - r["grad_norm"]) <= 5e-5 * r["grad_norm"], (g["step"], r, g)
+        _close(g, r)
     shutil.copytree(d, e)
     shutil.rmtree(e / "checkpoints" / "step-2")
     (e / "metrics.jsonl").unlink()
