@@ -47,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 import torch.distributed as dist
@@ -277,13 +277,18 @@ class DistributedOptimizer:
         self.inner.zero_grad(set_to_none=True)
 
     @torch.no_grad()
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global L2 norm of the (reduced, sharded) gradient, every element counted once; scale to max_norm."""
+    def clip_grad_norm(self, max_norm: float, uncounted: Collection[int] = ()) -> torch.Tensor:
+        """Global L2 norm of the (reduced, sharded) gradient, every element counted once; scale to max_norm.
+
+        `uncounted`: ids of parameters left out (under pipeline parallel, the copies of a weight shared by several
+        stages that another stage counts)."""
         dev = self.master[0].device if self.master else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float64, device=dev)
         for b in self._ready_buckets():
             g = b.group.size
             for p, _, a, e in b.overlaps():
+                if id(p) in uncounted:
+                    continue
                 # Ranks holding this same shard element: the parameter's copies, divided among g shards.
                 copies = replication_factor(get_shard(p), self.dims) // g
                 total += squared_norm(b.shard_grad[a - b.lo : e - b.lo]) / copies

@@ -18,7 +18,6 @@ def check_layout(cfg: Config) -> None:
     if p.pp > 1:
         check_pipeline(cfg)  # stage layout and schedule (micro-batch counts: validate_layout)
         not_yet = [
-            ("parallel.distributed_optimizer", p.distributed_optimizer, p.distributed_optimizer, "false"),
             ("parallel.fsdp", p.fsdp, p.fsdp, "false"),
             ("train.precision", cfg.train.precision, cfg.train.precision == "fp16", "auto | fp32 | bf16"),
             ("moe.router_replay_mode", e.router_replay_mode, e.router_replay_mode != "none", "none"),

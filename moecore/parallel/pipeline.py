@@ -235,10 +235,15 @@ class Pipeline:
                 set_grad(p, torch.zeros_like(p, dtype=torch.float32 if hasattr(p, "main_grad") else p.dtype))
             comm.all_reduce_(grad_of(p), group, "sum")
 
+    def uncounted_params(self) -> set[int]:
+        """ids of this rank's copies of shared weights that the global norm does not count (another stage's does)."""
+        skip = {name for name, _, first in self.shared if not first}
+        return {id(p) for n, p in self.model.named_parameters() if n in skip}
+
     def norm_params(self) -> list[torch.nn.Parameter]:
         """Parameters whose gradients count in the global norm here: one copy of each shared weight."""
-        skip = {name for name, _, first in self.shared if not first}
-        return [p for n, p in self.model.named_parameters() if n not in skip and grad_of(p) is not None]
+        skip = self.uncounted_params()
+        return [p for p in self.model.parameters() if id(p) not in skip and grad_of(p) is not None]
 
     def _fold_weight_grads(self) -> None:
         """Zero-bubble schedules compute weight gradients in a separate pass that writes `.grad` directly
@@ -434,7 +439,10 @@ def pipeline_grad_norm(pipe: Pipeline) -> torch.Tensor:
 
 def clip_grad_norm_pipeline(pipe: Pipeline, max_norm: float, optimizer: object = None) -> torch.Tensor:
     """Global grad norm over every stage (`pipeline_grad_norm`), then gradients scaled to at most max_norm:
-    by the optimizer's fused update where it takes a coefficient (`grad_scale`), else in place."""
+    by the optimizer's fused update where it takes a coefficient (`grad_scale`), else in place. The distributed
+    optimizer holds the reduced gradients as its shards: the norm is its own, each shared weight counted once."""
+    if hasattr(optimizer, "clip_grad_norm"):
+        return optimizer.clip_grad_norm(max_norm, uncounted=pipe.uncounted_params())
     norm = pipeline_grad_norm(pipe)
     grads = [g for g in (grad_of(p) for p in pipe.model.parameters()) if g is not None]
     apply_clip(grads, norm, max_norm, optimizer)

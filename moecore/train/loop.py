@@ -242,6 +242,7 @@ class Trainer:
 
         cfg, rt, pipe, model = self.cfg, self.rt, self.pipeline, self.model
         model.train()
+        self._pipeline_weights_ready()
         batches = [_to(self.data.train.next_micro_batch(), rt.device) for _ in range(self.micro_batches_per_rank)]
         ids, labels, mask = (torch.cat([b[k] for b in batches]) for k in ("input_ids", "labels", "loss_mask"))
         global_tokens = rt.sum_over_dp(mask.sum().detach().double()).clamp(min=1)
@@ -251,8 +252,10 @@ class Trainer:
             record = pipe.step(
                 ids, labels, mask, global_tokens, rt.dp_size, rt.dp_size / n_mb_global, self.micro_batches_per_rank
             )
+        # Copies of the embedding / head on several stages stay equal: their gradients are summed over the stages
+        # first, then reduced over data parallel (the distributed optimizer reduces them straight into its shards).
+        pipe.sync_shared_grads()
         rt.finish_grad_sync(model)
-        pipe.sync_shared_grads()  # copies of the embedding / head on several stages stay equal
         grad_norm = clip_grad_norm_pipeline(pipe, cfg.optim.clip_grad, self.optimizer)
         # Non-finite check and stop-signal agreement (train/guards.py). The loss lives on the last stage
         # only; the global gradient norm, which every stage shares, carries a non-finite loss.
@@ -272,9 +275,19 @@ class Trainer:
         return metrics
 
     @torch.no_grad()
+    def _pipeline_weights_ready(self) -> None:
+        """Finish the distributed optimizer's all-gathers of the updated weights. Without pipeline parallel the
+        model's and each decoder layer's forward pre-hooks do it as the forward reaches them; the pipeline's stage
+        modules call the embedding, the final norm and the head directly, past the model's hook."""
+        wait = getattr(self.optimizer, "wait_for_params", None)
+        if wait is not None:
+            wait()
+
     def evaluate(self) -> float:
         rt = self.rt
         self.model.eval()
+        if self.pipeline is not None:
+            self._pipeline_weights_ready()
         total = torch.zeros((), dtype=torch.float64, device=rt.device)
         tokens = torch.zeros((), dtype=torch.float64, device=rt.device)
         for b in self.data.valid_batches():

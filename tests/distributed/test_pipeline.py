@@ -75,7 +75,7 @@ def _cfg(**parallel) -> Config:
         ({"pp": 4}, 8, "parallel.pp_schedule='1f1b' needs at least pp=4 micro-batches per step, got 2"),
         ({"vpp": 2}, 1, "parallel.vpp=2 is invalid: needs parallel.pp > 1"),
         ({"pp": 2, "pp_schedule": "gpipe"}, 2, "parallel.pp_schedule='gpipe' is invalid"),
-        ({"pp": 2, "distributed_optimizer": True}, 2, "not supported with parallel.pp=2 yet"),
+        ({"pp": 2, "fsdp": True}, 2, "not supported with parallel.pp=2 yet"),
     ],
 )
 def test_schedules_refuse_what_they_cannot_run(parallel, world, message):

@@ -52,14 +52,24 @@ def _same(ref: dict, got: dict) -> None:
     assert got["moe/layer_2/tokens_per_expert"] == ref["moe/layer_2/tokens_per_expert"]  # the MTP block
 
 
-def test_torchrun_pipeline_expert_parallel_resumes_across_layouts(tmp_path):
-    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    moecore = [sys.executable, "-m", "moecore", "train"]
-    run_cli([*moecore, *COMMON, f"train.run_dir={a}"])
-    ref = {m["step"]: m for m in read_metrics(a)}
+MOECORE = [sys.executable, "-m", "moecore", "train"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "moecore", "train"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """Run A: its folder and its records by step."""
+    a = tmp_path_factory.mktemp("pipeline-cli") / "a"
+    run_cli([*MOECORE, *COMMON, f"train.run_dir={a}"])
+    return a, {m["step"]: m for m in read_metrics(a)}
+
+
+def test_torchrun_pipeline_expert_parallel_resumes_across_layouts(tmp_path, one_process):
+    b, c = tmp_path / "b", tmp_path / "c"
+    a, ref = one_process
+    moecore, torchrun = MOECORE, TORCHRUN
 
     _resume_copy(a, b, keep=2)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "moecore", "train"]
     pp = ["parallel.pp=2", "parallel.ep=2", "train.exit_interval=3", "checkpoint.resume=true"]
     proc = run_cli([*torchrun, *COMMON, f"train.run_dir={b}", *pp])
     out = proc.stdout + proc.stderr
@@ -74,5 +84,24 @@ def test_torchrun_pipeline_expert_parallel_resumes_across_layouts(tmp_path):
     _resume_copy(b, c, keep=3)
     run_cli([*moecore, *COMMON, f"train.run_dir={c}", "checkpoint.resume=true"])
     got = read_metrics(c)
+    assert [m["step"] for m in got] == [4]
+    _same(ref[4], got[0])
+
+
+def test_torchrun_pipeline_with_the_distributed_optimizer_resumes_across_layouts(tmp_path, one_process):
+    """pp2 x dp2 with the distributed optimizer (each stage's AdamW state sharded over its 2 data-parallel ranks):
+    A's step-2 checkpoint resumed, step 3 equal to A's (the norm from the optimizer's shards, the embedding shared
+    with the MTP block counted once); its step-3 checkpoint resumed in one process, step 4 equal to A's."""
+    d, e = tmp_path / "d", tmp_path / "e"
+    a, ref = one_process
+    _resume_copy(a, d, keep=2)
+    layout = ["parallel.pp=2", "parallel.distributed_optimizer=true", "train.exit_interval=3", "checkpoint.resume=true"]
+    run_cli([*TORCHRUN, *COMMON, f"train.run_dir={d}", *layout])
+    got = read_metrics(d)
+    assert [m["step"] for m in got] == [3]
+    _same(ref[3], got[0])
+    _resume_copy(d, e, keep=3)
+    run_cli([*MOECORE, *COMMON, f"train.run_dir={e}", "checkpoint.resume=true"])
+    got = read_metrics(e)
     assert [m["step"] for m in got] == [4]
     _same(ref[4], got[0])
