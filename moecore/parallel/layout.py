@@ -114,7 +114,6 @@ def _check_context_parallel(cfg: Config) -> None:
             "the sequence into 2 * cp equal chunks; use a multiple of it"
         )
     refused = [
-        ("parallel.pp", p.pp, p.pp > 1, "1"),
         ("model.attention_type", m.attention_type, m.attention_type == "dsa", "gqa | mla"),
         ("model.attention_dropout", m.attention_dropout, m.attention_dropout > 0, "0"),
     ]

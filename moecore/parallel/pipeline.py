@@ -26,7 +26,11 @@ What torch's API does not express, and how it is solved here:
 - Weights on several stages. The embedding (first stage; the MTP stage's token embeddings; a tied
   head on the last stage) and the untied head (last stage and a separate MTP stage) have one copy per
   stage that uses them; `sync_shared_grads` sums their gradients over those stages, so the copies
-  stay equal; the grad norm counts one copy (`clip_grad_norm_pipeline`).
+  stay equal; the grad norm counts one copy (`clip_grad_norm_pipeline`; under the distributed optimizer
+  from its shards).
+- Positions under context parallel. A stage receives token ids or hidden states of this rank's share of
+  each sequence; the global positions of that share, the same for every micro-batch, travel in the
+  `StepRecord` rather than through the schedule (which would cut every argument along the batch).
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class StepRecord:
     global_tokens: torch.Tensor | None = None  # loss tokens of the whole global batch
     lm_scale: float = 1.0  # objective = LM loss sum / global tokens * lm_scale + extra losses * extra_scale
     extra_scale: float = 1.0
+    position_ids: torch.Tensor | None = None  # context parallel: the global positions of this rank's tokens
     lm_sums: list = field(default_factory=list)
     tokens: list = field(default_factory=list)
     mtp_losses: list = field(default_factory=list)  # scaled MTP loss per micro-batch
@@ -125,7 +130,9 @@ class StageModule(nn.Module):
         """x: token ids (first stage) or the previous stage's hidden states; returns hidden states, or on
         the last stage the micro-batch's objective as a [1] tensor."""
         model, spec, rec = self._model[0], self.spec, self.record
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+        position_ids = rec.position_ids  # context parallel: this rank's share of the positions
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         if spec.embed:
             x = model.embed(x)
         if torch.is_grad_enabled() and x.requires_grad:
@@ -318,16 +325,18 @@ class Pipeline:
         lm_scale: float,
         extra_scale: float,
         n_microbatches: int,
+        position_ids: torch.Tensor | None = None,
     ) -> StepRecord:
         """Forward + backward of this pipeline's share of the global batch ([n_microbatches * mb, S] tensors).
 
         Objective per micro-batch (as the one-process loop): LM loss sum / global_tokens * lm_scale +
         (routing losses + MTP loss) * extra_scale. Gradients accumulate in the model's `.grad`.
-        """
+        `position_ids`: under context parallel, the global positions of this rank's share of every sequence
+        (`split_batch_for_cp`; the tensors are that share)."""
         if self.schedule is None or self._n_microbatches != n_microbatches:
             self._build_schedule(n_microbatches, input_ids.shape[0] // n_microbatches, input_ids.shape[1])
         rec = self.record
-        rec.__init__(global_tokens=global_tokens, lm_scale=lm_scale, extra_scale=extra_scale)
+        rec.__init__(global_tokens=global_tokens, lm_scale=lm_scale, extra_scale=extra_scale, position_ids=position_ids)
         for mod in self.stage_modules:
             mod.train()
         kwargs = {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask}
@@ -339,11 +348,17 @@ class Pipeline:
         return rec
 
     @torch.no_grad()
-    def evaluate_batch(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> tuple:
+    def evaluate_batch(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple:
         """(LM loss sum, tokens) of one batch on the loss stage's ranks, zeros elsewhere; forward only,
         stage after stage (point-to-point over the pipeline group)."""
         rec = self.record
-        rec.__init__(global_tokens=torch.ones((), dtype=torch.float64, device=self.device))
+        rec.__init__(global_tokens=torch.ones((), dtype=torch.float64, device=self.device), position_ids=position_ids)
         pp = self.dims.pp_group
         me = pp.rank
         local = {m.spec.index: m for m in self.stage_modules}

@@ -244,14 +244,18 @@ class Trainer:
         model.train()
         self._pipeline_weights_ready()
         batches = [_to(self.data.train.next_micro_batch(), rt.device) for _ in range(self.micro_batches_per_rank)]
+        # context parallel: this rank's chunks of every sequence, with their global positions (the same for all)
+        batches = [split_batch_for_cp(b, rt.dims) for b in batches]
         ids, labels, mask = (torch.cat([b[k] for b in batches]) for k in ("input_ids", "labels", "loss_mask"))
         global_tokens = rt.sum_over_dp(mask.sum().detach().double()).clamp(min=1)
         n_mb_global = self.micro_batches_per_rank * rt.dp_size
+        replicas = rt.grad_replicas  # dp x cp, as in train_step
         self.optimizer.zero_grad(set_to_none=True)
         with rt.grad_sync_context(model, last=False), autocast_context(rt):
             record = pipe.step(
-                ids, labels, mask, global_tokens, rt.dp_size, rt.dp_size / n_mb_global, self.micro_batches_per_rank
-            )
+                ids, labels, mask, global_tokens, replicas, replicas / n_mb_global, self.micro_batches_per_rank,
+                batches[0].get("position_ids"),
+            )  # fmt: skip
         # Copies of the embedding / head on several stages stay equal: their gradients are summed over the stages
         # first, then reduced over data parallel (the distributed optimizer reduces them straight into its shards).
         pipe.sync_shared_grads()
@@ -294,7 +298,9 @@ class Trainer:
             b = split_batch_for_cp(_to(b, rt.device), rt.dims)
             with autocast_context(rt):
                 if self.pipeline is not None:  # sums land on the loss stage; summed over the pipeline below
-                    lm_sum, n = self.pipeline.evaluate_batch(b["input_ids"], b["labels"], b["loss_mask"])
+                    lm_sum, n = self.pipeline.evaluate_batch(
+                        b["input_ids"], b["labels"], b["loss_mask"], b.get("position_ids")
+                    )
                     total, tokens = total + lm_sum, tokens + n
                     continue
                 out = self.model(

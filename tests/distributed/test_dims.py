@@ -72,7 +72,6 @@ def test_invalid_layouts_are_refused_naming_the_field(par, world, kwargs, messag
             {"parallel.cp": 2, "model.attention_dropout": 0.1},
             "model.attention_dropout=0.1 is not supported with parallel.cp=2",
         ),
-        ({"parallel.cp": 2, "parallel.pp": 2}, "parallel.pp=2 is not supported with parallel.cp=2"),
     ],
 )
 def test_config_preflight_refuses_unsupported_layouts(overrides, message):

@@ -105,3 +105,22 @@ def test_torchrun_pipeline_with_the_distributed_optimizer_resumes_across_layouts
     got = read_metrics(e)
     assert [m["step"] for m in got] == [4]
     _same(ref[4], got[0])
+
+
+def test_torchrun_pipeline_with_context_parallel_resumes_across_layouts(tmp_path, one_process):
+    """pp2 x cp2 (each stage's sequences split over 2 ranks, MLA over the ring, the MTP block's next-token halo
+    over CP): A's step-2 checkpoint resumed, step 3 equal to A's; its step-3 checkpoint resumed in one process,
+    step 4 equal to A's."""
+    f, g = tmp_path / "f", tmp_path / "g"
+    a, ref = one_process
+    _resume_copy(a, f, keep=2)
+    layout = ["parallel.pp=2", "parallel.cp=2", "train.exit_interval=3", "checkpoint.resume=true"]
+    run_cli([*TORCHRUN, *COMMON, f"train.run_dir={f}", *layout])
+    got = read_metrics(f)
+    assert [m["step"] for m in got] == [3]
+    _same(ref[3], got[0])
+    _resume_copy(f, g, keep=3)
+    run_cli([*MOECORE, *COMMON, f"train.run_dir={g}", "checkpoint.resume=true"])
+    got = read_metrics(g)
+    assert [m["step"] for m in got] == [4]
+    _same(ref[4], got[0])
