@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from moecore.bench.common import env
+from moecore.bench.common import cuda_back_to_back_ms, env
 from moecore.bench.moe_layer import SHAPES
 from moecore.kernels import router as router_kernels
 from moecore.kernels.router import RouterSpec, fused_router
@@ -35,15 +35,8 @@ SPECS = {
 
 
 def _us_per_call(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps * 1e3
+    fn()  # compiles the kernels of a new launch shape
+    return cuda_back_to_back_ms(fn, reps) * 1e3
 
 
 def time_shape(name: str, blocks: list[tuple[int, int]]) -> list[dict]:

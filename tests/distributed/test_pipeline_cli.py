@@ -88,39 +88,30 @@ def test_torchrun_pipeline_expert_parallel_resumes_across_layouts(tmp_path, one_
     _same(ref[4], got[0])
 
 
-def test_torchrun_pipeline_with_the_distributed_optimizer_resumes_across_layouts(tmp_path, one_process):
-    """pp2 x dp2 with the distributed optimizer (each stage's AdamW state sharded over its 2 data-parallel ranks):
-    A's step-2 checkpoint resumed, step 3 equal to A's (the norm from the optimizer's shards, the embedding shared
-    with the MTP block counted once); its step-3 checkpoint resumed in one process, step 4 equal to A's."""
-    d, e = tmp_path / "d", tmp_path / "e"
+def _round_trip(tmp_path, one_process, layout: list[str]) -> None:
+    """A's step-2 checkpoint resumed under `layout` by torchrun, stopping after step 3, which must equal A's; its
+    step-3 checkpoint resumed in one process: step 4 must equal A's."""
+    first, second = tmp_path / "first", tmp_path / "second"
     a, ref = one_process
-    _resume_copy(a, d, keep=2)
-    layout = ["parallel.pp=2", "parallel.distributed_optimizer=true", "train.exit_interval=3", "checkpoint.resume=true"]
-    run_cli([*TORCHRUN, *COMMON, f"train.run_dir={d}", *layout])
-    got = read_metrics(d)
+    _resume_copy(a, first, keep=2)
+    run_cli([*TORCHRUN, *COMMON, f"train.run_dir={first}", *layout, "train.exit_interval=3", "checkpoint.resume=true"])
+    got = read_metrics(first)
     assert [m["step"] for m in got] == [3]
     _same(ref[3], got[0])
-    _resume_copy(d, e, keep=3)
-    run_cli([*MOECORE, *COMMON, f"train.run_dir={e}", "checkpoint.resume=true"])
-    got = read_metrics(e)
+    _resume_copy(first, second, keep=3)
+    run_cli([*MOECORE, *COMMON, f"train.run_dir={second}", "checkpoint.resume=true"])
+    got = read_metrics(second)
     assert [m["step"] for m in got] == [4]
     _same(ref[4], got[0])
+
+
+def test_torchrun_pipeline_with_the_distributed_optimizer_resumes_across_layouts(tmp_path, one_process):
+    """pp2 x dp2 with the distributed optimizer (each stage's AdamW state sharded over its 2 data-parallel ranks;
+    the norm from the optimizer's shards, the embedding shared with the MTP block counted once)."""
+    _round_trip(tmp_path, one_process, ["parallel.pp=2", "parallel.distributed_optimizer=true"])
 
 
 def test_torchrun_pipeline_with_context_parallel_resumes_across_layouts(tmp_path, one_process):
-    """pp2 x cp2 (each stage's sequences split over 2 ranks, MLA over the ring, the MTP block's next-token halo
-    over CP): A's step-2 checkpoint resumed, step 3 equal to A's; its step-3 checkpoint resumed in one process,
-    step 4 equal to A's."""
-    f, g = tmp_path / "f", tmp_path / "g"
-    a, ref = one_process
-    _resume_copy(a, f, keep=2)
-    layout = ["parallel.pp=2", "parallel.cp=2", "train.exit_interval=3", "checkpoint.resume=true"]
-    run_cli([*TORCHRUN, *COMMON, f"train.run_dir={f}", *layout])
-    got = read_metrics(f)
-    assert [m["step"] for m in got] == [3]
-    _same(ref[3], got[0])
-    _resume_copy(f, g, keep=3)
-    run_cli([*MOECORE, *COMMON, f"train.run_dir={g}", "checkpoint.resume=true"])
-    got = read_metrics(g)
-    assert [m["step"] for m in got] == [4]
-    _same(ref[4], got[0])
+    """pp2 x cp2: each stage's sequences split over 2 ranks, MLA over the ring, the MTP block's next-token halo
+    over CP."""
+    _round_trip(tmp_path, one_process, ["parallel.pp=2", "parallel.cp=2"])
