@@ -180,6 +180,7 @@ class DistributedOptimizer:
         layers = list(getattr(model, "layers", []))
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
         rest = needs(p for p in model.parameters() if id(p) not in in_layers)
+        self._outside_layers = rest
         self._hooks = [model.register_forward_pre_hook(lambda m, a, n=rest: self._wait(n))]
         for layer in layers:
             n = needs(layer.parameters())
@@ -215,6 +216,11 @@ class DistributedOptimizer:
     def wait_for_params(self) -> None:
         """Make every parameter hold its updated value (before reading the weights outside a forward)."""
         self._wait(sorted(self._pending))
+
+    def wait_for_params_outside_layers(self) -> None:
+        """What the model's own forward pre-hook waits for (embeddings, final norm, head, MTP), for callers that
+        run those modules without the model's forward (pipeline stages); the decoder layers keep their hooks."""
+        self._wait(self._outside_layers)
 
     @torch.no_grad()
     def _write_back(self) -> None:

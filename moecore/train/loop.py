@@ -280,10 +280,10 @@ class Trainer:
 
     @torch.no_grad()
     def _pipeline_weights_ready(self) -> None:
-        """Finish the distributed optimizer's all-gathers of the updated weights. Without pipeline parallel the
-        model's and each decoder layer's forward pre-hooks do it as the forward reaches them; the pipeline's stage
-        modules call the embedding, the final norm and the head directly, past the model's hook."""
-        wait = getattr(self.optimizer, "wait_for_params", None)
+        """Finish the distributed optimizer's all-gathers of the weights outside the decoder layers. Without
+        pipeline parallel the model's forward pre-hook does it; the pipeline's stage modules call the embedding,
+        the final norm and the head directly, past that hook (each decoder layer still waits for its own)."""
+        wait = getattr(self.optimizer, "wait_for_params_outside_layers", None)
         if wait is not None:
             wait()
 
