@@ -32,7 +32,8 @@ saves a DTensor of an EP-sharded parameter as its chunk of the global tensor, so
 layout-free as without FSDP.
 
 Supported: tp, dp, cp (the dense mesh is dp x cp; each cp rank's gradient is its share of the whole
-sequences'), and ep / etp with edp > 1; pp = 1 (refused otherwise by `check_layout`). On one
+sequences'), ep / etp with edp > 1, and pp with the 1F1B schedules (`roots`: each stage module is a root,
+which torch's PipelineStage drives; the zero-bubble and V schedules are refused by `check_layout`). On one
 process (`moecore train` without torchrun) the run initialises a one-rank process group
 (`moecore.parallel.dims.init_distributed`) and FSDP2 runs over a one-rank mesh: nothing is split, but
 parameters, gradients and optimizer state are the DTensors and the all-gather / reduce-scatter calls are
@@ -96,6 +97,7 @@ class FullyShardedModel:
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         fp8_gather: bool = False,
+        roots: list[torch.nn.Module] | None = None,
     ) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -138,8 +140,14 @@ class FullyShardedModel:
         for island in trainable_islands(model):  # DSA's dense_warmup: the lightning indexers (module docstring)
             fully_shard(island, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard)
         for layer in getattr(model, "layers", []):
-            fully_shard(layer, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard)
-        fully_shard(model, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard)
+            if any(True for _ in layer.parameters()):  # pipeline parallel: layers of other stages hold none
+                fully_shard(layer, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard)
+        # The roots: the model, or under pipeline parallel this rank's stage modules (torch's PipelineStage
+        # drives an FSDP root per stage: no gradient sync until the last micro-batch's backward, then it
+        # reduce-scatters). Each takes the weights its sub-units do not hold (embedding, final norm, head, MTP).
+        self.roots = list(roots) if roots is not None else [model]
+        for root in self.roots:
+            fully_shard(root, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard)
         for name, p in model.named_parameters():  # fully_shard made new parameters: keep their ShardSpecs
             setattr(p, _ATTR, specs[name])
         self.tp_partial = [p for p in model.parameters() if get_shard(p).kind == "tp_partial"]
@@ -147,11 +155,13 @@ class FullyShardedModel:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients without reducing them."""
-        self.model.set_requires_gradient_sync(False)
+        for root in self.roots:
+            root.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            self.model.set_requires_gradient_sync(True)
+            for root in self.roots:
+                root.set_requires_gradient_sync(True)
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -170,13 +180,18 @@ class FullyShardedModel:
     finish_grad_sync = finish
 
     @torch.no_grad()
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global L2 norm from the local gradient shards (each element on one rank); scale them to max_norm."""
+    def clip_grad_norm(self, max_norm: float, uncounted: set[int] = frozenset()) -> torch.Tensor:
+        """Global L2 norm from the local gradient shards (each element on one rank); scale them to max_norm.
+
+        `uncounted`: ids of parameters whose gradients are scaled but not counted (pipeline parallel: the copies
+        of a weight shared by several stages, counted on one of them). Collective over the world."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         grads = [_local(p.grad) for p in params]
-        dev = grads[0].device if grads else torch.device("cpu")
+        dev = grads[0].device if grads else next(self.model.parameters()).device
         total = torch.zeros((), dtype=torch.float64, device=dev)
         for p, g in zip(params, grads):
+            if id(p) in uncounted:
+                continue
             # Ranks holding this element: the local tensor's copies, divided among the FSDP shards.
             spec = get_shard(p)
             mesh = self.dims.edp_group if spec.kind == "expert" else self.dims.dp_cp_group

@@ -9,16 +9,22 @@ directly.
 from __future__ import annotations
 
 from moecore.config import Config, ConfigError
-from moecore.parallel.pipeline_layout import check_pipeline
+from moecore.parallel.pipeline_layout import StageSpec, check_pipeline, weights_shared_on_a_rank
+
+# Schedules whose stages run as FSDP2 roots. The zero-bubble ones compute weight gradients in a pass of their own
+# from the module's parameters, which FSDP2 holds sharded outside forward and backward: with torch 2.13 an
+# interleaved zero-bubble run under FSDP2 gave wrong gradients (step-1 norm 1.349 against 1.905), so they are refused.
+PIPELINE_FSDP_SCHEDULES = ("1f1b", "interleaved_1f1b")
 
 
 def check_layout(cfg: Config) -> None:
     """Refuse degrees and combinations that are not implemented or do not divide the model's sizes."""
     p, m, e = cfg.parallel, cfg.model, cfg.moe
     if p.pp > 1:
-        check_pipeline(cfg)  # stage layout and schedule (micro-batch counts: validate_layout)
+        stages = check_pipeline(cfg)  # stage layout and schedule (micro-batch counts: validate_layout)
+        if p.fsdp:
+            _check_pipeline_fsdp(cfg, stages)
         not_yet = [
-            ("parallel.fsdp", p.fsdp, p.fsdp, "false"),
             ("train.precision", cfg.train.precision, cfg.train.precision == "fp16", "auto | fp32 | bf16"),
             ("moe.router_replay_mode", e.router_replay_mode, e.router_replay_mode != "none", "none"),
             # the pipeline step does not collect the DSA indexers' KL loss, nor pass GLM-5's shared top-k indices
@@ -120,3 +126,19 @@ def _check_context_parallel(cfg: Config) -> None:
     for name, value, bad, allowed in refused:
         if bad:
             raise ConfigError(f"{name}={value!r} is not supported with parallel.cp={cp} yet; allowed: {allowed}")
+
+
+def _check_pipeline_fsdp(cfg: Config, stages: list[StageSpec]) -> None:
+    """parallel.pp > 1 with parallel.fsdp: each stage module is an FSDP2 root (moecore/parallel/fsdp.py)."""
+    p = cfg.parallel
+    if p.pp_schedule not in PIPELINE_FSDP_SCHEDULES:
+        raise ConfigError(
+            f"parallel.pp_schedule={p.pp_schedule!r} is not supported with parallel.fsdp=true yet; "
+            f"allowed: {' | '.join(PIPELINE_FSDP_SCHEDULES)}"
+        )
+    shared = weights_shared_on_a_rank(cfg, stages)
+    if shared is not None:
+        raise ConfigError(
+            f"parallel.pp_layout={p.pp_layout or 'even split'!r} puts two stages that use the {shared} weight on one "
+            "pipeline rank, which parallel.fsdp=true cannot shard twice; move one of them to another rank"
+        )

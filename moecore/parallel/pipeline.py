@@ -234,13 +234,16 @@ class Pipeline:
                     dist.broadcast(params[name].data, src=group.ranks[0], group=group.pg)
 
     def sync_shared_grads(self) -> None:
-        """Sum the gradients of every copy of a shared weight over the stages holding it."""
+        """Sum the gradients of every copy of a shared weight over the stages holding it (under FSDP2: their
+        local shards, which hold the same rows on every stage: each stage shards the weight over the same
+        data-parallel mesh)."""
         params = dict(self.model.named_parameters())
         for name, group, _ in self.shared:
             p = params[name]
             if grad_of(p) is None:
                 set_grad(p, torch.zeros_like(p, dtype=torch.float32 if hasattr(p, "main_grad") else p.dtype))
-            comm.all_reduce_(grad_of(p), group, "sum")
+            g = grad_of(p)
+            comm.all_reduce_(g.to_local() if hasattr(g, "to_local") else g, group, "sum")
 
     def uncounted_params(self) -> set[int]:
         """ids of this rank's copies of shared weights that the global norm does not count (another stage's does)."""
@@ -452,12 +455,16 @@ def pipeline_grad_norm(pipe: Pipeline) -> torch.Tensor:
     return total.sqrt().float()
 
 
-def clip_grad_norm_pipeline(pipe: Pipeline, max_norm: float, optimizer: object = None) -> torch.Tensor:
+def clip_grad_norm_pipeline(
+    pipe: Pipeline, max_norm: float, optimizer: object = None, reducer: object = None
+) -> torch.Tensor:
     """Global grad norm over every stage (`pipeline_grad_norm`), then gradients scaled to at most max_norm:
-    by the optimizer's fused update where it takes a coefficient (`grad_scale`), else in place. The distributed
-    optimizer holds the reduced gradients as its shards: the norm is its own, each shared weight counted once."""
-    if hasattr(optimizer, "clip_grad_norm"):
-        return optimizer.clip_grad_norm(max_norm, uncounted=pipe.uncounted_params())
+    by the optimizer's fused update where it takes a coefficient (`grad_scale`), else in place. Where the
+    gradients are sharded (the distributed optimizer's shards, FSDP2's `reducer`), the norm is their owner's,
+    each shared weight counted once."""
+    for owner in (optimizer, reducer):
+        if hasattr(owner, "clip_grad_norm"):
+            return owner.clip_grad_norm(max_norm, uncounted=pipe.uncounted_params())
     norm = pipeline_grad_norm(pipe)
     grads = [g for g in (grad_of(p) for p in pipe.model.parameters()) if g is not None]
     apply_clip(grads, norm, max_norm, optimizer)

@@ -175,3 +175,22 @@ def check_pipeline(cfg: Config, micro_batches: int | None = None) -> list[StageS
                 f"parallel.pp_schedule={sched!r} needs at least pp*vpp={n} micro-batches per step, got {micro_batches}"
             )
     return stages
+
+
+def weights_shared_on_a_rank(cfg: Config, stages: list[StageSpec]) -> str | None:
+    """The first weight two stages of one pipeline rank both use ('embed' or 'lm_head'), or None.
+
+    The embedding serves the first stage, the MTP stage (its token embeddings) and, tied, the loss stage; the
+    untied head the loss and MTP stages. Under FSDP2 each stage module is a root of its own, and one weight
+    cannot be sharded by two roots."""
+    p, tied = cfg.parallel, cfg.model.tie_embeddings
+    ranks = stage_ranks(len(stages), p.pp, p.pp_schedule)
+    users = {
+        "embed": [s for s in stages if s.embed or s.mtp or (s.loss and tied)],
+        "lm_head": [] if tied else [s for s in stages if s.loss or s.mtp],
+    }
+    for name, using in users.items():
+        on = [ranks[s.index] for s in using]
+        if len(on) != len(set(on)):
+            return name
+    return None

@@ -141,7 +141,8 @@ class Trainer:
             from moecore.moe.upcycle import upcycle_from_checkpoint
 
             upcycle_from_checkpoint(self.model, cfg.checkpoint.upcycle_from, cfg)
-        self.model = self.rt.wrap_model(self.model, self.micro_batches_per_rank)
+        roots = self.pipeline.stage_modules if self.pipeline is not None else None
+        self.model = self.rt.wrap_model(self.model, self.micro_batches_per_rank, fsdp_roots=roots)
         self.optimizer = self.rt.build_optimizer(self.model, cfg)
         if self.resume_from is not None:
             with self.rt.master_weights_in_model():
@@ -260,7 +261,7 @@ class Trainer:
         # first, then reduced over data parallel (the distributed optimizer reduces them straight into its shards).
         pipe.sync_shared_grads()
         rt.finish_grad_sync(model)
-        grad_norm = clip_grad_norm_pipeline(pipe, cfg.optim.clip_grad, self.optimizer)
+        grad_norm = clip_grad_norm_pipeline(pipe, cfg.optim.clip_grad, self.optimizer, rt.grad_reducer)
         # Non-finite check and stop-signal agreement (train/guards.py). The loss lives on the last stage
         # only; the global gradient norm, which every stage shares, carries a non-finite loss.
         skip = self.guard.check(self.step + 1, torch.zeros((), device=rt.device), grad_norm)

@@ -58,11 +58,15 @@ class Runtime:
         return self.dims.is_main
 
     # ------------------------------------------------------------------ model and gradients
-    def wrap_model(self, model: torch.nn.Module, micro_batches: int = 1) -> torch.nn.Module:
+    def wrap_model(
+        self, model: torch.nn.Module, micro_batches: int = 1, fsdp_roots: list[torch.nn.Module] | None = None
+    ) -> torch.nn.Module:
         """Precision (bf16 parameters, fp32 masters and gradient sums) and the data-parallel gradient hooks.
 
         `micro_batches`: per rank and step; with more than one (or several ranks) gradients are summed,
         in fp32 main gradients. The precision hooks go first: the data-parallel ones read what they sum.
+        `fsdp_roots`: with parallel.fsdp, the modules sharded as FSDP roots instead of the model (pipeline
+        parallel: this rank's stage modules).
         """
         if self.precision == "fp8":  # FP8 GEMMs in the modules of fp8.modules, bf16 everywhere else
             from moecore.kernels.fp8_gemm import Fp8Recipe
@@ -79,7 +83,12 @@ class Runtime:
             param_dtype = torch.bfloat16 if bf16 and self.master_weights else None
             primary = self.precision == "fp8" and self.fp8.primary_weights  # FP8 weights gathered as FP8 bytes
             self.grad_reducer = FullyShardedModel(
-                model, self.dims, param_dtype, reduce_dtype=torch.float32 if bf16 else None, fp8_gather=primary
+                model,
+                self.dims,
+                param_dtype,
+                reduce_dtype=torch.float32 if bf16 else None,
+                fp8_gather=primary,
+                roots=fsdp_roots,
             )
             return model
         if self.precision in ("bf16", "fp8"):

@@ -60,6 +60,8 @@ def test_bad_layouts_are_refused_in_one_line(layout, stages, layers, mtp, messag
 def _cfg(**parallel) -> Config:
     cfg = tiny_config()
     cfg.model.num_layers = 4
+    if "m" in parallel.get("pp_layout", ""):
+        cfg.model.mtp_num_layers = 1
     for k, v in parallel.items():
         setattr(cfg.parallel, k, v)
     return cfg
@@ -75,7 +77,13 @@ def _cfg(**parallel) -> Config:
         ({"pp": 4}, 8, "parallel.pp_schedule='1f1b' needs at least pp=4 micro-batches per step, got 2"),
         ({"vpp": 2}, 1, "parallel.vpp=2 is invalid: needs parallel.pp > 1"),
         ({"pp": 2, "pp_schedule": "gpipe"}, 2, "parallel.pp_schedule='gpipe' is invalid"),
-        ({"pp": 2, "fsdp": True}, 2, "not supported with parallel.pp=2 yet"),
+        ({"pp": 2, "vpp": 2, "pp_schedule": "zbv", "fsdp": True}, 2, "'zbv' is not supported with parallel.fsdp=true"),
+        ({"pp": 2, "pp_schedule": "dualpipev", "vpp": 2, "fsdp": True}, 2, "allowed: 1f1b | interleaved_1f1b"),
+        (
+            {"pp": 2, "vpp": 2, "pp_schedule": "interleaved_1f1b", "pp_layout": "Ett|tt|m|L", "fsdp": True},
+            2,
+            "puts two stages that use the embed weight on one pipeline rank",
+        ),
     ],
 )
 def test_schedules_refuse_what_they_cannot_run(parallel, world, message):

@@ -120,3 +120,17 @@ def test_torchrun_pipeline_with_context_parallel_resumes_across_layouts(tmp_path
     """pp2 x cp2: each stage's sequences split over 2 ranks, MLA over the ring, the MTP block's next-token halo
     over CP."""
     _round_trip(tmp_path, one_process, ["parallel.pp=2", "parallel.cp=2"])
+
+
+def test_torchrun_pipeline_with_fsdp_resumes_across_layouts(tmp_path, one_process):
+    """pp2 x dp2 with FSDP2: each stage module an FSDP root over its 2 data-parallel ranks (its layers and experts
+    units of their own), gradients reduce-scattered after the last micro-batch, the embedding's shards summed
+    with the MTP block's copy on the other stage."""
+    _round_trip(tmp_path, one_process, ["parallel.pp=2", "parallel.fsdp=true"])
+
+
+def test_torchrun_interleaved_pipeline_with_fsdp_resumes_across_layouts(tmp_path, one_process):
+    """Interleaved 1F1B, pp2 x vpp2 x dp2 with FSDP2: two stage roots per rank (E|t|t|mL: the embedding on
+    rank 0's first stage, the MTP block and head on rank 1's second)."""
+    layout = ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_layout=E|t|t|mL"]
+    _round_trip(tmp_path, one_process, [*layout, "parallel.fsdp=true"])

@@ -34,14 +34,23 @@ def test_plan_prints_a_ranked_table_and_writes_json(tmp_path, capsys) -> None:
     cp = [c for c in cands if " cp2" in c["layout"]]
     assert any(" fsdp" in c["layout"] for c in cp)
     assert cp and all(c["supported"] and "parallel.cp=2" in c["overrides"] for c in cp)
-    # layouts the trainer does not run yet are listed, marked with the trainer's reason (pipeline with FSDP)
+    # pipeline parallel with FSDP runs (the 1F1B schedules)
     out4 = tmp_path / "plan4.json"
     rc = main(["plan", "tiny-moe", "model.num_layers=2", "--gpus", "4", "--gpu-mem", "16", "--json", str(out4)])
     pp_fsdp = [
         c for c in json.loads(out4.read_text())["candidates"] if " pp2" in c["layout"] and " fsdp" in c["layout"]
     ]
-    assert rc == 0 and pp_fsdp
-    assert all(not c["supported"] and "parallel.fsdp" in c["unsupported_reason"] for c in pp_fsdp)
+    assert rc == 0 and pp_fsdp and all(c["supported"] for c in pp_fsdp)
+    # layouts the trainer does not run yet are listed, marked with the trainer's reason (DSA under pipeline or
+    # context parallel), and the sentence names the best layout it runs
+    out5 = tmp_path / "plan5.json"
+    argv = ["plan", "tiny-deepseek-v32", "model.num_layers=2", "--gpus", "4", "--gpu-mem", "16", "--json", str(out5)]
+    assert main(argv) == 0
+    cands = json.loads(out5.read_text())["candidates"]
+    refused = [c for c in cands if not c["supported"]]
+    assert refused and all(" pp2" in c["layout"] or " cp2" in c["layout"] for c in refused)
+    assert all("model.attention_type='dsa' is not supported" in c["unsupported_reason"] for c in refused)
+    assert "the trainer does not run it yet" in capsys.readouterr().out
 
 
 def test_plan_says_when_nothing_fits(capsys) -> None:

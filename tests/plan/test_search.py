@@ -64,7 +64,8 @@ def test_unsupported_layouts_carry_the_trainers_reason() -> None:
     assert unsupported_reason(cfg, Layout(cp=2, dp=1)) is None  # context parallel runs MLA
     assert unsupported_reason(cfg, Layout(tp=2, dp=1)) is None  # tensor parallel runs MLA
     assert unsupported_reason(cfg, Layout(dp=2, fsdp=True)) is None  # FSDP2 over dp runs
-    assert "fsdp" in unsupported_reason(cfg, Layout(pp=2, dp=2, fsdp=True))  # ... but not with pipeline stages
+    assert unsupported_reason(cfg, Layout(pp=2, dp=2, fsdp=True)) is None  # ... and with pipeline stages (1F1B)
+    assert unsupported_reason(cfg, Layout(pp=2, vpp=2, dp=2, fsdp=True)) is None  # interleaved 1F1B
     dsa = load_config("tiny-deepseek-v32")
     dsa.model.vocab_size = 512
     assert "model.attention_type='dsa'" in unsupported_reason(dsa, Layout(pp=2, dp=1))
