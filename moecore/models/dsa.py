@@ -77,6 +77,15 @@ def shares_topk(cfg: ModelConfig) -> bool:
     return cfg.attention_type == "dsa" and cfg.indexer_types is not None and "shared" in cfg.indexer_types
 
 
+def indexer_count(cfg: ModelConfig) -> int:
+    """DSA layers with an indexer of their own in the whole model (their KL losses are averaged): every decoder
+    layer that is not `shared` in `model.indexer_types`, and every MTP block (each runs its own indexer)."""
+    if cfg.attention_type != "dsa":
+        return 0
+    main = cfg.num_layers if cfg.indexer_types is None else sum(t != "shared" for t in cfg.indexer_types)
+    return main + cfg.mtp_num_layers
+
+
 class LightningIndexer(nn.Module):
     """The indexer's parameters (transformers' names: wq_b, wk, k_norm, weights_proj) and its scores."""
 

@@ -27,13 +27,20 @@ def check_layout(cfg: Config) -> None:
         not_yet = [
             ("train.precision", cfg.train.precision, cfg.train.precision == "fp16", "auto | fp32 | bf16"),
             ("moe.router_replay_mode", e.router_replay_mode, e.router_replay_mode != "none", "none"),
-            # the pipeline step does not collect the DSA indexers' KL loss, nor pass GLM-5's shared top-k indices
-            # between stages (moecore/models/dsa.py)
-            ("model.attention_type", m.attention_type, m.attention_type == "dsa", "gqa | mla"),
+            # the warm-up trains the indexers alone on every stage's detached activations: not run as a pipeline
+            ("model.dsa_stage", m.dsa_stage, m.attention_type == "dsa" and m.dsa_stage == "dense_warmup", "sparse"),
         ]
         for name, value, refused, allowed in not_yet:
             if refused:
                 raise ConfigError(f"{name}={value!r} is not supported with parallel.pp={p.pp} yet; allowed: {allowed}")
+        types = m.indexer_types if m.attention_type == "dsa" else None
+        for s in stages:  # a shared DSA layer reuses the previous layer's top-k: both on one stage
+            if types and s.layers and types[s.layers[0]] == "shared":
+                raise ConfigError(
+                    f"parallel.pp_layout={p.pp_layout or 'even split'!r} opens stage {s.index} with layer {s.layers[0]}, "
+                    "which is shared in model.indexer_types (it reuses the previous layer's top-k); "
+                    "start each stage on a full layer"
+                )
     if p.cp > 1:
         _check_context_parallel(cfg)
     if p.fsdp:

@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moecore.config import Config, ConfigError
+from moecore.models.dsa import DSAttention, indexer_count
 from moecore.models.transformer import ModelParts, MoETransformer
 from moecore.optim.mixed_precision import grad_of, set_grad
 from moecore.parallel import comm
@@ -98,6 +99,7 @@ class StepRecord:
     tokens: list = field(default_factory=list)
     mtp_losses: list = field(default_factory=list)  # scaled MTP loss per micro-batch
     mtp_depths: list = field(default_factory=list)  # per micro-batch: per-depth unscaled losses
+    indexer_losses: list = field(default_factory=list)  # DSA: this rank's stages' share of the indexer loss, per mb
     moe_stats: dict = field(default_factory=dict)  # stage index -> [per micro-batch list of layer dicts]
     live: dict = field(default_factory=dict)  # stage index -> micro-batches forwarded, not yet backpropagated
     peak_live: int = 0  # most micro-batches held at once, summed over this rank's stages
@@ -123,6 +125,10 @@ class StageModule(nn.Module):
         self.norm = model.norm if applies_norm else None
         self.mtp = model.mtp if spec.mtp else None
         self.lm_head = model.lm_head if (spec.loss or spec.mtp) else None
+        # DSA: the objective's indexer term is the mean of every indexer's KL loss in the model (times its
+        # coefficient); this stage adds its indexers' share.
+        m = model.cfg.model
+        self.indexer_weight = m.dsa_indexer_loss_coeff / max(indexer_count(m), 1)
 
     def forward(
         self, x: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor
@@ -138,11 +144,18 @@ class StageModule(nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:
             x = _CountInFlight.apply(x, rec, spec.index)
         extra, stats = None, []
+        topk = (
+            None  # DSA with shared indexer layers: the top-k the last layer used (a stage never opens on a shared one)
+        )
         for layer in self.layers:
+            args = (x, position_ids, loss_mask) + ((topk,) if layer.passes_topk else ())
             if model.full_recompute and self.training and torch.is_grad_enabled():
-                x, aux = checkpoint(layer, x, position_ids, loss_mask, use_reentrant=False)
+                out = checkpoint(layer, *args, use_reentrant=False)
             else:
-                x, aux = layer(x, position_ids, loss_mask)
+                out = layer(*args)
+            x, aux = out[:2]
+            if layer.passes_topk:
+                topk = out[2]
             if aux is not None:
                 stats.append(dict(aux.stats, layer=layer.layer_idx))
                 extra = aux.loss if extra is None else extra + aux.loss
@@ -157,6 +170,10 @@ class StageModule(nn.Module):
                 stats.append(dict(aux.stats, layer=i))
                 mtp_loss = mtp_loss + aux.loss
             extra = mtp_loss if extra is None else extra + mtp_loss
+        indexer = self._indexer_loss()
+        if indexer is not None:
+            rec.indexer_losses.append(indexer.detach())
+            extra = indexer if extra is None else extra + indexer
         rec.moe_stats.setdefault(spec.index, []).append(stats)
         if spec.loss:
             _, loss_sum = model.lm_loss(x, labels, mask)
@@ -169,6 +186,12 @@ class StageModule(nn.Module):
         if extra is not None and torch.is_grad_enabled():
             return _InjectLossGrad.apply(x, extra, rec.extra_scale)
         return x.contiguous()  # point-to-point sends need contiguous tensors
+
+    def _indexer_loss(self) -> torch.Tensor | None:
+        """DSA: this stage's indexers' KL losses of the last forward, summed and weighted (None without any)."""
+        losses = [m.pop_indexer_loss() for m in self.modules() if isinstance(m, DSAttention)]
+        losses = [loss for loss in losses if loss is not None]
+        return torch.stack(losses).sum() * self.indexer_weight if losses else None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -214,3 +214,24 @@ def test_pipeline_checkpoint_resumes_under_the_same_layout(tmp_path):
     results = run_local(resume_same_layout, 4, cfg, init, data, str(tmp_path / "ckpt"))
     for r in results:
         assert r["run"] == r["resumed"]
+
+
+@pytest.mark.parametrize(
+    "recipe, overrides, message",
+    [
+        (
+            "tiny-glm-5",  # layers full / shared / full / shared, one MTP block
+            ["parallel.pp=2", "parallel.pp_layout=Et|tttmL"],
+            "opens stage 1 with layer 1, which is shared in model.indexer_types",
+        ),
+        ("tiny-deepseek-v32", ["parallel.pp=2", "model.dsa_stage=dense_warmup"], "model.dsa_stage='dense_warmup'"),
+    ],
+)
+def test_pipeline_refuses_what_deepseek_sparse_attention_cannot_split(recipe, overrides, message):
+    from moecore.config import load_config
+
+    cfg = load_config(recipe, ["model.vocab_size=64", *overrides])
+    with pytest.raises(ConfigError) as err:
+        validate_layout(cfg, 2)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    validate_layout(load_config(recipe, ["model.vocab_size=64", "parallel.pp=2"]), 2)  # the even split runs

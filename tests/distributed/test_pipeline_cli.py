@@ -134,3 +134,21 @@ def test_torchrun_interleaved_pipeline_with_fsdp_resumes_across_layouts(tmp_path
     rank 0's first stage, the MTP block and head on rank 1's second)."""
     layout = ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_layout=E|t|t|mL"]
     _round_trip(tmp_path, one_process, [*layout, "parallel.fsdp=true"])
+
+
+def test_torchrun_pipeline_runs_deepseek_sparse_attention_with_shared_indexers(tmp_path):
+    """tiny-glm-5 (DSA, layers full / shared / full / shared, an MTP block with its own indexer) over pp2 from a
+    one-process checkpoint: steps 2 and 3 equal the one-process run's, the indexer loss included (each stage adds
+    its indexers' share of the mean; the shared layers take the top-k of the full layer before them, on the same
+    stage)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    glm = ["tiny-glm-5", *COMMON[2:], "train.steps=3", "train.eval_interval=3"]
+    run_cli([*MOECORE, *glm, f"train.run_dir={a}"])
+    ref = {m["step"]: m for m in read_metrics(a)}
+    _resume_copy(a, b, keep=1)
+    run_cli([*TORCHRUN[:4], "2", *TORCHRUN[5:], *glm, f"train.run_dir={b}", "parallel.pp=2", "checkpoint.resume=true"])
+    got = read_metrics(b)
+    assert [m["step"] for m in got] == [2, 3]
+    keys = ("loss", "grad_norm", "mtp_loss", "indexer_loss")
+    _same(ref[2], got[0], keys=keys)
+    _same(ref[3], got[1], keys=(*keys, "val_loss"))
