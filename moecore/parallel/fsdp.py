@@ -125,7 +125,10 @@ class FullyShardedModel:
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         # One rank: the shard is the whole parameter, so freeing the gathered copy after forward saves nothing
         # but costs a second gather in backward (measured on an H200: 248.6 -> 238.7 ms per step, same peak).
-        reshard = dims.world_size > 1
+        # Under pipeline parallel (`roots`: the stage modules) torch's PipelineStage keeps a stage's weights gathered
+        # and its gradients unsharded from the first backward to the reduce-scatter after the last micro-batch;
+        # resharding after each forward would only gather them again for that micro-batch's backward.
+        reshard = dims.world_size > 1 and roots is None
         if dims.world_size == 1:  # one process: FSDP2 over a one-rank mesh (nothing split, the same code path)
             dense_mesh = expert_mesh = DeviceMesh.from_group(dist.group.WORLD, device_type)
         else:

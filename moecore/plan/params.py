@@ -27,7 +27,10 @@ are one flat buffer padded to a multiple of the domain's size and split evenly, 
 gradient is kept as the same fp32 shard (moecore/parallel/distributed_optimizer.py; up to
 `parallel.grad_bucket_mb` per buffer; a domain of one rank is one whole shard); the fp32 master
 shard is the only fp32 copy under bf16 too. With fsdp the parameters, gradients, master weights
-and moments are all sharded.
+and moments are all sharded; under pipeline parallel (pp > 1) a stage also holds, through a step, its
+weights gathered (in the compute dtype) and its gradients unsharded in fp32 (torch's PipelineStage turns
+FSDP2's gradient sync off until the last micro-batch's backward, and moecore keeps the weights gathered
+after forward: moecore/parallel/fsdp.py), so only the master weights and moments stay sharded there.
 
 Frozen parameters (`requires_grad` off: dense_warmup's) keep their weights only: the optimizer's parameter
 groups (moecore.optim.groups), the gradient hooks and buckets (moecore/parallel/data_parallel.py) and the
@@ -400,7 +403,11 @@ def state_bytes(
             weight = 4 if mode.master or mode.param == 4 else 2
             opt += shard * moments
             params += shard * weight
-            grads += shard * weight
+            if layout.pp > 1:  # the gathered weights and unsharded fp32 gradients of a pipeline step
+                params += n * mode.param
+                grads += n * 4
+            else:
+                grads += shard * weight
         elif layout.distributed_optimizer and layout.world > 1:
             # moecore's distributed optimizer: per (group, domain) bucket an fp32 master shard (the only
             # fp32 copy, also under bf16) and its moments, and after backward the reduced fp32 gradient
@@ -417,6 +424,7 @@ def state_bytes(
         g = layout.edp if expert else layout.dp_cp
         if n and layout.fsdp and g > 1:  # the frozen shards are the sharded parameters, in their stored dtype
             params += _flat_shard(n, g) * (4 if mode.master or mode.param == 4 else 2)
+            params += n * mode.param if layout.pp > 1 else 0  # gathered through a pipeline step
         else:
             params += n * mode.param
     return {"params": params, "grads": grads, "optimizer": opt}

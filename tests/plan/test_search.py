@@ -68,7 +68,9 @@ def test_unsupported_layouts_carry_the_trainers_reason() -> None:
     assert unsupported_reason(cfg, Layout(pp=2, vpp=2, dp=2, fsdp=True)) is None  # interleaved 1F1B
     dsa = load_config("tiny-deepseek-v32")
     dsa.model.vocab_size = 512
-    assert "model.attention_type='dsa'" in unsupported_reason(dsa, Layout(pp=2, dp=1))
+    assert unsupported_reason(dsa, Layout(pp=2, dp=1)) is None  # pipeline parallel runs DSA's sparse stage
+    dsa.model.dsa_stage = "dense_warmup"
+    assert "model.dsa_stage='dense_warmup'" in unsupported_reason(dsa, Layout(pp=2, dp=1))
     assert "parallel.cp=2" in unsupported_reason(dsa, Layout(cp=2, dp=1))
     oss = load_config("tiny-gpt-oss")
     oss.model.vocab_size = 512
