@@ -233,6 +233,39 @@ def test_oom_snapshot_on_gpu(tmp_path: Path) -> None:
     assert set(stats) == {"mem/max_allocated_gb", "mem/max_reserved_gb"}
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_oom_snapshot_goes_to_the_latest_run_only(tmp_path: Path) -> None:
+    """Two runs in one process: an error during the second writes its snapshot alone; after disabling, none."""
+    from moecore.train.profiling import disable_oom_snapshot
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert enable_oom_snapshot(first) and enable_oom_snapshot(second)
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+    assert (second / "oom_snapshot_rank0.pickle").exists() and not first.exists()
+    (second / "oom_snapshot_rank0.pickle").unlink()
+    disable_oom_snapshot()
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+    assert not (second / "oom_snapshot_rank0.pickle").exists()
+
+
+def test_oom_observer_writes_where_the_latest_run_points_it(tmp_path: Path, monkeypatch) -> None:
+    from moecore.train import profiling
+
+    written: list[Path] = []
+    monkeypatch.setattr(profiling, "dump_memory_snapshot", lambda path: written.append(path) or True)
+    observer = profiling._OomObserver()
+    observer(0, 1 << 30, 0, 0)  # no run has pointed it anywhere
+    observer.path = tmp_path / "a.pickle"
+    observer.path = tmp_path / "b.pickle"
+    observer(0, 1 << 30, 0, 0)
+    observer.path = None  # disabled
+    observer(0, 1 << 30, 0, 0)
+    assert written == [tmp_path / "b.pickle"]
+
+
 def test_oom_snapshot_without_cuda(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("CPU-only behaviour")

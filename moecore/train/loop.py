@@ -425,4 +425,8 @@ def train(cfg: Config, console=None) -> TrainResult:
     try:
         return trainer.run()
     finally:
+        if cfg.log.oom_snapshot and trainer.rt.device.type == "cuda":  # a later run in this process writes its own
+            from moecore.train.profiling import disable_oom_snapshot
+
+            disable_oom_snapshot()
         trainer.rt.shutdown()

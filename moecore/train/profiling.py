@@ -93,26 +93,43 @@ def dump_memory_snapshot(path: Path | str) -> bool:
     return True
 
 
+class _OomObserver:
+    """The one out-of-memory observer of this process (torch keeps every attached observer for the process's
+    life): each run points it at its own snapshot file, so a later run's error never writes into an earlier
+    run's folder, and one error writes one snapshot."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self.attached = False
+
+    def __call__(self, device: int, alloc: int, device_alloc: int, device_free: int) -> None:
+        if self.path is None:
+            return
+        dump_memory_snapshot(self.path)
+        print(
+            f"CUDA out of memory on device {device} (asked {alloc / 2**30:.2f} GiB, {device_free / 2**30:.2f} GiB free): "
+            f"memory snapshot written to {self.path} (view it at https://pytorch.org/memory_viz)",
+            file=sys.stderr,
+        )
+
+
+_OOM = _OomObserver()
+
+
 def enable_oom_snapshot(out_dir: Path | str, rank: int = 0, max_entries: int = 100_000) -> bool:
     """Record allocator history and write a snapshot when CUDA runs out of memory; False without CUDA."""
     if not torch.cuda.is_available():
         return False
-    path = Path(out_dir) / f"oom_snapshot_rank{rank}.pickle"
+    _OOM.path = Path(out_dir) / f"oom_snapshot_rank{rank}.pickle"
     torch.cuda.memory._record_memory_history(max_entries=max_entries)
-
-    def on_oom(device: int, alloc: int, device_alloc: int, device_free: int) -> None:
-        dump_memory_snapshot(path)
-        print(
-            f"CUDA out of memory on device {device} (asked {alloc / 2**30:.2f} GiB, {device_free / 2**30:.2f} GiB free): "
-            f"memory snapshot written to {path} (view it at https://pytorch.org/memory_viz)",
-            file=sys.stderr,
-        )
-
-    torch._C._cuda_attach_out_of_memory_observer(on_oom)
+    if not _OOM.attached:
+        torch._C._cuda_attach_out_of_memory_observer(_OOM)
+        _OOM.attached = True
     return True
 
 
 def disable_oom_snapshot() -> None:
-    """Stop recording allocator history (the observer stays attached but then dumps without history)."""
+    """Stop recording allocator history and writing snapshots (the observer stays attached, idle)."""
+    _OOM.path = None
     if torch.cuda.is_available():
         torch.cuda.memory._record_memory_history(enabled=None)
