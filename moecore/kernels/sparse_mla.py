@@ -376,7 +376,7 @@ def _backward_atomic(ctx, q, kv, idx, d_out, lse, delta) -> tuple[torch.Tensor, 
     b, s, nh, d = q.shape
     dv = ctx.dv
     dq = torch.empty_like(q)
-    dkv = torch.zeros(b, s, d, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     blocks = _blocks(dv, d - dv, ctx.block_h)
     if blocks["BLOCK_V"] > 256:
         # DeepSeek's 512-wide latent: the backward holds q, dO, dq and a gathered kv tile of 512 columns;
@@ -398,8 +398,9 @@ def _backward_split(ctx, q, kv, idx, d_out, lse, delta) -> tuple[torch.Tensor, t
     b, s, nh, d = q.shape
     dv, k, cfg = ctx.dv, idx.shape[-1], ctx.split
     dq = torch.empty_like(q)
-    dkv = torch.zeros(b, s, d, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     rows = b * s
+    kv_rows = kv.shape[0] * kv.shape[1]
     # no block wider than the heads / latent channels it covers (small models, heads split by tensor parallel)
     a_h, b_h = (min(v, max(16, next_pow2(nh))) for v in (cfg.a_block_h, cfg.b_block_h))
     b_c = min(cfg.b_block_c, max(16, next_pow2(dv)))
@@ -432,11 +433,11 @@ def _backward_split(ctx, q, kv, idx, d_out, lse, delta) -> tuple[torch.Tensor, t
             # (query, slot) order within a row: a stable sort, so the sums are the same on every run
             base = torch.arange(row0, row0 + n, device=q.device)[:, None] // s * s
             ids = flat_idx[row0 : row0 + n]
-            key = torch.where(ids >= 0, ids + base, rows).int().flatten()
+            key = torch.where(ids >= 0, ids + base, kv_rows).int().flatten()
             order = torch.argsort(key, stable=True)
-            offs = torch.zeros(rows + 1, dtype=torch.int64, device=q.device)
-            offs[1:] = torch.bincount(key, minlength=rows + 1)[:rows].cumsum(0)
-            _sparse_mla_dkv_sum[(rows,)](
+            offs = torch.zeros(kv_rows + 1, dtype=torch.int64, device=q.device)
+            offs[1:] = torch.bincount(key, minlength=kv_rows + 1)[:kv_rows].cumsum(0)
+            _sparse_mla_dkv_sum[(kv_rows,)](
                 con, order, offs, dkv, d, groups, con.stride(0), dkv.stride(1),
                 BLOCK_E=8, BLOCK_D=max(16, next_pow2(d)),
             )  # fmt: skip
@@ -516,6 +517,11 @@ def sparse_mla_attention(
     """
     if not triton_importable():
         raise ValueError("the sparse MLA kernel needs the triton package, which does not import here")
+    if kv.shape[1] != q.shape[1] and q.shape[0] != 1:  # kv's rows are addressed as batch * S + selected row
+        raise ValueError(
+            f"kv holds {kv.shape[1]} rows per sequence for {q.shape[1]} queries: fold the batch into one "
+            "(moecore.models.dsa.sparse_mqa_attention_to_sequence)"
+        )
     given = {"block_h": block_h, "num_warps": num_warps, "block_k": block_k, "backward": backward}
     defaults = LAUNCH_DEFAULTS[2 if q.element_size() <= 2 else 4]
     block_h, num_warps, block_k, backward = (defaults[k] if v is None else v for k, v in given.items())

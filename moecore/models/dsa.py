@@ -65,6 +65,7 @@ from moecore.config import ModelConfig
 from moecore.models.mla import MLAttention
 from moecore.models.rope import apply_rotary
 from moecore.parallel import comm
+from moecore.parallel.context import gather_from_cp
 from moecore.parallel.tensor_parallel import tp_region_input, tp_size
 
 # Query rows per block in the indexer's top-k and the KL losses: temporaries of at most about this many
@@ -141,17 +142,23 @@ def query_blocks(batch: int, seq: int, per_query: int) -> list[tuple[int, int]]:
     return [(i, min(seq, i + block)) for i in range(0, seq, block)]
 
 
-def causal_topk(indexer: LightningIndexer, q, k, w, topk: int) -> torch.Tensor:
-    """int64 [B, S, min(topk, S)]: the top-k visible keys of every query by index score; -1 where a query has
-    fewer visible keys than k (query t sees t + 1). Computed in query blocks, without gradient."""
+def causal_topk(
+    indexer: LightningIndexer, q, k, w, topk: int, query_positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """int64 [B, S, min(topk, N)]: the top-k visible keys of every query by index score; -1 where a query has
+    fewer visible keys than k. q holds S queries, k the N keys of the whole sequence; a query at position t sees
+    keys 0..t. `query_positions` [S]: the queries' positions in the sequence (context parallel: this rank's
+    share of it); default 0..S-1 (N = S). Computed in query blocks, without gradient."""
     b, _, s, _ = q.shape
-    kk = min(topk, s)
+    n = k.shape[1]
+    kk = min(topk, n)
     out = torch.empty(b, s, kk, dtype=torch.long, device=q.device)
+    rows = torch.arange(s, device=q.device) if query_positions is None else query_positions.to(q.device)
     with torch.no_grad():
-        cols = torch.arange(s, device=q.device)
-        for start, stop in query_blocks(b, s, indexer.n_heads * s):
+        cols = torch.arange(n, device=q.device)
+        for start, stop in query_blocks(b, s, indexer.n_heads * n):
             sc = indexer.scores(q, k, w, start, stop)
-            visible = cols[None, :] <= torch.arange(start, stop, device=q.device)[:, None]
+            visible = cols[None, :] <= rows[start:stop, None]
             sc = sc.masked_fill(~visible, float("-inf"))
             val, idx = sc.topk(kk, dim=-1)
             out[:, start:stop] = idx.masked_fill(val == float("-inf"), -1)
@@ -183,6 +190,22 @@ def sparse_mqa_attention(
 
         return sparse_mla_attention(q, kv, idx, scale, dv)
     return sparse_mqa_attention_reference(q, kv, idx, scale, dv)
+
+
+def sparse_mqa_attention_to_sequence(
+    q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, dv: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_mqa_attention` where kv [B, N, D] holds more rows than q [B, S, n, D] has queries (context
+    parallel: this rank's queries against the gathered sequence): batches folded into one, so that every
+    implementation indexes kv's rows as it would a sequence of its own."""
+    b, s = idx.shape[:2]
+    n = kv.shape[1]
+    if n == s:
+        return sparse_mqa_attention(q, kv, idx, scale, dv)
+    offsets = (torch.arange(b, device=idx.device) * n)[:, None, None]
+    flat = torch.where(idx >= 0, idx + offsets, idx).reshape(1, b * s, -1)
+    out, lse = sparse_mqa_attention(q.reshape(1, b * s, *q.shape[2:]), kv.reshape(1, b * n, -1), flat, scale, dv)
+    return out.reshape(b, s, *out.shape[2:]), lse.reshape(b, s, -1)
 
 
 def kl_to_indexer(target: torch.Tensor, index_logits: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -279,15 +302,23 @@ class DSAttention(MLAttention):
         """(output [B, S, H], the top-k indices attended to: this layer's own, or `shared_idx` without an indexer)."""
         b, s, _ = x.shape
         cos, sin, q_latent, latent, k_rope = self._latents(x, position_ids)
+        # Context parallel: this rank's queries select among, and attend to, the whole sequence's keys, gathered
+        # in sequence order (their gradients summed back to the ranks holding them); `idx` counts in that order.
+        cp = getattr(self.dims, "cp", 1) if self.dims is not None else 1
         if self.indexer is None:
             if shared_idx is None:
                 raise RuntimeError(f"DSA layer {self.layer_idx} is shared (model.indexer_types) but got no top-k")
             idx = shared_idx
         else:
             iq, ik, iw = self._indexer_inputs(x, q_latent, cos, sin)
-            idx = causal_topk(self.indexer, iq, ik, iw, self.index_topk)
+            if cp > 1:
+                ik = gather_from_cp(ik, self.dims, seq_dim=1)
+            positions = position_ids.reshape(-1, s)[0] if cp > 1 else None
+            idx = causal_topk(self.indexer, iq, ik, iw, self.index_topk, positions)
         q_t, kv_t = self._absorbed(q_latent, latent, k_rope, cos, sin)
-        o_lat, lse = sparse_mqa_attention(q_t, kv_t, idx, self.softmax_scale, self.kv_lora_rank)
+        if cp > 1:
+            kv_t = gather_from_cp(kv_t, self.dims, seq_dim=1)
+        o_lat, lse = sparse_mqa_attention_to_sequence(q_t, kv_t, idx, self.softmax_scale, self.kv_lora_rank)
         n, dn, r = self.num_heads, self.nope_dim, self.kv_lora_rank
         w_uv = self.kv_b_proj.weight.view(n, dn + self.v_dim, r)[:, dn:]  # [n, dv, r]
         out = torch.einsum("bsnr,nvr->bsnv", o_lat, w_uv).reshape(b, s, n * self.v_dim)
@@ -312,7 +343,9 @@ class DSAttention(MLAttention):
                 target = self._head_mean(p.sum(2))
             score = functools.partial(ix.scores_at, start=start, stop=stop)
             total = total + recomputed_kl(score, target, keep, iq, ik, iw, sel.clamp(min=0))
-        return total / (b * s)
+        # the mean over the whole sequence's queries; under context parallel this rank's share of it
+        cp = getattr(self.dims, "cp", 1) if self.dims is not None else 1
+        return total / (b * s * cp)
 
     def _dense_indexer_loss(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """KL over every visible key, target = dense MLA probabilities summed over heads / n."""

@@ -127,7 +127,8 @@ def _check_context_parallel(cfg: Config) -> None:
             "the sequence into 2 * cp equal chunks; use a multiple of it"
         )
     refused = [
-        ("model.attention_type", m.attention_type, m.attention_type == "dsa", "gqa | mla"),
+        # the warm-up's indexer loss scores every key of the sequence densely: not split over context parallel
+        ("model.dsa_stage", m.dsa_stage, m.attention_type == "dsa" and m.dsa_stage == "dense_warmup", "sparse"),
         ("model.attention_dropout", m.attention_dropout, m.attention_dropout > 0, "0"),
     ]
     for name, value, bad, allowed in refused:

@@ -116,6 +116,8 @@ def train_steps(
                 obj = o.lm_loss_sum / global_tokens.to(o.lm_loss_sum.dtype) * replicas + o.aux_loss * (replicas / n_mb)
                 if o.mtp_loss is not None:
                     obj = obj + o.mtp_loss * (replicas / n_mb)
+                if o.indexer_loss is not None:  # DSA's lightning indexers
+                    obj = obj + o.indexer_loss * (replicas / n_mb)
                 obj.backward()
             lm_sum += o.lm_loss_sum.detach().double()
         if dims is None:

@@ -6,7 +6,8 @@ window of 5 tokens, shorter than the sequence), `gated` (Qwen3-Next's gated atte
 global-batch aux loss and the z-loss), `sinks` (gpt-oss's attention sinks on alternating sliding / full
 layers), `qwen3-recompute` (full layer recomputation, so the ring runs again inside the backward) and
 `dsv3` (tiny-deepseek-v3: MLA with q LoRA and YaRN, sigmoid group routing with expert bias, sequence aux loss,
-one MTP layer). Each layout runs the ring and / or the all-gather exchange (`parallel.cp_comm`), alone
+one MTP layer) and `dsv32` (tiny-deepseek-v32: DeepSeek sparse attention, its lightning indexers' KL loss in
+the objective). Each layout runs the ring and / or the all-gather exchange (`parallel.cp_comm`), alone
 and folded with data, expert and tensor parallel and with FSDP2 (`parallel.fsdp`). Tolerance: relative 1e-5 (the issue's bar) on losses,
 grad norms and every parameter's first-step gradient.
 """
@@ -25,7 +26,7 @@ SEQ = 16
 
 
 def _config(model: str, **parallel):
-    recipe = "tiny-deepseek-v3" if model == "dsv3" else "tiny-qwen3-moe"
+    recipe = {"dsv3": "tiny-deepseek-v3", "dsv32": "tiny-deepseek-v32"}.get(model, "tiny-qwen3-moe")
     cfg = load_config(recipe)
     m = cfg.model
     m.vocab_size, m.num_layers = 64, 2
@@ -61,6 +62,7 @@ LAYOUTS = {
         ("dsv3", {"cp": 2}),
         ("dsv3", {"cp": 2, "cp_comm": "allgather"}),
         ("qwen3", {"cp": 2, "fsdp": True}),  # FSDP2 over the cp ranks (dense dp_cp mesh, experts over edp 2)
+        ("dsv32", {"cp": 2}),  # DSA: this rank's queries select among, and attend to, the gathered sequence
     ],
     4: [
         ("qwen3", {"cp": 4}),
@@ -73,9 +75,10 @@ LAYOUTS = {
         ("qwen3", {"cp": 2, "tp": 2}),
         ("qwen3-swa", {"cp": 2}),  # cp 2 x dp 2
         ("dsv3", {"cp": 2, "ep": 2, "fsdp": True}),  # FSDP2 over cp 2 x dp 2, experts over edp 2
+        ("dsv32", {"cp": 4}),
     ],
 }
-MODELS = ("qwen3", "qwen3-swa", "gated", "sinks", "qwen3-recompute", "dsv3")
+MODELS = ("qwen3", "qwen3-swa", "gated", "sinks", "qwen3-recompute", "dsv3", "dsv32")
 
 
 def _run_all(rank: int, world: int, refs: dict, data) -> list[dict]:
