@@ -25,7 +25,7 @@ class ParallelConfig:
     vpp: int = 1  # virtual pipeline stages per rank (interleaved / V-shaped schedules)
     pp_schedule: str = "1f1b"  # 1f1b | interleaved_1f1b | zero_bubble | zbv | dualpipev
     pp_layout: str | None = None  # stages in Megatron-Core notation, e.g. "Et*3|(tt|)*29,m|L"; None: even split
-    cp_comm: str = "ring"  # context parallel attention exchange: ring (K/V passed around) | allgather
+    cp_comm: str = "ring"  # context parallel attention exchange: ring (K/V passed around) | allgather | a2a (heads)
 
     PP_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 
@@ -38,5 +38,5 @@ class ParallelConfig:
         if self.pp_layout is not None and self.pp == 1:
             _fail("parallel.pp_layout", self.pp_layout, "needs parallel.pp > 1")
         _check_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
-        _check_choice("parallel.cp_comm", self.cp_comm, ("ring", "allgather"))
+        _check_choice("parallel.cp_comm", self.cp_comm, ("ring", "allgather", "a2a"))
         _check_range("parallel.grad_bucket_mb", self.grad_bucket_mb, 0.0)

@@ -46,7 +46,7 @@ from moecore.models.norms import RMSNorm
 from moecore.models.recompute import recompute_output
 from moecore.models.rope import RotaryEmbedding, apply_rotary
 from moecore.parallel.context import gather_from_cp
-from moecore.parallel.cp_attention import allgather_attention, ring_attention
+from moecore.parallel.cp_attention import allgather_attention, alltoall_attention, ring_attention
 from moecore.parallel.sharding import mark_tp_partial
 from moecore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, tp_region_input, tp_size
 
@@ -195,14 +195,16 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """Attention of this CP rank's queries over the whole sequence: [B, n, S_local, dv].
 
-        ring: the per-head K/V travel around the CP ring. allgather: what is gathered is the compressed
+        ring: the per-head K/V travel around the CP ring. a2a: heads exchanged for tokens (each rank attends with
+        n / cp heads over the whole sequence). allgather: what is gathered is the compressed
         latent and the rotated shared rope key (kv_lora_rank + dr values per token, instead of
         n * (dn + dr + dv) for K/V); every rank then up-projects the whole sequence's K/V itself.
         """
         dims = self.dims
-        if dims.cfg.cp_comm == "ring":
+        if dims.cfg.cp_comm in ("ring", "a2a"):  # per-head K/V around the ring, or heads exchanged for tokens
             q, k, v = self._up_project(x, latent, k_rope, cos, sin)
-            out, _ = ring_attention(q, k, v, dims.cp_group, self.softmax_scale)
+            attend = ring_attention if dims.cfg.cp_comm == "ring" else alltoall_attention
+            out, _ = attend(q, k, v, dims.cp_group, self.softmax_scale)
             return out[..., : self.v_dim]
         b = x.shape[0]
         q = self._queries(x, cos, sin)

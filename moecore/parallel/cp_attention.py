@@ -22,12 +22,15 @@ where dlse is the gradient reaching lse itself (attention sinks use lse: moecore
 Blocks whose keys all lie after their queries (or all outside the window) are skipped, so the load-
 balanced layout gives every rank the same work.
 
-Two exchanges (`parallel.cp_comm`):
+Three exchanges (`parallel.cp_comm`):
 - `ring_attention`: K/V travel around the CP ring with batched isend/irecv, the transfer of the next
   rank's K/V overlapping the blocks of the K/V in hand; the backward runs its own ring, K/V travelling
   again together with the gradient accumulators dK/dV, which reach their owner after one last hop.
   One torch.autograd.Function with a hand-written backward (not autograd through collectives), so the
   backward keeps nothing but q, k, v, out and lse per layer.
+- `alltoall_attention` (DeepSpeed-Ulysses): an all-to-all swaps this rank's tokens of every head for every
+  token of H / cp heads, each rank attends over the whole sequence with its heads (`chunked_attention`),
+  and the reverse all-to-all brings its tokens back; traffic per layer is q, k, v and the output once each.
 - `chunked_attention`: no communication; the caller all-gathers K/V (or, for MLA, the compressed
   latent and the rope key, then up-projects) with `context.gather_from_cp`, whose backward sums and
   scatters dK/dV.
@@ -38,6 +41,7 @@ tested against (tests/distributed/test_cp_attention.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -247,6 +251,78 @@ def allgather_attention(
 
 
 # --------------------------------------------------------------------------------------------------
+# All-to-all: heads split over the CP ranks, each with the whole sequence
+# --------------------------------------------------------------------------------------------------
+
+
+def _sequence_to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """[B, H, L, ...] (this rank's tokens, every head) -> [B, H / cp, cp * L, ...] (head group `rank`, the whole
+    sequence in global order)."""
+    from moecore.parallel.comm import all_to_all_single
+    from moecore.parallel.context import _global_order
+
+    cp = group.size
+    b, h, ln = x.shape[:3]
+    send = x.reshape(b, cp, h // cp, ln, *x.shape[3:]).transpose(0, 1)  # [cp (destination), B, H/cp, L, ...]
+    got = all_to_all_single(send.reshape(cp * b, *send.shape[2:]), group, [b] * cp, [b] * cp)
+    got = got.view(cp, b, h // cp, ln, *x.shape[3:]).permute(1, 2, 0, *range(3, x.dim() + 1))  # source rank third
+    full = got.reshape(b, h // cp, cp * ln, *x.shape[3:])  # rank-major: rank j's chunks j and 2cp-1-j
+    return full.index_select(2, _global_order(cp * ln, cp, x.device))
+
+
+def _heads_to_sequence(y: torch.Tensor, group: Group) -> torch.Tensor:
+    """The inverse of `_sequence_to_heads`: [B, H / cp, S, ...] in global order -> [B, H, S / cp, ...]."""
+    from moecore.parallel.comm import all_to_all_single
+    from moecore.parallel.context import cp_local_indices
+
+    cp = group.size
+    b, hg, seq = y.shape[:3]
+    ln = seq // cp
+    held = torch.cat([cp_local_indices(seq, cp, r, y.device) for r in range(cp)])
+    y = y.index_select(2, held).reshape(b, hg, cp, ln, *y.shape[3:])  # [B, H/cp, cp (destination), L, ...]
+    send = y.permute(2, 0, 1, *range(3, y.dim()))  # [cp (destination), B, H/cp, L, ...]
+    got = all_to_all_single(send.reshape(cp * b, *send.shape[2:]), group, [b] * cp, [b] * cp)
+    got = got.view(cp, b, hg, ln, *y.shape[4:]).transpose(0, 1)  # [B, cp (head group), H/cp, L, ...]
+    return got.reshape(b, cp * hg, ln, *y.shape[4:])
+
+
+class _SwapSequenceAndHeads(torch.autograd.Function):
+    """`_sequence_to_heads` (to_heads) or `_heads_to_sequence`; each one's backward is the other."""
+
+    @staticmethod
+    def forward(ctx, x, group, to_heads):
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_sequence_to_heads if to_heads else _heads_to_sequence)(x.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (_heads_to_sequence if ctx.to_heads else _sequence_to_heads)(g.contiguous(), ctx.group), None, None
+
+
+def alltoall_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, scale: float, window: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This CP rank's queries (local layout) against the whole sequence by exchanging heads for tokens: an
+    all-to-all gives each rank H / cp heads of q, k and v for every token, it attends causally over the
+    whole sequence, and a second all-to-all returns its tokens of every head (DeepSpeed-Ulysses). Needs
+    Hq % cp == 0; K/V heads fewer than, or not divisible by, cp are repeated to lcm(Hkv, cp) first.
+    Returns (out [B, Hq, L, Dv], lse [B, Hq, L] fp32) as `ring_attention` does."""
+    cp = group.size
+    if q.shape[1] % cp:
+        raise ValueError(f"{q.shape[1]} query heads per rank do not split over parallel.cp={cp} (cp_comm=a2a)")
+    hkv = k.shape[1]
+    if hkv % cp:
+        rep = math.lcm(hkv, cp) // hkv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    qh, kh, vh = (_SwapSequenceAndHeads.apply(t, group, True) for t in (q, k, v))
+    seq = qh.shape[2]
+    out, lse = chunked_attention(qh, kh, vh, [(0, 0, seq)], [(0, 0, seq)], scale, window)
+    out = _SwapSequenceAndHeads.apply(out, group, False)
+    lse = _SwapSequenceAndHeads.apply(lse.unsqueeze(-1), group, False).squeeze(-1)
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------------
 # Ring
 # --------------------------------------------------------------------------------------------------
 
@@ -364,6 +440,8 @@ def context_parallel_attention(
     g = dims.cp_group
     if dims.cfg.cp_comm == "ring":
         out, lse = ring_attention(q, k, v, g, scale, window)
+    elif dims.cfg.cp_comm == "a2a":
+        out, lse = alltoall_attention(q, k, v, g, scale, window)
     else:
         k_full, v_full = gather_from_cp(k, dims, 2), gather_from_cp(v, dims, 2)
         out, lse = allgather_attention(q, k_full, v_full, g, scale, window)

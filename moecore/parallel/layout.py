@@ -134,6 +134,12 @@ def _check_context_parallel(cfg: Config) -> None:
     for name, value, bad, allowed in refused:
         if bad:
             raise ConfigError(f"{name}={value!r} is not supported with parallel.cp={cp} yet; allowed: {allowed}")
+    heads = m.num_attention_heads // p.tp
+    if p.cp_comm == "a2a" and heads % cp:  # moecore/parallel/cp_attention.py alltoall_attention
+        raise ConfigError(
+            f"parallel.cp_comm='a2a' splits the {heads} attention heads of a tensor-parallel rank over "
+            f"parallel.cp={cp}, which does not divide them; use ring or allgather"
+        )
 
 
 def _check_pipeline_fsdp(cfg: Config, stages: list[StageSpec]) -> None:

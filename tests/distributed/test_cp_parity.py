@@ -7,7 +7,7 @@ global-batch aux loss and the z-loss), `sinks` (gpt-oss's attention sinks on alt
 layers), `qwen3-recompute` (full layer recomputation, so the ring runs again inside the backward) and
 `dsv3` (tiny-deepseek-v3: MLA with q LoRA and YaRN, sigmoid group routing with expert bias, sequence aux loss,
 one MTP layer) and `dsv32` (tiny-deepseek-v32: DeepSeek sparse attention, its lightning indexers' KL loss in
-the objective). Each layout runs the ring and / or the all-gather exchange (`parallel.cp_comm`), alone
+the objective). Each layout runs the ring, the all-gather and / or the all-to-all exchange (`parallel.cp_comm`), alone
 and folded with data, expert and tensor parallel and with FSDP2 (`parallel.fsdp`). Tolerance: relative 1e-5 (the issue's bar) on losses,
 grad norms and every parameter's first-step gradient.
 """
@@ -63,6 +63,9 @@ LAYOUTS = {
         ("dsv3", {"cp": 2, "cp_comm": "allgather"}),
         ("qwen3", {"cp": 2, "fsdp": True}),  # FSDP2 over the cp ranks (dense dp_cp mesh, experts over edp 2)
         ("dsv32", {"cp": 2}),  # DSA: this rank's queries select among, and attend to, the gathered sequence
+        ("qwen3", {"cp": 2, "cp_comm": "a2a"}),  # heads exchanged for tokens: 2 of 4 query heads, 1 of 2 K/V heads
+        ("sinks", {"cp": 2, "cp_comm": "a2a"}),  # per-head sinks on the log-sum-exp brought back by the all-to-all
+        ("dsv3", {"cp": 2, "cp_comm": "a2a"}),  # MLA's up-projected heads
     ],
     4: [
         ("qwen3", {"cp": 4}),
@@ -76,6 +79,8 @@ LAYOUTS = {
         ("qwen3-swa", {"cp": 2}),  # cp 2 x dp 2
         ("dsv3", {"cp": 2, "ep": 2, "fsdp": True}),  # FSDP2 over cp 2 x dp 2, experts over edp 2
         ("dsv32", {"cp": 4}),
+        ("qwen3-swa", {"cp": 4, "cp_comm": "a2a"}),  # 2 K/V heads repeated to 4, one per rank; sliding window
+        ("gated", {"cp": 2, "tp": 2, "cp_comm": "a2a"}),  # 2 heads per TP rank, one per CP rank
     ],
 }
 MODELS = ("qwen3", "qwen3-swa", "gated", "sinks", "qwen3-recompute", "dsv3", "dsv32")

@@ -72,6 +72,10 @@ def test_invalid_layouts_are_refused_naming_the_field(par, world, kwargs, messag
             {"parallel.cp": 2, "model.attention_dropout": 0.1},
             "model.attention_dropout=0.1 is not supported with parallel.cp=2",
         ),
+        (
+            {"parallel.cp": 2, "parallel.cp_comm": "a2a", "model.num_attention_heads": 6, "model.head_dim": 16},
+            "parallel.cp_comm='a2a' splits the 3 attention heads of a tensor-parallel rank over parallel.cp=2",
+        ),
     ],
 )
 def test_config_preflight_refuses_unsupported_layouts(overrides, message):
