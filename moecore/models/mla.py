@@ -203,8 +203,10 @@ class MLAttention(nn.Module):
         dims = self.dims
         if dims.cfg.cp_comm in ("ring", "a2a"):  # per-head K/V around the ring, or heads exchanged for tokens
             q, k, v = self._up_project(x, latent, k_rope, cos, sin)
-            attend = ring_attention if dims.cfg.cp_comm == "ring" else alltoall_attention
-            out, _ = attend(q, k, v, dims.cp_group, self.softmax_scale)
+            if dims.cfg.cp_comm == "ring":
+                out, _ = ring_attention(q, k, v, dims.cp_group, self.softmax_scale)
+            else:
+                out, _ = alltoall_attention(q, k, v, dims.cp_group, self.softmax_scale, need_lse=False)
             return out[..., : self.v_dim]
         b = x.shape[0]
         q = self._queries(x, cos, sin)

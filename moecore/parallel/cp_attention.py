@@ -46,6 +46,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from moecore.parallel.context import cp_chunk_ids
 from moecore.parallel.dims import Group
@@ -300,13 +301,20 @@ class _SwapSequenceAndHeads(torch.autograd.Function):
 
 
 def alltoall_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, scale: float, window: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    scale: float,
+    window: int | None = None,
+    need_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This CP rank's queries (local layout) against the whole sequence by exchanging heads for tokens: an
     all-to-all gives each rank H / cp heads of q, k and v for every token, it attends causally over the
     whole sequence, and a second all-to-all returns its tokens of every head (DeepSpeed-Ulysses). Needs
     Hq % cp == 0; K/V heads fewer than, or not divisible by, cp are repeated to lcm(Hkv, cp) first.
-    Returns (out [B, Hq, L, Dv], lse [B, Hq, L] fp32) as `ring_attention` does."""
+    Returns (out [B, Hq, L, Dv], lse [B, Hq, L] fp32) as `ring_attention` does; without `need_lse` and without a
+    window the whole-sequence attention is torch's SDPA (flash attention on a GPU) and lse is None."""
     cp = group.size
     if q.shape[1] % cp:
         raise ValueError(f"{q.shape[1]} query heads per rank do not split over parallel.cp={cp} (cp_comm=a2a)")
@@ -315,6 +323,10 @@ def alltoall_attention(
         rep = math.lcm(hkv, cp) // hkv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     qh, kh, vh = (_SwapSequenceAndHeads.apply(t, group, True) for t in (q, k, v))
+    if not need_lse and window is None:
+        gqa = kh.shape[1] != qh.shape[1]
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+        return _SwapSequenceAndHeads.apply(out, group, False), None
     seq = qh.shape[2]
     out, lse = chunked_attention(qh, kh, vh, [(0, 0, seq)], [(0, 0, seq)], scale, window)
     out = _SwapSequenceAndHeads.apply(out, group, False)
@@ -441,7 +453,7 @@ def context_parallel_attention(
     if dims.cfg.cp_comm == "ring":
         out, lse = ring_attention(q, k, v, g, scale, window)
     elif dims.cfg.cp_comm == "a2a":
-        out, lse = alltoall_attention(q, k, v, g, scale, window)
+        out, lse = alltoall_attention(q, k, v, g, scale, window, need_lse=sinks is not None)
     else:
         k_full, v_full = gather_from_cp(k, dims, 2), gather_from_cp(v, dims, 2)
         out, lse = allgather_attention(q, k_full, v_full, g, scale, window)
