@@ -28,6 +28,12 @@ What torch's API does not express, and how it is solved here:
   stage that uses them; `sync_shared_grads` sums their gradients over those stages, so the copies
   stay equal; the grad norm counts one copy (`clip_grad_norm_pipeline`; under the distributed optimizer
   from its shards).
+- FSDP2. torch's PipelineStage drives a stage whose module is an FSDP root: with `parallel.fsdp` each
+  `StageModule` is sharded as a root of its own (moecore/parallel/fsdp.py `roots`), the decoder layers and
+  experts inside it as units; the stage keeps its weights gathered and its gradients unsharded until the last
+  micro-batch's backward, then reduce-scatters.
+- DSA. Each stage adds its indexers' KL losses (weighted by the coefficient over the model's count of
+  indexers) to the loss it injects; a shared DSA layer's top-k comes from the layer before it on its stage.
 - Positions under context parallel. A stage receives token ids or hidden states of this rank's share of
   each sequence; the global positions of that share, the same for every micro-batch, travel in the
   `StepRecord` rather than through the schedule (which would cut every argument along the batch).
