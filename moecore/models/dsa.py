@@ -65,7 +65,7 @@ from moecore.config import ModelConfig
 from moecore.models.mla import MLAttention
 from moecore.models.rope import apply_rotary
 from moecore.parallel import comm
-from moecore.parallel.context import gather_from_cp
+from moecore.parallel.context import gather_from_cp, gather_from_cp_plain
 from moecore.parallel.tensor_parallel import tp_region_input, tp_size
 
 # Query rows per block in the indexer's top-k and the KL losses: temporaries of at most about this many
@@ -354,17 +354,26 @@ class DSAttention(MLAttention):
         iq, ik, iw = self._indexer_inputs(x, q_latent, cos, sin)
         with torch.no_grad():
             q, k, _ = self._up_project(x, latent, k_rope, cos, sin)
-        cols = torch.arange(s, device=x.device)
+        # Context parallel: this rank's queries against the whole sequence's keys (the indexer's gathered with
+        # their gradient summed back; the target's without gradient), visible up to each query's global position.
+        cp = getattr(self.dims, "cp", 1) if self.dims is not None else 1
+        rows = torch.arange(s, device=x.device)
+        if cp > 1:
+            ik = gather_from_cp(ik, self.dims, seq_dim=1)
+            k = gather_from_cp_plain(k, self.dims.cp_group, seq_dim=2)
+            rows = position_ids.reshape(-1, s)[0]
+        n = k.shape[2]
+        cols = torch.arange(n, device=x.device)
         total = x.new_zeros((), dtype=torch.float32)
-        for start, stop in query_blocks(b, s, s * (self.num_heads + self.indexer.n_heads)):
-            keep = (cols[None, :] <= torch.arange(start, stop, device=x.device)[:, None]).expand(b, -1, -1)
+        for start, stop in query_blocks(b, s, n * (self.num_heads + self.indexer.n_heads)):
+            keep = (cols[None, :] <= rows[start:stop, None]).expand(b, -1, -1)
             with torch.no_grad():
                 logits = torch.einsum("bntd,bnsd->btns", q[:, :, start:stop].float(), k.float()) * self.softmax_scale
                 p = torch.softmax(logits.masked_fill(~keep[:, :, None, :], float("-inf")), dim=-1)
                 target = self._head_mean(p.sum(2))
             score = functools.partial(self.indexer.scores, start=start, stop=stop)
             total = total + recomputed_kl(score, target, keep, iq, ik, iw)
-        return total / (b * s)
+        return total / (b * s * cp)  # the mean over the whole sequence's queries: this rank's share of it
 
 
 def collect_indexer_losses(model: nn.Module) -> torch.Tensor | None:

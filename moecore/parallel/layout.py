@@ -127,8 +127,6 @@ def _check_context_parallel(cfg: Config) -> None:
             "the sequence into 2 * cp equal chunks; use a multiple of it"
         )
     refused = [
-        # the warm-up's indexer loss scores every key of the sequence densely: not split over context parallel
-        ("model.dsa_stage", m.dsa_stage, m.attention_type == "dsa" and m.dsa_stage == "dense_warmup", "sparse"),
         ("model.attention_dropout", m.attention_dropout, m.attention_dropout > 0, "0"),
     ]
     for name, value, bad, allowed in refused:

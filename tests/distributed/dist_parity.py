@@ -122,7 +122,7 @@ def train_steps(
             lm_sum += o.lm_loss_sum.detach().double()
         if dims is None:
             if step == 0:
-                out["grads"] = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+                out["grads"] = {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         else:
             if not fsdp:  # Overlap: buckets whose gradients were complete have been launched from the backward hooks.
