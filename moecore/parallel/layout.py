@@ -27,8 +27,6 @@ def check_layout(cfg: Config) -> None:
         not_yet = [
             ("train.precision", cfg.train.precision, cfg.train.precision == "fp16", "auto | fp32 | bf16"),
             ("moe.router_replay_mode", e.router_replay_mode, e.router_replay_mode != "none", "none"),
-            # the warm-up trains the indexers alone on every stage's detached activations: not run as a pipeline
-            ("model.dsa_stage", m.dsa_stage, m.attention_type == "dsa" and m.dsa_stage == "dense_warmup", "sparse"),
         ]
         for name, value, refused, allowed in not_yet:
             if refused:

@@ -34,6 +34,8 @@ What torch's API does not express, and how it is solved here:
   micro-batch's backward, then reduce-scatters.
 - DSA. Each stage adds its indexers' KL losses (weighted by the coefficient over the model's count of
   indexers) to the loss it injects; a shared DSA layer's top-k comes from the layer before it on its stage.
+  In the dense warm-up only the indexers train and they read detached inputs, so the other losses, though
+  backpropagated, reach no trainable weight: the indexer loss is the objective, as in one process.
 - Positions under context parallel. A stage receives token ids or hidden states of this rank's share of
   each sequence; the global positions of that share, the same for every micro-batch, travel in the
   `StepRecord` rather than through the schedule (which would cut every argument along the batch).
@@ -150,9 +152,8 @@ class StageModule(nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:
             x = _CountInFlight.apply(x, rec, spec.index)
         extra, stats = None, []
-        topk = (
-            None  # DSA with shared indexer layers: the top-k the last layer used (a stage never opens on a shared one)
-        )
+        # DSA with shared indexer layers: the top-k the last layer used (a stage never opens on a shared layer)
+        topk = None
         for layer in self.layers:
             args = (x, position_ids, loss_mask) + ((topk,) if layer.passes_topk else ())
             if model.full_recompute and self.training and torch.is_grad_enabled():

@@ -136,13 +136,21 @@ def test_torchrun_interleaved_pipeline_with_fsdp_resumes_across_layouts(tmp_path
     _round_trip(tmp_path, one_process, [*layout, "parallel.fsdp=true"])
 
 
-def test_torchrun_pipeline_runs_deepseek_sparse_attention_with_shared_indexers(tmp_path):
-    """tiny-glm-5 (DSA, layers full / shared / full / shared, an MTP block with its own indexer) over pp2 from a
-    one-process checkpoint: steps 2 and 3 equal the one-process run's, the indexer loss included (each stage adds
-    its indexers' share of the mean; the shared layers take the top-k of the full layer before them, on the same
-    stage)."""
+@pytest.mark.parametrize(
+    "model",
+    [
+        ["tiny-glm-5"],
+        ["tiny-deepseek-v32", "model.num_layers=2", "model.dsa_stage=dense_warmup"],
+    ],
+    ids=["glm5-shared-indexers", "dsv32-dense-warmup"],
+)
+def test_torchrun_pipeline_runs_deepseek_sparse_attention(tmp_path, model):
+    """DSA over pp2 from a one-process checkpoint: steps 2 and 3 equal the one-process run's, the indexer loss
+    included (each stage adds its indexers' share of the mean). tiny-glm-5: layers full / shared / full / shared
+    (the shared layers take the top-k of the full layer before them, on the same stage) and an MTP block with its
+    own indexer. tiny-deepseek-v32's dense warm-up: only the indexers train, the indexer loss is the objective."""
     a, b = tmp_path / "a", tmp_path / "b"
-    glm = ["tiny-glm-5", *COMMON[2:], "train.steps=3", "train.eval_interval=3"]
+    glm = [*model, *COMMON[2:], "train.steps=3", "train.eval_interval=3"]
     run_cli([*MOECORE, *glm, f"train.run_dir={a}"])
     ref = {m["step"]: m for m in read_metrics(a)}
     _resume_copy(a, b, keep=1)

@@ -41,15 +41,15 @@ def test_plan_prints_a_ranked_table_and_writes_json(tmp_path, capsys) -> None:
         c for c in json.loads(out4.read_text())["candidates"] if " pp2" in c["layout"] and " fsdp" in c["layout"]
     ]
     assert rc == 0 and pp_fsdp and all(c["supported"] for c in pp_fsdp)
-    # layouts the trainer does not run yet are listed, marked with the trainer's reason (DSA's dense warm-up under
-    # pipeline parallel)
+    # layouts the trainer does not run yet are listed, marked with the trainer's reason (attention dropout under
+    # context parallel)
     out5 = tmp_path / "plan5.json"
-    argv = ["plan", "tiny-deepseek-v32", "model.num_layers=2", "model.dsa_stage=dense_warmup"]
+    argv = ["plan", "tiny-moe", "model.num_layers=2", "model.attention_dropout=0.1"]
     assert main([*argv, "--gpus", "4", "--gpu-mem", "16", "--json", str(out5)]) == 0
     cands = json.loads(out5.read_text())["candidates"]
     refused = [c for c in cands if not c["supported"]]
-    assert refused and all(" pp2" in c["layout"] for c in refused)
-    assert all("model.dsa_stage='dense_warmup' is not supported" in c["unsupported_reason"] for c in refused)
+    assert refused and all(" cp2" in c["layout"] or " cp4" in c["layout"] for c in refused)
+    assert all("model.attention_dropout=0.1 is not supported" in c["unsupported_reason"] for c in refused)
 
 
 def test_plan_says_when_nothing_fits(capsys) -> None:

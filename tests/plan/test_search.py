@@ -69,9 +69,11 @@ def test_unsupported_layouts_carry_the_trainers_reason() -> None:
     dsa = load_config("tiny-deepseek-v32")
     dsa.model.vocab_size = 512
     assert unsupported_reason(dsa, Layout(pp=2, dp=1)) is None  # pipeline parallel runs DSA's sparse stage
-    dsa.model.dsa_stage = "dense_warmup"
-    assert "model.dsa_stage='dense_warmup'" in unsupported_reason(dsa, Layout(pp=2, dp=1))
-    assert unsupported_reason(dsa, Layout(cp=2, dp=1)) is None  # context parallel runs the warm-up too
+    dsa.model.dsa_stage = "dense_warmup"  # and its dense warm-up, under both
+    assert unsupported_reason(dsa, Layout(pp=2, dp=1)) is None and unsupported_reason(dsa, Layout(cp=2, dp=1)) is None
+    assert "model.attention_dropout" in unsupported_reason(
+        load_config("tiny-moe", ["model.attention_dropout=0.1"]), Layout(cp=2)
+    )
     oss = load_config("tiny-gpt-oss")
     oss.model.vocab_size = 512
     assert unsupported_reason(oss, Layout(ep=2, dp=2)) is None
