@@ -270,6 +270,8 @@ class Pipeline:
         params = dict(self.model.named_parameters())
         for name, group, _ in self.shared:
             p = params[name]
+            if not p.requires_grad:  # frozen (DSA's dense warm-up): no gradient on any stage
+                continue
             if grad_of(p) is None:
                 set_grad(p, torch.zeros_like(p, dtype=torch.float32 if hasattr(p, "main_grad") else p.dtype))
             g = grad_of(p)
