@@ -214,8 +214,11 @@ def _norm_stage(stages: list[StageSpec]) -> int:
 class Pipeline:
     """This rank's stages, their model and the schedule; see the module docstring."""
 
-    def __init__(self, cfg: Config, dims: ParallelDims, device: torch.device) -> None:
+    def __init__(
+        self, cfg: Config, dims: ParallelDims, device: torch.device, activation_dtype: torch.dtype | None = None
+    ) -> None:
         self.cfg, self.dims, self.device = cfg, dims, torch.device(device)
+        self.activation_dtype = activation_dtype  # None: the dtype most parameters have (see _activation_dtype)
         p = cfg.parallel
         self.all_stages = check_pipeline(cfg)
         self.placement = stage_ranks(len(self.all_stages), p.pp, p.pp_schedule)
@@ -302,6 +305,10 @@ class Pipeline:
 
     # ------------------------------------------------------------------ the schedule
     def _activation_dtype(self) -> torch.dtype:
+        """The dtype of the hidden states stages pass on: the one given, else most parameters' (bf16 parameters
+        compute in bf16). Under FSDP2 the parameters are fp32 masters that compute in bf16, so the runner gives it."""
+        if self.activation_dtype is not None:
+            return self.activation_dtype
         counts: dict[torch.dtype, int] = {}
         for prm in self.model.parameters():
             if prm.is_floating_point():
@@ -462,15 +469,18 @@ def _objective(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return output.sum()
 
 
-def parallelize_pipeline(cfg: Config, dims: ParallelDims, device: torch.device | str) -> Pipeline:
-    """Build this rank's pipeline stages (its modules of the model, initialised; copies of shared weights equal)."""
+def parallelize_pipeline(
+    cfg: Config, dims: ParallelDims, device: torch.device | str, activation_dtype: torch.dtype | None = None
+) -> Pipeline:
+    """Build this rank's pipeline stages (its modules of the model, initialised; copies of shared weights equal).
+    `activation_dtype`: the hidden states' dtype between stages (default: most parameters' dtype)."""
     if dims.pp_group.size != cfg.parallel.pp:
         raise ValueError(f"dims has pp={dims.pp_group.size}, config parallel.pp={cfg.parallel.pp}")
     # Each stage draws its initial weights from its own stream (the same on every rank of the stage), so
     # equal-shaped layers of different stages do not start equal; copies of shared weights are then synced.
     torch.manual_seed(cfg.train.seed + 7919 * dims.pp_group.rank)
     with torch.device(device):
-        pipe = Pipeline(cfg, dims, torch.device(device))
+        pipe = Pipeline(cfg, dims, torch.device(device), activation_dtype)
     pipe.broadcast_shared()
     return pipe
 

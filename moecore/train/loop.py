@@ -126,7 +126,9 @@ class Trainer:
         if cfg.parallel.pp > 1:  # this rank's pipeline stages only (moecore/parallel/pipeline.py)
             from moecore.parallel.pipeline import parallelize_pipeline
 
-            self.pipeline = parallelize_pipeline(cfg, self.rt.dims, self.rt.device)
+            # bf16 / fp8 runs pass bf16 hidden states between stages (under FSDP2 too, whose fp32 masters compute in bf16)
+            hidden = torch.bfloat16 if self.rt.precision in ("bf16", "fp8") else None
+            self.pipeline = parallelize_pipeline(cfg, self.rt.dims, self.rt.device, hidden)
             self.model = self.pipeline.model
         else:
             with torch.device(self.rt.device):
