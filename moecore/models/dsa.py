@@ -65,7 +65,7 @@ from moecore.config import ModelConfig
 from moecore.models.mla import MLAttention
 from moecore.models.rope import apply_rotary
 from moecore.parallel import comm
-from moecore.parallel.context import gather_from_cp, gather_from_cp_plain
+from moecore.parallel.context import cp_size, gather_from_cp, gather_from_cp_plain
 from moecore.parallel.tensor_parallel import tp_region_input, tp_size
 
 # Query rows per block in the indexer's top-k and the KL losses: temporaries of at most about this many
@@ -304,7 +304,7 @@ class DSAttention(MLAttention):
         cos, sin, q_latent, latent, k_rope = self._latents(x, position_ids)
         # Context parallel: this rank's queries select among, and attend to, the whole sequence's keys, gathered
         # in sequence order (their gradients summed back to the ranks holding them); `idx` counts in that order.
-        cp = getattr(self.dims, "cp", 1) if self.dims is not None else 1
+        cp = cp_size(self.dims)
         if self.indexer is None:
             if shared_idx is None:
                 raise RuntimeError(f"DSA layer {self.layer_idx} is shared (model.indexer_types) but got no top-k")
@@ -344,7 +344,7 @@ class DSAttention(MLAttention):
             score = functools.partial(ix.scores_at, start=start, stop=stop)
             total = total + recomputed_kl(score, target, keep, iq, ik, iw, sel.clamp(min=0))
         # the mean over the whole sequence's queries; under context parallel this rank's share of it
-        cp = getattr(self.dims, "cp", 1) if self.dims is not None else 1
+        cp = cp_size(self.dims)
         return total / (b * s * cp)
 
     def _dense_indexer_loss(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -356,7 +356,7 @@ class DSAttention(MLAttention):
             q, k, _ = self._up_project(x, latent, k_rope, cos, sin)
         # Context parallel: this rank's queries against the whole sequence's keys (the indexer's gathered with
         # their gradient summed back; the target's without gradient), visible up to each query's global position.
-        cp = getattr(self.dims, "cp", 1) if self.dims is not None else 1
+        cp = cp_size(self.dims)
         rows = torch.arange(s, device=x.device)
         if cp > 1:
             ik = gather_from_cp(ik, self.dims, seq_dim=1)

@@ -43,7 +43,7 @@ from torch import nn
 from moecore.config import Config
 from moecore.models.decoder_layer import DecoderLayer
 from moecore.models.norms import RMSNorm
-from moecore.parallel.context import cp_roll_left, sum_over_cp
+from moecore.parallel.context import cp_roll_left, cp_size, sum_over_cp
 from moecore.parallel.tensor_parallel import mark_sequence_parallel
 
 
@@ -122,7 +122,7 @@ class MTPStack(nn.Module):
         mask = loss_mask.float()
         ids, targets = input_ids, labels
         losses, auxes = [], []
-        cp = getattr(self.dims, "cp", 1) if self.dims is not None else 1
+        cp = cp_size(self.dims)
         if cp > 1:
             # Context parallel: this rank holds two chunks of the sequence; the token after a chunk's last
             # comes from the neighbouring chunk (a one-token halo, moecore/parallel/context.py). Each depth's

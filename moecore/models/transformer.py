@@ -29,7 +29,7 @@ from moecore.models.init import seeded_init_
 from moecore.models.norms import RMSNorm
 from moecore.moe.experts import GroupedExperts
 from moecore.parallel import tensor_parallel as tpl
-from moecore.parallel.context import cp_position_ids
+from moecore.parallel.context import cp_position_ids, cp_size
 
 
 @dataclass
@@ -157,7 +157,7 @@ class MoETransformer(nn.Module):
         """Embedding and decoder layers; returns (hidden states before the final norm, MoE aux list)."""
         if position_ids is None:
             # under context parallel input_ids are this rank's chunks (moecore/parallel/context.py)
-            cp = getattr(self.dims, "cp", 1) if self.dims is not None else 1
+            cp = cp_size(self.dims)
             if cp > 1:
                 position_ids = cp_position_ids(input_ids.shape[1] * cp, self.dims, input_ids.device)
             else:

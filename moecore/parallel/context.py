@@ -54,11 +54,14 @@ def cp_local_indices(seq_len: int, cp: int, rank: int, device: torch.device | st
     return torch.cat((torch.arange(a * c, (a + 1) * c, device=device), torch.arange(b * c, (b + 1) * c, device=device)))
 
 
+def cp_size(dims: Any) -> int:
+    """The context-parallel degree of `dims` (1 without dims or without context parallelism)."""
+    return getattr(dims, "cp", 1) if dims is not None else 1
+
+
 def _cp(dims: Any) -> Group | None:
     """The CP group of `dims`, or None when there is no context parallelism."""
-    if dims is None or getattr(dims, "cp", 1) == 1:
-        return None
-    return dims.cp_group
+    return dims.cp_group if cp_size(dims) > 1 else None
 
 
 def split_for_cp(t: torch.Tensor, dims: Any, seq_dim: int = 1) -> torch.Tensor:
@@ -74,10 +77,15 @@ def split_for_cp(t: torch.Tensor, dims: Any, seq_dim: int = 1) -> torch.Tensor:
     return t.index_select(seq_dim, idx)
 
 
-def _global_order(seq_len: int, cp: int, device: torch.device) -> torch.Tensor:
+def cp_rank_major_positions(seq_len: int, cp: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The global positions of the rank-major concatenation of every CP rank's tokens (what an all-gather or
+    all-to-all over CP delivers): rank 0's in local order, then rank 1's, ...; full[held] = gathered."""
+    return torch.cat([cp_local_indices(seq_len, cp, r, device) for r in range(cp)])
+
+
+def cp_global_order(seq_len: int, cp: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Permutation p with full = gathered.index_select(dim, p), where gathered is the rank-major concatenation."""
-    held = torch.cat([cp_local_indices(seq_len, cp, r, device) for r in range(cp)])
-    return torch.argsort(held)
+    return torch.argsort(cp_rank_major_positions(seq_len, cp, device))
 
 
 def gather_from_cp_plain(t: torch.Tensor, group: Group, seq_dim: int = 1) -> torch.Tensor:
@@ -85,7 +93,7 @@ def gather_from_cp_plain(t: torch.Tensor, group: Group, seq_dim: int = 1) -> tor
     if group.size == 1:
         return t
     gathered = all_gather_dim(t, group, seq_dim)
-    return gathered.index_select(seq_dim, _global_order(gathered.shape[seq_dim], group.size, t.device))
+    return gathered.index_select(seq_dim, cp_global_order(gathered.shape[seq_dim], group.size, t.device))
 
 
 class _GatherFromCP(torch.autograd.Function):
@@ -101,8 +109,7 @@ class _GatherFromCP(torch.autograd.Function):
         group, dim = ctx.group, ctx.seq_dim
         seq = g.shape[dim]
         # back to the rank-major order of the all-gather: gathered[j] = full[held[j]]
-        held = torch.cat([cp_local_indices(seq, group.size, r, g.device) for r in range(group.size)])
-        g = g.index_select(dim, held)
+        g = g.index_select(dim, cp_rank_major_positions(seq, group.size, g.device))
         if ctx.grad_mode == "sum":
             return reduce_scatter_dim(g, group, dim), None, None, None
         return g.chunk(group.size, dim=dim)[group.rank].contiguous(), None, None, None

@@ -48,7 +48,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moecore.parallel.context import cp_chunk_ids
+from moecore.parallel.comm import all_to_all_single
+from moecore.parallel.context import cp_chunk_ids, cp_global_order, cp_rank_major_positions
 from moecore.parallel.dims import Group
 
 Q_TILE = 1024  # query rows per block: bounds a block's score tile at [Q_TILE * heads-per-kv-head, chunk]
@@ -259,28 +260,23 @@ def allgather_attention(
 def _sequence_to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
     """[B, H, L, ...] (this rank's tokens, every head) -> [B, H / cp, cp * L, ...] (head group `rank`, the whole
     sequence in global order)."""
-    from moecore.parallel.comm import all_to_all_single
-    from moecore.parallel.context import _global_order
-
     cp = group.size
     b, h, ln = x.shape[:3]
     send = x.reshape(b, cp, h // cp, ln, *x.shape[3:]).transpose(0, 1)  # [cp (destination), B, H/cp, L, ...]
     got = all_to_all_single(send.reshape(cp * b, *send.shape[2:]), group, [b] * cp, [b] * cp)
     got = got.view(cp, b, h // cp, ln, *x.shape[3:]).permute(1, 2, 0, *range(3, x.dim() + 1))  # source rank third
     full = got.reshape(b, h // cp, cp * ln, *x.shape[3:])  # rank-major: rank j's chunks j and 2cp-1-j
-    return full.index_select(2, _global_order(cp * ln, cp, x.device))
+    return full.index_select(2, cp_global_order(cp * ln, cp, x.device))
 
 
 def _heads_to_sequence(y: torch.Tensor, group: Group) -> torch.Tensor:
     """The inverse of `_sequence_to_heads`: [B, H / cp, S, ...] in global order -> [B, H, S / cp, ...]."""
-    from moecore.parallel.comm import all_to_all_single
-    from moecore.parallel.context import cp_local_indices
-
     cp = group.size
     b, hg, seq = y.shape[:3]
     ln = seq // cp
-    held = torch.cat([cp_local_indices(seq, cp, r, y.device) for r in range(cp)])
-    y = y.index_select(2, held).reshape(b, hg, cp, ln, *y.shape[3:])  # [B, H/cp, cp (destination), L, ...]
+    y = y.index_select(2, cp_rank_major_positions(seq, cp, y.device)).reshape(
+        b, hg, cp, ln, *y.shape[3:]
+    )  # [B, H/cp, cp (destination), L, ...]
     send = y.permute(2, 0, 1, *range(3, y.dim()))  # [cp (destination), B, H/cp, L, ...]
     got = all_to_all_single(send.reshape(cp * b, *send.shape[2:]), group, [b] * cp, [b] * cp)
     got = got.view(cp, b, hg, ln, *y.shape[4:]).transpose(0, 1)  # [B, cp (head group), H/cp, L, ...]

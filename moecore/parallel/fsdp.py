@@ -143,7 +143,7 @@ class FullyShardedModel:
         for island in trainable_islands(model):  # DSA's dense_warmup: the lightning indexers (module docstring)
             fully_shard(island, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard)
         for layer in getattr(model, "layers", []):
-            if any(True for _ in layer.parameters()):  # pipeline parallel: layers of other stages hold none
+            if next(layer.parameters(), None) is not None:  # pipeline parallel: other stages' layers hold none
                 fully_shard(layer, mesh=dense_mesh, mp_policy=policy, reshard_after_forward=reshard)
         # The roots: the model, or under pipeline parallel this rank's stage modules (torch's PipelineStage
         # drives an FSDP root per stage: no gradient sync until the last micro-batch's backward, then it
