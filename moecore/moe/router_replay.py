@@ -123,10 +123,15 @@ class RouterReplay:
         self.records.setdefault(key, []).append(idx_TK.detach().to("cpu", torch.int32))
 
 
-def attach_router_replay(model: nn.Module, store: RouterReplay | None) -> RouterReplay | None:
-    """Point every TopKRouter of `model` at `store` (None detaches); checks a replay store fits the model."""
+def attach_router_replay(
+    model: nn.Module, store: RouterReplay | None, require_router: bool = True
+) -> RouterReplay | None:
+    """Point every TopKRouter of `model` at `store` (None detaches); checks a replay store fits the model.
+
+    `require_router=False`: `model` may hold no router (a pipeline stage of dense layers only); its store then
+    records nothing, and replays a recording of nothing."""
     routers = [(name, m) for name, m in model.named_modules() if isinstance(m, TopKRouter)]
-    if store is not None and not routers:
+    if store is not None and not routers and require_router:
         raise ValueError("moe.router_replay_mode is invalid for this model: it has no MoE router")
     if store is not None and store.mode == "replay":
         names = {name for name, _ in routers}
@@ -144,12 +149,18 @@ def attach_router_replay(model: nn.Module, store: RouterReplay | None) -> Router
     return store
 
 
-def setup_router_replay(model: nn.Module, cfg: MoEConfig, rank: int = 0, world_size: int = 1) -> RouterReplay | None:
-    """The store `moe.router_replay_mode` asks for, attached to `model`; None with mode none."""
+def setup_router_replay(
+    model: nn.Module, cfg: MoEConfig, rank: int = 0, world_size: int = 1, require_router: bool = True
+) -> RouterReplay | None:
+    """The store `moe.router_replay_mode` asks for, attached to `model`; None with mode none.
+
+    Each rank keeps its own file (`rank_path`): its routers' choices for the tokens it routed. Under pipeline
+    parallel a rank holds its stages' routers only (`require_router=False`: a stage may have none); router names
+    keep the model's layer numbers, so a replay must run the layout it was recorded under."""
     if cfg.router_replay_mode == "none":
         return None
     if cfg.router_replay_mode == "replay":
         store = RouterReplay.load(rank_path(cfg.router_replay_path, rank, world_size))
     else:
         store = RouterReplay("record")
-    return attach_router_replay(model, store)
+    return attach_router_replay(model, store, require_router)

@@ -157,7 +157,9 @@ class Trainer:
             apply_cuda_graphs(self.model, cfg.train.cuda_graphs)
         from moecore.moe.router_replay import setup_router_replay
 
-        self.router_replay = setup_router_replay(self.model, cfg.moe, self.rt.dims.rank, self.rt.world_size)
+        self.router_replay = setup_router_replay(
+            self.model, cfg.moe, self.rt.dims.rank, self.rt.world_size, require_router=self.pipeline is None
+        )
         async_save = cfg.checkpoint.async_save
         self.saver = CheckpointSaver(self.rt.device.type == "cuda" if async_save is None else async_save)
         self.stop = StopRequest(cfg.train.stop_signals)

@@ -15,6 +15,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 from cli_runs import read_metrics, run_cli
 
 pytestmark = pytest.mark.distributed
@@ -173,3 +174,46 @@ def test_torchrun_pipeline_with_fsdp_trains_in_bf16(tmp_path):
     (ref,), (got,) = read_metrics(a), read_metrics(b)
     assert abs(got["loss"] - ref["loss"]) <= 1e-5 * ref["loss"], (ref["loss"], got["loss"])
     assert abs(got["grad_norm"] - ref["grad_norm"]) <= 1e-3 * ref["grad_norm"], (ref["grad_norm"], got["grad_norm"])
+
+
+def test_torchrun_pipeline_records_and_replays_the_routing(tmp_path):
+    """Router replay over pp2 x vpp2 (interleaved 1F1B, full recomputation). Recorded, each rank's file holds its
+    stages' routers with the one-process recording's choices, forward by forward (training and evaluation). Replayed
+    with other initial weights, every router picks the recorded experts: the per-expert counts of every step equal
+    the recording run's, while the same run without replay routes differently."""
+    run = [
+        *COMMON[:2],
+        "model.num_layers=4",
+        *COMMON[2:],
+        "train.steps=2",
+        "train.eval_interval=2",
+        "checkpoint.interval=0",
+        "model.recompute_granularity=full",
+    ]
+    pp = ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b"]
+    two = [*TORCHRUN[:4], "2", *TORCHRUN[5:]]
+    routes = tmp_path / "routes.pt"
+    run_cli([*MOECORE, *run, f"train.run_dir={tmp_path / 'one'}", "moe.router_replay_mode=record",
+             f"moe.router_replay_path={tmp_path / 'one.pt'}"])  # fmt: skip
+    record = ["moe.router_replay_mode=record", f"moe.router_replay_path={routes}"]
+    run_cli([*two, *run, *pp, f"train.run_dir={tmp_path / 'rec'}", *record])
+    one = torch.load(tmp_path / "one.pt")["layers"]
+    ranks = [torch.load(f"{routes}.rank-{r}")["layers"] for r in (0, 1)]
+    assert sorted(k for r in ranks for k in r) == sorted(one) and all(ranks), [sorted(r) for r in ranks]
+    for recorded in ranks:
+        for key, forwards in recorded.items():
+            assert len(forwards) == len(one[key]) == 2 * 4 + 4  # 4 micro-batches a step, 4 in the evaluation
+            assert all(torch.equal(a, b) for a, b in zip(forwards, one[key])), key
+
+    def counts(run_dir):
+        return [[m[k] for k in sorted(m) if k.endswith("tokens_per_expert")] for m in read_metrics(run_dir)]
+
+    other = [*run, *pp, "model.init_std=0.04"]
+    run_cli([*two, *other, f"train.run_dir={tmp_path / 'rep'}", "moe.router_replay_mode=replay",
+             f"moe.router_replay_path={routes}"])  # fmt: skip
+    run_cli([*two, *other, f"train.run_dir={tmp_path / 'free'}"])
+    recorded, replayed, free = counts(tmp_path / "rec"), counts(tmp_path / "rep"), counts(tmp_path / "free")
+    assert len(recorded) == 2 and len(recorded[0]) == 4  # three MoE layers and the MTP block
+    assert replayed == recorded and free != recorded
+    losses = [m["loss"] for m in read_metrics(tmp_path / "rep")], [m["loss"] for m in read_metrics(tmp_path / "rec")]
+    assert losses[0] != losses[1]  # other weights, the same experts
