@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from moecore.config import Config, ModelConfig
 from moecore.models.attention import Attention
 from moecore.models.mlp import MLP
 from moecore.models.norms import RMSNorm
-from moecore.models.recompute import recompute_output
+from moecore.models.recompute import checkpoint_module, recompute_output
 from moecore.parallel import tensor_parallel as tpl
 
 
@@ -80,7 +79,7 @@ class DecoderLayer(nn.Module):
 
     def _maybe_checkpoint(self, enabled: bool, fn, *args):
         if enabled and self.training and torch.is_grad_enabled():
-            return checkpoint(fn, *args, use_reentrant=False)
+            return checkpoint_module(fn, *args)
         return fn(*args)
 
     def _norm_then(self, norm: nn.Module, x: torch.Tensor, consumer):

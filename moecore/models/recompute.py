@@ -17,6 +17,14 @@ the outer hooks, so an input that is the outer output is not kept either.
 
 Tensors a custom autograd Function keeps outside `save_for_backward` are not seen by the hooks and
 stay alive: correct, only without the saving.
+
+`checkpoint_module(module, *args)` is `torch.utils.checkpoint` (non-reentrant) for a module whose forward makes
+choices a recomputation must repeat rather than make again: a replayed router's expert choice, the averaged counts
+of `global_aux_loss`. Each such submodule (one with a `recompute_memo` attribute: `MoELayer`, `TopKRouter`) gets a
+dict for the checkpointed call; the forward writes its choices there and every recomputation of that call reads
+them back. The schedules that split backward into input- and weight-gradient passes (zero bubble, V) recompute a
+layer once in each pass, so a first-in-first-out pairing of forwards and recomputations would not do. Nested
+checkpoints share the outermost call's dicts.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class _Recompute:
@@ -90,3 +100,50 @@ def _detach(v):
 def _plain(v) -> bool:
     """A saved input that is not a packed object of the outer hooks (a non-tensor argument)."""
     return not isinstance(v, (torch.Tensor, _Recompute))
+
+
+def _memo_holders(module: nn.Module) -> list[nn.Module]:
+    """The submodules of `module` that keep per-forward choices for recomputation (found once, then cached)."""
+    holders = module.__dict__.get("_memo_holders")
+    if holders is None:
+        holders = [m for m in module.modules() if hasattr(m, "recompute_memo")]
+        module.__dict__["_memo_holders"] = holders
+    return holders
+
+
+class _MemoScope:
+    """Sets each holder's `recompute_memo` to this checkpointed call's dict while the forward (`forward=True`) or a
+    recomputation runs; re-enterable, since torch enters the recomputation's context once per recomputation."""
+
+    def __init__(self, holders: list[nn.Module], memos: dict[int, dict], forward: bool) -> None:
+        self.holders, self.memos, self.forward = holders, memos, forward
+        self.set_here: list[nn.Module] = []
+
+    def __enter__(self) -> None:
+        # The outermost checkpoint owns the dicts: a nested one, entered with the holder's dict already set (in
+        # the forward or inside the outer recomputation), keeps and reuses that one.
+        self.set_here = []
+        for h in self.holders:
+            key = id(h)
+            if h.recompute_memo is None:
+                if self.forward or key in self.memos:
+                    h.recompute_memo = self.memos.setdefault(key, {})
+                    self.set_here.append(h)
+            elif self.forward:
+                self.memos[key] = h.recompute_memo
+
+    def __exit__(self, *exc) -> None:
+        for h in self.set_here:
+            h.recompute_memo = None
+        self.set_here = []
+
+
+def checkpoint_module(module: nn.Module, *args):
+    """`checkpoint(module, *args, use_reentrant=False)`, with each memo holder inside seeing one dict for this
+    call in its forward and in every recomputation of it (see the module docstring)."""
+    holders = _memo_holders(module) if isinstance(module, nn.Module) else []
+    if not holders:
+        return checkpoint(module, *args, use_reentrant=False)
+    memos: dict[int, dict] = {}
+    scopes = (_MemoScope(holders, memos, True), _MemoScope(holders, memos, False))
+    return checkpoint(module, *args, use_reentrant=False, context_fn=lambda: scopes)

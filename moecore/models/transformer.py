@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from moecore.config import Config
 from moecore.kernels.cross_entropy import linear_cross_entropy
 from moecore.models.decoder_layer import DecoderLayer
 from moecore.models.init import seeded_init_
 from moecore.models.norms import RMSNorm
+from moecore.models.recompute import checkpoint_module
 from moecore.moe.experts import GroupedExperts
 from moecore.parallel import tensor_parallel as tpl
 from moecore.parallel.context import cp_position_ids, cp_size
@@ -169,7 +169,7 @@ class MoETransformer(nn.Module):
             # an explicit argument, so a checkpointed layer's recomputation sees the indices its forward saw
             args = (x, position_ids, loss_mask) + ((topk,) if layer.passes_topk else ())
             if self.full_recompute and self.training and torch.is_grad_enabled():
-                out = checkpoint(layer, *args, use_reentrant=False)
+                out = checkpoint_module(layer, *args)
             else:
                 out = layer(*args)
             if layer.passes_topk:

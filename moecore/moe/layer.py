@@ -138,8 +138,10 @@ class MoELayer(nn.Module):
         # Global-batch counts for global_aux_loss: summed over this step's micro-batches (not saved).
         self.register_buffer("global_tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
         self.register_buffer("global_steps", torch.zeros(()), persistent=False)
-        # Averaged counts used by each forward this step, replayed when a checkpointed layer recomputes.
+        # Averaged counts used by each forward this step, replayed when a checkpointed layer recomputes: in the
+        # dict of the checkpointed call (moecore/models/recompute.py checkpoint_module), else first in, first out.
         self._global_counts_used: list[torch.Tensor] = []
+        self.recompute_memo: dict | None = None
         # "auto": the fused router where its kernel launches; "torch" / "triton" force the fused path with
         # that implementation (tests: the reference on CPU, the Triton interpreter).
         self.fused_router_impl = "auto"
@@ -390,9 +392,12 @@ class MoELayer(nn.Module):
         """
         if not training:
             return counts_E
+        memo = self.recompute_memo
         if _in_backward():
-            # Recomputation of a checkpointed layer: reuse what the original forward used (FIFO order,
-            # which also holds for pipeline schedules where backwards run in forward order).
+            # Recomputation of a checkpointed layer: reuse what the original forward used (its call's dict; or
+            # FIFO order, which holds where each forward is recomputed once, in forward order).
+            if memo is not None and "global_counts" in memo:
+                return memo["global_counts"]
             if self._global_counts_used:
                 return self._global_counts_used.pop(0)
             return counts_E
@@ -408,7 +413,10 @@ class MoELayer(nn.Module):
         self.global_steps += micro_batches
         avg = (self.global_tokens_per_expert / self.global_steps).to(counts_E.dtype)
         if "global_aux_loss" in self.coeffs:
-            self._global_counts_used.append(avg)
+            if memo is not None:
+                memo["global_counts"] = avg
+            else:
+                self._global_counts_used.append(avg)
         return avg
 
     @torch.no_grad()

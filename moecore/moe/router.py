@@ -164,6 +164,7 @@ class TopKRouter(nn.Module):
         # Router replay (moecore/moe/router_replay.py): the run's RouterReplay store and this router's key.
         self.replay = None
         self.replay_key = ""
+        self.recompute_memo: dict | None = None  # the checkpointed call's dict (models/recompute.py checkpoint_module)
         self.split_gemm = None  # router_linear's split-bf16 form: None where it applies, False never (benchmarks)
 
     def _apply(self, fn, recurse: bool = True):
@@ -187,7 +188,8 @@ class TopKRouter(nn.Module):
     def forward(self, x_TH: torch.Tensor) -> RouterOutput:
         cfg = self.cfg
         logits_TE = self.router_logits(x_TH)
-        forced = self.replay.replayed(self.replay_key, logits_TE.shape[0]) if self.replay is not None else None
+        replay, memo = self.replay, self.recompute_memo
+        forced = replay.replayed(self.replay_key, logits_TE.shape[0], memo) if replay is not None else None
         weight_TK, idx_TK = topk_routing(
             logits_TE,
             self.topk,

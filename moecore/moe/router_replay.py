@@ -85,22 +85,31 @@ class RouterReplay:
         self._grad_positions.clear()
 
     # ------------------------------------------------------------------ called by TopKRouter.forward
-    def replayed(self, key: str, num_tokens: int) -> torch.Tensor | None:
-        """Replay mode: the recorded [T, K] indices for this forward of router `key`; None in record mode."""
+    def replayed(self, key: str, num_tokens: int, memo: dict | None = None) -> torch.Tensor | None:
+        """Replay mode: the recorded [T, K] indices for this forward of router `key`; None in record mode.
+
+        `memo`: the router's dict for the checkpointed call it runs in (moecore/models/recompute.py
+        `checkpoint_module`): the forward notes its position there and each recomputation reads it back. Without
+        one, recomputations take the positions of the forwards with gradients first in, first out."""
         if self.mode != "replay":
             return None
         entries = self.records.get(key)
         if entries is None:
             raise ValueError(f"router replay: the recording has no router {key!r} (recorded: {sorted(self.records)})")
         if _in_backward():
-            pending = self._grad_positions.get(key)
-            if not pending:
-                raise ValueError(f"router replay: router {key!r} recomputed in backward without a matching forward")
-            pos = pending.popleft()
+            if memo is not None and "replay_position" in memo:
+                pos = memo["replay_position"]
+            else:
+                pending = self._grad_positions.get(key)
+                if not pending:
+                    raise ValueError(f"router replay: router {key!r} recomputed in backward without a matching forward")
+                pos = pending.popleft()
         else:
             pos = self._cursor.get(key, 0)
             self._cursor[key] = pos + 1
-            if torch.is_grad_enabled():
+            if memo is not None:
+                memo["replay_position"] = pos
+            elif torch.is_grad_enabled():
                 self._grad_positions.setdefault(key, deque()).append(pos)
         if pos >= len(entries):
             raise ValueError(

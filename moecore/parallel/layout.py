@@ -28,14 +28,6 @@ def check_layout(cfg: Config) -> None:
             raise ConfigError(
                 f"train.precision='fp16' is not supported with parallel.pp={p.pp} yet; allowed: auto | fp32 | bf16"
             )
-        if e.router_replay_mode == "replay" and p.pp_schedule not in PIPELINE_FSDP_SCHEDULES and _recomputes_router(m):
-            # The split-backward schedules run a checkpointed layer's forward again in both backward passes (input
-            # and weight gradients); replay pairs each recomputation with one forward, so the second would misfit.
-            raise ConfigError(
-                f"moe.router_replay_mode='replay' is not supported with parallel.pp_schedule={p.pp_schedule!r} and "
-                "recomputation of the MoE router (model.recompute_granularity=full or 'moe' in "
-                "model.recompute_modules) yet; use pp_schedule 1f1b or interleaved_1f1b, or recompute moe_act"
-            )
         types = m.indexer_types if m.attention_type == "dsa" else None
         for s in stages:  # a shared DSA layer reuses the previous layer's top-k: both on one stage
             if types and s.layers and types[s.layers[0]] == "shared":
@@ -118,11 +110,6 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         )
     if p.pp > 1:  # the schedule's micro-batch rules
         check_pipeline(cfg, cfg.train.global_batch_size // mb_total)
-
-
-def _recomputes_router(m) -> bool:
-    """Whether activation recomputation runs the MoE router again in backward."""
-    return m.recompute_granularity == "full" or "moe" in m.recompute_modules
 
 
 def _check_context_parallel(cfg: Config) -> None:

@@ -49,10 +49,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from moecore.config import Config, ConfigError
 from moecore.models.dsa import DSAttention, indexer_count
+from moecore.models.recompute import checkpoint_module
 from moecore.models.transformer import ModelParts, MoETransformer
 from moecore.optim.mixed_precision import grad_of, set_grad
 from moecore.parallel import comm
@@ -157,7 +157,7 @@ class StageModule(nn.Module):
         for layer in self.layers:
             args = (x, position_ids, loss_mask) + ((topk,) if layer.passes_topk else ())
             if model.full_recompute and self.training and torch.is_grad_enabled():
-                out = checkpoint(layer, *args, use_reentrant=False)
+                out = checkpoint_module(layer, *args)
             else:
                 out = layer(*args)
             x, aux = out[:2]

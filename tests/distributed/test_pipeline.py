@@ -144,6 +144,13 @@ def _recompute(granularity: str, modules: list[str], **parallel) -> Config:
     return cfg
 
 
+def _global_aux(**parallel) -> Config:
+    """Full recomputation with global_aux_loss: a recomputed layer must use the averaged counts its forward used."""
+    cfg = _recompute("full", [], **parallel)
+    cfg.moe.router_load_balancing_type, cfg.moe.aux_loss_coeff = "global_aux_loss", 0.5
+    return cfg
+
+
 def _tied(**parallel) -> Config:
     cfg = _cfg(**parallel)
     cfg.model.tie_embeddings = True
@@ -160,6 +167,7 @@ CASES = {
         "pp2-tied-embeddings-1f1b": _tied(pp=2),  # head and embedding on two ranks: gradients summed
         "pp2-vpp2-deltanet-hybrid-interleaved": _hybrid(pp=2, vpp=2, pp_schedule=IL),
         "pp2-zero_bubble-full-recompute": _recompute("full", [], pp=2, pp_schedule=ZB),
+        "pp2-vpp2-zbv-full-recompute-global-aux-loss": _global_aux(pp=2, vpp=2, pp_schedule=V),
         "pp2-vpp2-zbv-selective-recompute": _recompute(
             "selective", ["moe", "norm", "core_attn"], pp=2, vpp=2, pp_schedule=V
         ),

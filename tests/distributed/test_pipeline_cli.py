@@ -177,10 +177,11 @@ def test_torchrun_pipeline_with_fsdp_trains_in_bf16(tmp_path):
 
 
 def test_torchrun_pipeline_records_and_replays_the_routing(tmp_path):
-    """Router replay over pp2 x vpp2 (interleaved 1F1B, full recomputation). Recorded, each rank's file holds its
-    stages' routers with the one-process recording's choices, forward by forward (training and evaluation). Replayed
-    with other initial weights, every router picks the recorded experts: the per-expert counts of every step equal
-    the recording run's, while the same run without replay routes differently."""
+    """Router replay over pp2 x vpp2 (zbv, full recomputation: each layer runs again in both backward passes).
+    Recorded, each rank's file holds its stages' routers with the one-process recording's choices, forward by forward
+    (training and evaluation). Replayed with other initial weights, every router picks the recorded experts: the
+    per-expert counts of every step equal the recording run's, while the same run without replay routes
+    differently."""
     run = [
         *COMMON[:2],
         "model.num_layers=4",
@@ -190,7 +191,7 @@ def test_torchrun_pipeline_records_and_replays_the_routing(tmp_path):
         "checkpoint.interval=0",
         "model.recompute_granularity=full",
     ]
-    pp = ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=interleaved_1f1b"]
+    pp = ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv"]
     two = [*TORCHRUN[:4], "2", *TORCHRUN[5:]]
     routes = tmp_path / "routes.pt"
     run_cli([*MOECORE, *run, f"train.run_dir={tmp_path / 'one'}", "moe.router_replay_mode=record",

@@ -217,24 +217,3 @@ def test_a_pipeline_stage_without_routers_records_and_replays_nothing(tmp_path):
     replay = attach_router_replay(stage, RouterReplay.load(path), require_router=False)
     assert replay.records == {} and replay.mode == "replay"
 
-
-def test_replay_refuses_split_backward_schedules_that_recompute_the_router(tmp_path):
-    """zero_bubble / zbv / dualpipev run a checkpointed layer again in each of their two backward passes."""
-    from moecore.parallel.layout import validate_layout
-
-    routes = tmp_path / "routes.pt"
-    routes.write_bytes(b"")
-    overrides = ["model.num_layers=4", "train.global_batch_size=8", "train.micro_batch_size=2"]
-    cfg = load_config("tiny-deepseek-v3", [*overrides, "moe.router_replay_mode=replay"])
-    cfg.moe.router_replay_path = str(routes)
-    cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.pp_schedule = 2, 2, "zbv"
-    for field, value in (("recompute_granularity", "full"), ("recompute_modules", ["moe"])):
-        setattr(cfg.model, field, value)
-        with pytest.raises(ConfigError) as err:
-            validate_layout(cfg, 2)
-        assert "moe.router_replay_mode='replay' is not supported with parallel.pp_schedule='zbv'" in str(err.value)
-        setattr(cfg.model, field, load_config("tiny-deepseek-v3").model.__getattribute__(field))
-    cfg.model.recompute_modules = ["moe_act"]
-    validate_layout(cfg, 2)  # the router is not recomputed
-    cfg.model.recompute_granularity, cfg.parallel.pp_schedule, cfg.parallel.vpp = "full", "interleaved_1f1b", 2
-    validate_layout(cfg, 2)  # one backward pass per forward
