@@ -216,4 +216,3 @@ def test_a_pipeline_stage_without_routers_records_and_replays_nothing(tmp_path):
     path = store.save(tmp_path / "routes.pt.rank-0")
     replay = attach_router_replay(stage, RouterReplay.load(path), require_router=False)
     assert replay.records == {} and replay.mode == "replay"
-
