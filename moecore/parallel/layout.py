@@ -24,10 +24,6 @@ def check_layout(cfg: Config) -> None:
         stages = check_pipeline(cfg)  # stage layout and schedule (micro-batch counts: validate_layout)
         if p.fsdp:
             _check_pipeline_fsdp(cfg, stages)
-        if cfg.train.precision == "fp16":
-            raise ConfigError(
-                f"train.precision='fp16' is not supported with parallel.pp={p.pp} yet; allowed: auto | fp32 | bf16"
-            )
         types = m.indexer_types if m.attention_type == "dsa" else None
         for s in stages:  # a shared DSA layer reuses the previous layer's top-k: both on one stage
             if types and s.layers and types[s.layers[0]] == "shared":

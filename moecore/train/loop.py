@@ -256,20 +256,28 @@ class Trainer:
         n_mb_global = self.micro_batches_per_rank * rt.dp_size
         replicas = rt.grad_replicas  # dp x cp, as in train_step
         self.optimizer.zero_grad(set_to_none=True)
+        # fp16: the schedule's losses carry the loss scale (the scaler cannot reach inside torch's schedule); scaling
+        # a one is the scaler's public way to start its step and hand out the scale, as a tensor (no host sync)
+        loss_scale = 1.0 if rt.scaler is None else rt.scaler.scale(torch.ones((), device=rt.device))
         with rt.grad_sync_context(model, last=False), autocast_context(rt):
             record = pipe.step(
-                ids, labels, mask, global_tokens, replicas, replicas / n_mb_global, self.micro_batches_per_rank,
-                batches[0].get("position_ids"),
+                ids, labels, mask, global_tokens, replicas * loss_scale, replicas / n_mb_global * loss_scale,
+                self.micro_batches_per_rank, batches[0].get("position_ids"),
             )  # fmt: skip
         # Copies of the embedding / head on several stages stay equal: their gradients are summed over the stages
         # first, then reduced over data parallel (the distributed optimizer reduces them straight into its shards).
         pipe.sync_shared_grads()
         rt.finish_grad_sync(model)
+        if rt.scaler is not None:
+            rt.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm_pipeline(pipe, cfg.optim.clip_grad, self.optimizer, rt.grad_reducer)
+        rt.agree_on_overflow(grad_norm)  # fp16: every stage skips an overflowing step, or none
         # Non-finite check and stop-signal agreement (train/guards.py). The loss lives on the last stage
         # only; the global gradient norm, which every stage shares, carries a non-finite loss.
         skip = self.guard.check(self.step + 1, torch.zeros((), device=rt.device), grad_norm)
         lr = lr_at(self.step + 1, cfg.train.steps, cfg.optim)
+        if skip and rt.scaler is not None:
+            rt.scaler.update()  # close the scaler's step, as train/guards.py skip_step does
         if not skip:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr

@@ -125,10 +125,29 @@ class Runtime:
         The optimizer's fused update applies the clipping coefficient where it can (`grad_scale`);
         otherwise the gradients are scaled in place.
         """
-        from moecore.optim.mixed_precision import grad_of
-
         if self.scaler is not None:
             self.scaler.unscale_(self._optimizer)
+        norm = self._clipped_norm(model, max_norm)
+        self.agree_on_overflow(norm)
+        return norm
+
+    def agree_on_overflow(self, grad_norm: float | torch.Tensor) -> None:
+        """fp16: make the loss scaler's overflow finding the same on every rank, from the global gradient norm.
+
+        `unscale_` finds infinities in this rank's gradients only. Gradients that are not reduced over every
+        rank (an expert's under expert parallel, a tensor-parallel shard, a pipeline stage's) can overflow on
+        one rank alone; that rank would skip the step and lower its scale while the others step, and the copies
+        of every replicated weight would part. The norm is global, so it is non-finite on every rank or none."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return
+        state = self.scaler._per_optimizer_states[id(self._optimizer)]  # torch.amp.GradScaler's per-step record
+        bad = torch.as_tensor(grad_norm, dtype=torch.float32).isfinite().logical_not()
+        for found_inf in state["found_inf_per_device"].values():
+            found_inf.copy_(torch.maximum(found_inf, bad.to(found_inf.device, found_inf.dtype)))
+
+    def _clipped_norm(self, model: torch.nn.Module, max_norm: float) -> float:
+        from moecore.optim.mixed_precision import grad_of
+
         for owner in (getattr(self, "_optimizer", None), self.grad_reducer):
             if hasattr(owner, "clip_grad_norm"):  # sharded gradients: the norm of their owner
                 return float(owner.clip_grad_norm(max_norm))

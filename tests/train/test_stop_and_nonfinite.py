@@ -120,3 +120,24 @@ def test_bad_reliability_settings_are_one_line(override, word, capsys):
     assert main(["train", override]) == 2
     err = capsys.readouterr().err
     assert word in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("norm", [1.0, math.inf, math.nan])
+def test_fp16_overflow_is_decided_by_the_global_norm(norm):
+    """A rank whose own gradients are finite skips the step and lowers its scale as the overflowing rank does when
+    the global gradient norm is not finite (otherwise replicated weights would part between ranks)."""
+    from moecore.train.runtime import Runtime
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    rt = Runtime(dims=None, device=torch.device("cpu"), autocast_dtype=torch.float16, scaler=scaler, precision="fp16")
+    rt._optimizer = opt
+    (scaler.scale(torch.ones(())) * p.sum()).backward()  # this rank's gradient is finite
+    scaler.unscale_(opt)
+    rt.agree_on_overflow(norm)
+    scaler.step(opt)
+    scaler.update()
+    finite = math.isfinite(norm)
+    assert torch.equal(p.detach(), torch.full((3,), 0.5 if finite else 1.0))
+    assert scaler.get_scale() == (8.0 if finite else 4.0)
