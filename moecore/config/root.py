@@ -59,10 +59,6 @@ class Config:
             _fail("model.vocab_size", m.vocab_size, f"must be a multiple of parallel.tp={p.tp}")
         if self.checkpoint.upcycle_from is not None and not e.num_experts:
             _fail("checkpoint.upcycle_from", self.checkpoint.upcycle_from, "needs moe.num_experts > 0 (an MoE model)")
-        if self.checkpoint.upcycle_from is not None and max(p.tp, p.ep, p.etp, p.pp) > 1:
-            _fail(
-                "checkpoint.upcycle_from", self.checkpoint.upcycle_from, "needs parallel.tp, ep, etp and pp = 1 for now"
-            )
         if self.optim.muon_qk_clip and m.qk_norm:
             _fail("optim.muon_qk_clip", self.optim.muon_qk_clip, "needs model.qk_norm=false (normalised q/k undo it)")
         if self.optim.muon_qk_clip and m.attention_type == "dsa":

@@ -91,19 +91,28 @@ def _expert_weights(
     return torch.stack(w13), torch.stack(w2)
 
 
-def upcycle_state_dict(dense_sd: dict, cfg: Config, init_sd: dict) -> dict:
-    """The MoE model's state dict (keys and shapes of `init_sd`) upcycled from the dense `dense_sd`."""
+def upcycle_state_dict(dense_sd: dict, cfg: Config, init_sd: dict, wanted: set[str] | None = None) -> dict:
+    """The MoE model's state dict (keys and shapes of `init_sd`) upcycled from the dense `dense_sd`.
+
+    `wanted`: build only these keys (a parallel rank's; default: all); the checks still see every key of `init_sd`.
+    An entry of `init_sd` on the meta device gives a key's global shape only: a key that would come from its
+    initialisation is then left out (the rank keeps its own seeded shard)."""
     m = cfg.moe
     swiglu = cfg.model.activation == "swiglu"
     out: dict = {}
     upcycled = set()
+    moe_layers = 0
     for key, init in init_sd.items():
         if not key.endswith("mlp." + W13):
             continue
+        moe_layers += 1
         prefix = key[: -len(W13)]  # "layers.{i}.mlp."
         if prefix + "up_proj.weight" not in dense_sd:
             _fail(f"the dense checkpoint has no {prefix}up_proj.weight for MoE layer {prefix[:-1]}")
+        upcycled.update(prefix + n + ".weight" for n in ("gate_proj", "up_proj", "down_proj"))
         g = granularity(dense_sd[prefix + "up_proj.weight"].shape[0], m.ffn_hidden_size, m.num_experts, m.router_topk)
+        if wanted is not None and not {key, prefix + W2, prefix + "router.weight"} & wanted:
+            continue  # another pipeline stage's layer
         w13, w2 = _expert_weights(dense_sd, prefix, m.num_experts, m.ffn_hidden_size, output_scale(cfg, g), swiglu)
         if w13.shape != init.shape or w2.shape != init_sd[prefix + W2].shape:
             _fail(f"{prefix}experts shapes {tuple(w13.shape)} / {tuple(w2.shape)} do not fit the MoE model's")
@@ -111,8 +120,7 @@ def upcycle_state_dict(dense_sd: dict, cfg: Config, init_sd: dict) -> dict:
         router = init_sd[prefix + "router.weight"]
         # Virtual groups: one seeded row per group of G experts, repeated G times (identical logits).
         out[prefix + "router.weight"] = router[: m.num_experts // g].repeat_interleave(g, dim=0).clone()
-        upcycled.update(prefix + n + ".weight" for n in ("gate_proj", "up_proj", "down_proj"))
-    if not out:
+    if not moe_layers:
         _fail("the MoE config has no MoE layer to upcycle into")
     for key, init in init_sd.items():
         if key in out:
@@ -120,13 +128,14 @@ def upcycle_state_dict(dense_sd: dict, cfg: Config, init_sd: dict) -> dict:
         if key in dense_sd:
             if dense_sd[key].shape != init.shape:
                 _fail(f"{key} has shape {tuple(dense_sd[key].shape)} in the dense checkpoint, {tuple(init.shape)} here")
-            out[key] = dense_sd[key].to(init.dtype).clone()
-        else:
+            if wanted is None or key in wanted:
+                out[key] = dense_sd[key].to(init.dtype).clone()
+        elif not init.is_meta and (wanted is None or key in wanted):
             out[key] = init.clone()  # shared experts, expert bias, ...: the seeded initialisation
-    unused = sorted(k for k in dense_sd if k not in out and k not in upcycled)
+    unused = sorted(k for k in dense_sd if k not in init_sd and k not in upcycled)
     if unused:
         _fail(f"the dense checkpoint holds {unused[0]} which the MoE model lacks (different architecture?)")
-    return out
+    return {k: v for k, v in out.items() if wanted is None or k in wanted}
 
 
 def dense_config(folder: str | Path) -> Config:
@@ -146,6 +155,7 @@ def upcycle_from_checkpoint(model: nn.Module, folder: str | Path, cfg: Config) -
     """Load the dense checkpoint `folder` and upcycle it into `model` (built from `cfg`) in place."""
     from moecore.checkpoint import load_model_weights
     from moecore.models.transformer import MoETransformer
+    from moecore.parallel.sharding import get_shard, load_global_state_dict
 
     dense_cfg = dense_config(folder)
     for name in ("hidden_size", "num_layers", "vocab_size", "activation", "attention_type", "tie_embeddings"):
@@ -155,6 +165,15 @@ def upcycle_from_checkpoint(model: nn.Module, folder: str | Path, cfg: Config) -
     with torch.device("cpu"):
         dense = MoETransformer(dense_cfg)
     load_model_weights(Path(folder), dense, what="checkpoint.upcycle_from")
-    init_sd = model.state_dict()
-    new_sd = upcycle_state_dict(dense.state_dict(), cfg, init_sd)
-    model.load_state_dict({k: v.to(init_sd[k].device) for k, v in new_sd.items()})
+    # Every rank upcycles the tensors it holds, in their global shapes, and keeps its shard of them: the
+    # one-process model on the meta device gives every key's global shape (and the checks every key); a rank's
+    # unsharded tensors give their seeded values (the router's rows), its sharded ones keep their own.
+    with torch.device("meta"):
+        full = MoETransformer(cfg).state_dict()
+    local = dict(model.named_parameters())
+    local.update(model.named_buffers())
+    init_sd = {
+        k: local[k].detach() if k in local and not get_shard(local[k]).is_sharded else v for k, v in full.items()
+    }
+    new_sd = upcycle_state_dict(dense.state_dict(), cfg, init_sd, wanted=set(local))
+    load_global_state_dict(model, {k: v for k, v in new_sd.items() if not v.is_meta}, strict=False)
