@@ -413,8 +413,13 @@ def test_load_spread_reads_cuda_counts_without_waiting():
         pytest.skip("needs CUDA")
     tracker = quack_gemm.LoadSpread()
     counts = torch.tensor([40, 1, 1, 1, 0, 1, 0, 4], device="cuda", dtype=torch.int32)
-    torch.cuda._sleep(10**9)  # ~0.5 s of GPU work queued ahead of the copy the first call queues
-    assert tracker.observe(counts, 48) == 1  # nothing landed yet: the default
+    # The first queue allocates the pinned host buffer, which can wait for the GPU (measured on an H100: it did, and
+    # the copy behind the sleep below had landed by the next call); land one copy of even counts first.
+    tracker.queue(counts * 0 + 6, 48)
+    torch.cuda.synchronize()
+    assert tracker.current(counts, 48) == 1  # even counts: 1x the mean
+    torch.cuda._sleep(10**9)  # ~0.5 s of GPU work queued ahead of the copy the next call queues
+    assert tracker.observe(counts, 48) == 1  # nothing new landed yet: the last value
     assert tracker.observe(counts, 48) == 1  # the copy waits behind the sleep: not landed, and not waited for
     torch.cuda.synchronize()
     assert tracker.observe(counts * 0 + 6, 48) == 3  # the first call's counts (6.7x the mean)
