@@ -15,8 +15,11 @@ the top-k logits).
 
 The fused expert FFN kernel (moecore/kernels/grouped_ffn.py) implements the plain SwiGLU without biases, so
 these experts never take it: they run the grouped GEMMs (`torch._grouped_mm`, biases added per row from
-the row's expert) where grouped_mm runs, else a loop of per-expert linears. Expert tensor parallel would
-add `b2` once per shard and is refused; expert parallel shards the biases with their experts.
+the row's expert) where grouped_mm runs, else a loop of per-expert linears. Expert parallel shards the
+biases with their experts. Expert tensor parallel splits `b13` with the FFN columns and `b2` over its hidden
+columns: the down projection's output is a partial sum over the etp ranks (summed by the dispatcher), so
+each etp rank adds only its own H / etp columns of `b2`, and the sum holds the whole bias once; each column's
+gradient is then this rank's complete gradient of it, an expert shard like any other.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class BiasedGroupedExperts(GroupedExperts):
         self.clamped, self.alpha, self.limit = clamped, alpha, limit
         self.b13 = nn.Parameter(torch.zeros(num_experts, 2 * ffn_hidden_size))
         self.b2 = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.b2_columns: tuple[int, int] | None = None  # expert tensor parallel: the hidden columns b2 holds
 
     def reset_parameters(self) -> None:
         """Matrices N(0, init_std) as GroupedExperts does at construction; biases zero."""
@@ -69,6 +73,14 @@ class BiasedGroupedExperts(GroupedExperts):
     def _act(self, h: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
         a = clamped_swiglu(h, self.alpha, self.limit) if self.clamped else activation_fn(h, "swiglu")
         return a if p is None else a * p.to(a.dtype).unsqueeze(-1)
+
+    def _down_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """b2 [E, H] as this rank adds it: under expert tensor parallel its own columns, zero elsewhere."""
+        b2 = self.b2.to(dtype)
+        if self.b2_columns is None:
+            return b2
+        c0, c1 = self.b2_columns
+        return F.pad(b2, (c0, self.hidden_size - c1))
 
     def _activate(self, h: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
         if self.recompute_act and torch.is_grad_enabled() and h.requires_grad:
@@ -93,12 +105,13 @@ class BiasedGroupedExperts(GroupedExperts):
             h = h + self.b13.to(h.dtype)[expert_N]
             a = self._activate(h, probs_N)
             y = _ContiguousGrad.apply(torch._grouped_mm(a, self.w2.to(a.dtype).transpose(-2, -1), offs=offs))
-            b2 = self.b2.to(y.dtype)[expert_N]
+            b2 = self._down_bias(y.dtype)[expert_N]
             return y + (b2 if probs_N is None else b2 * probs_N.to(y.dtype).unsqueeze(-1))
         self.last_path = "loop"
         outs, start = [], 0
         # per-expert views made once (unbind): indexing w[e] per expert would add a full-size zero gradient each
-        w13, b13, w2, b2s = self.w13.unbind(0), self.b13.unbind(0), self.w2.unbind(0), self.b2.unbind(0)
+        w13, b13, w2 = self.w13.unbind(0), self.b13.unbind(0), self.w2.unbind(0)
+        b2s = self._down_bias(self.b2.dtype).unbind(0)
         for e, rows in enumerate(tokens_per_expert.tolist()):
             if rows == 0:
                 continue
@@ -129,8 +142,8 @@ class BiasedMoELayer(MoELayer):
 
     def __init__(self, cfg: Config, dims=None, recompute_act: bool = False, recompute_shared: bool = False) -> None:
         m, e = cfg.model, cfg.moe
-        if dims is not None and dims.etp > 1:
-            raise ValueError("parallel.etp > 1 is invalid with model.expert_linear_bias: the down bias is not split")
+        if dims is not None and m.hidden_size % dims.etp:
+            raise ValueError(f"parallel.etp={dims.etp} does not divide model.hidden_size={m.hidden_size}")
         super().__init__(e, m.hidden_size, "swiglu", m.init_std, dims, recompute_act, recompute_shared)
         if m.router_logit_bias:
             self.router = BiasedTopKRouter(e, m.hidden_size, m.init_std)
@@ -146,12 +159,21 @@ class BiasedMoELayer(MoELayer):
             self._shard_biases(e.num_experts, dims)
 
     def _shard_biases(self, num_experts: int, dims) -> None:
+        """b13 [E, 2F] split as w13's rows (experts over ep, FFN columns over etp); b2 [E, H] experts over ep, hidden
+        columns over etp (see the module docstring)."""
         ex = self.experts
-        e_loc = ex.num_experts
+        e_loc, f_loc, h = ex.num_experts, ex.ffn_hidden_size, ex.hidden_size
         e0 = 0 if dims is None else dims.ep_group.rank * e_loc
-        f = ex.ffn_hidden_size
+        etp, etp_rank = (1, 0) if dims is None else (dims.etp, dims.etp_group.rank)
+        f = f_loc * etp
         set_shard(
             ex.b13, "expert", global_shape=(num_experts, 2 * f), view_shape=(num_experts, 2, f),
-            local_view=(e_loc, 2, f), offsets=(e0, 0, 0),
+            local_view=(e_loc, 2, f_loc), offsets=(e0, 0, etp_rank * f_loc),
         )  # fmt: skip
-        set_shard(ex.b2, "expert", global_shape=(num_experts, ex.hidden_size), offsets=(e0, 0))
+        if etp == 1:
+            set_shard(ex.b2, "expert", global_shape=(num_experts, h), offsets=(e0, 0))
+            return
+        cols = h // etp
+        ex.b2 = nn.Parameter(torch.zeros(e_loc, cols, device=ex.b2.device, dtype=ex.b2.dtype))
+        ex.b2_columns = (etp_rank * cols, (etp_rank + 1) * cols)
+        set_shard(ex.b2, "expert", global_shape=(num_experts, h), offsets=(e0, etp_rank * cols))

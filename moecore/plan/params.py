@@ -165,10 +165,11 @@ def _ffn(cfg: Config, is_moe: bool, layout: Layout, prefix: str) -> list[ParamEn
     out.append(ParamEntry(prefix + "mlp.experts.w13", e_loc * gated * f_loc * h, True, True, w13 if swiglu else None))
     out.append(ParamEntry(prefix + "mlp.experts.w2", e_loc * h * f_loc, True, True, w2 if swiglu else None))
     if getattr(m, "expert_linear_bias", False):
-        # gpt-oss's expert biases b13 [E, 2F] and b2 [E, H] (moecore/models/biased_moe.py; etp = 1 only), trained
-        # without weight decay like every bias (moecore.optim.groups.no_decay).
+        # gpt-oss's expert biases b13 [E, 2F] and b2 [E, H] (moecore/models/biased_moe.py: b13 split with the FFN
+        # columns over etp, b2 with the hidden columns), trained without weight decay like every bias
+        # (moecore.optim.groups.no_decay).
         out.append(ParamEntry(prefix + "mlp.experts.b13", e_loc * gated * f_loc, False, expert=True))
-        out.append(ParamEntry(prefix + "mlp.experts.b2", e_loc * h, False, expert=True))
+        out.append(ParamEntry(prefix + "mlp.experts.b2", e_loc * h // layout.etp, False, expert=True))
     if e.shared_expert_intermediate_size:
         sh = e.shared_expert_intermediate_size
         out.append(ParamEntry(prefix + "mlp.shared_experts", mats * h * sh, True, gemm=("shared_experts", mats, sh, h)))

@@ -1,5 +1,6 @@
 """gpt-oss's and DeepSeek-V3.2's layers under data + expert parallel train like the one-process run (3 steps'
-losses, grad norms and first-step gradients; gloo on CPU, world 2: dp 2 for attention, ep 2 for experts).
+losses, grad norms and first-step gradients; gloo on CPU, world 2: dp 2 for attention, ep 2 for experts; and
+gpt-oss with expert tensor parallel, etp 2).
 
 - `oss`: attention sinks, alternating sliding (window 3 < sequence 8) / full layers, q/k/v/o biases, router
   logit bias, biased experts (biases sharded with their experts) with the clamped SwiGLU;
@@ -28,12 +29,20 @@ def _dsa(cfg):
     return cfg
 
 
-VARIANTS = {"oss": oss_config, "dsa": lambda: _dsa(tiny_config(token_dispatcher_type="alltoall"))}
+VARIANTS = {
+    "oss": (oss_config, {"ep": 2}),
+    # expert tensor parallel: b13 split with the FFN columns, b2 with the hidden columns
+    "oss-etp2": (oss_config, {"etp": 2}),
+    "dsa": (lambda: _dsa(tiny_config(token_dispatcher_type="alltoall")), {"ep": 2}),
+}
 
 
-def _config(variant: str, ep: int):
-    cfg = VARIANTS[variant]()
-    cfg.parallel.ep = ep
+def _config(variant: str, parallel: bool):
+    build, layout = VARIANTS[variant]
+    cfg = build()
+    if parallel:
+        for k, v in layout.items():
+            setattr(cfg.parallel, k, v)
     cfg.validate()
     return cfg
 
@@ -58,13 +67,13 @@ def _fold_indexer_loss_into_aux() -> None:
 
 def _run_all(rank: int, world: int, refs: dict, data) -> dict:
     _fold_indexer_loss_into_aux()
-    return {v: run_layout(rank, world, _config(v, 2), refs[v][0], data) for v in VARIANTS}
+    return {v: run_layout(rank, world, _config(v, True), refs[v][0], data) for v in VARIANTS}
 
 
 def test_dp2_ep2_match_single_process(monkeypatch):
     data = make_data()
     monkeypatch.setattr(MoETransformer, "_add_indexer_loss", _folded(MoETransformer._add_indexer_loss))
-    refs = {v: reference(_config(v, 1), data) for v in VARIANTS}
+    refs = {v: reference(_config(v, False), data) for v in VARIANTS}
     results = run_local(_run_all, 2, refs, data)
     for v in VARIANTS:
         r = compare(refs[v][1], results[0][v])
