@@ -7,7 +7,8 @@ same initial weights and batches), these layouts give the same losses and grad n
 - every matrix (a dense weight, or one expert of a grouped weight) has exactly one owner over the
   ranks of the stage, and every rank owns some;
 - the distributed optimizer with Muon (dp2, dp4 x ep2, tp2 x ep2; bf16 compute weights on fp32
-  master shards at dp2 against the one-process bf16 Muon) gives the same; per rank it keeps 1/dp of
+  master shards at dp2 against plain dp2 Muon in bf16, and within BF16_TOL of the one-process bf16 Muon)
+  gives the same; per rank it keeps 1/dp of
   the fp32 masters, the momentum and the AdamW moments (up to one bucket);
 - MuonClip's QK-Clip (tau below the model's logits) under tp2 x ep2, fsdp dp2 x tp2 and the
   distributed optimizer dp4 x ep2: the same losses, grad norms and recorded max logits;
@@ -33,6 +34,7 @@ from moecore.parallel.launch import run_local
 pytestmark = pytest.mark.distributed
 
 TOL = 1e-5
+BF16_TOL = 5e-3  # bf16 runs against one process (see test_distributed_optimizer_bf16_masters)
 TAU = 0.02  # QK-Clip threshold below the tiny model's max logits (1.25 at step 1): every step clips
 
 
@@ -64,6 +66,7 @@ def _world2(rank: int, world: int, init: dict, data, d: dict) -> dict:
         "dp2": zh.train(rank, world, {}, init, data, dist_opt=False, muon=True),
         "dist-dp2": zh.train(rank, world, {}, init, data, muon=True),
         "dist-dp2-bf16": zh.train(rank, world, {}, init, data, muon=True, bf16=True),
+        "dp2-bf16": zh.train(rank, world, {}, init, data, dist_opt=False, muon=True, bf16=True),
         "M->fsdp-dp2": zh.resume(rank, world, {}, d["M"], data, dist_opt=False, fsdp=True, muon=True),
         "D->dist-dp2": zh.resume(rank, world, {}, d["D"], data, dist_opt=True, muon=True),
     }
@@ -126,11 +129,20 @@ def test_single_process_plan_is_local(results):
 
 
 def test_distributed_optimizer_bf16_masters(results):
-    """bf16 compute weights, fp32 master shards: as the one-process bf16 Muon on fp32 masters (same bf16 forward)."""
+    """bf16 compute weights, fp32 master shards: as plain dp2 Muon in bf16 (the same layout) exactly, and near the
+    one-process bf16 Muon. Against one process the dp2 gradients are averaged over two ranks (another fp32 sum
+    order, 1e-7 at step 1); Muon's orthogonalised update carries that into the fp32 masters, and the bf16 compute
+    weights cast from them differ in the odd last bit, which moves later steps. Measured: within 1e-5 on the CI
+    machines of earlier runs, loss 1.9e-4 and grad norm 1.1e-3 on a CPU with AVX-512 and AMX (where AdamW's dp2
+    run stays within 1e-7: test_distributed_optimizer.py), hence BF16_TOL against one process."""
     ref, got = results["ref-bf16"], results["world2"][0]["dist-dp2-bf16"]
-    loss, norm = _rel(got["losses"], ref["losses"]), _rel(got["norms"], ref["norms"])
-    print(f"muon dist-dp2-bf16: loss {loss:.1e} grad norm {norm:.1e}")
+    plain = results["world2"][0]["dp2-bf16"]
+    loss, norm = _rel(got["losses"], plain["losses"]), _rel(got["norms"], plain["norms"])
+    print(f"muon dist-dp2-bf16 against plain dp2: loss {loss:.1e} grad norm {norm:.1e}")
     assert loss <= TOL and norm <= TOL, (loss, norm)
+    loss, norm = _rel(got["losses"], ref["losses"]), _rel(got["norms"], ref["norms"])
+    print(f"muon dist-dp2-bf16 against one process: loss {loss:.1e} grad norm {norm:.1e}")
+    assert loss <= BF16_TOL and norm <= BF16_TOL, (loss, norm)
 
 
 def test_distributed_optimizer_shards_muon_state(results):

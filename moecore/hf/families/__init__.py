@@ -45,6 +45,7 @@ _FAMILY_MODULES = {
     "glm4_moe_lite": "moecore.hf.families.glm4_moe_lite",
     "minimax_m2": "moecore.hf.families.minimax_m2",
     "glm_moe_dsa": "moecore.hf.families.glm_moe_dsa",
+    "olmoe": "moecore.hf.families.olmoe",
 }
 # model_types we import through another family and never write: a multimodal Qwen3.5-MoE checkpoint's language model
 _IMPORT_ONLY = {"qwen3_5_moe": "qwen3_5_moe_text"}
