@@ -119,23 +119,35 @@ def test_torchrun_bf16_equals_one_process(tmp_path):
                 assert abs(g[key] - r[key]) <= tol * abs(r[key]), (run_dir.name, key, r["step"], r[key], g[key])
 
 
+UPCYCLE_BASE = [*COMMON[:11], "model.num_layers=4", "model.ffn_hidden_size=256", "train.global_batch_size=8"]
+
+
+def _upcycle_args(dense) -> list[str]:
+    moe = [*UPCYCLE_BASE, "moe.ffn_hidden_size=128", "moe.shared_expert_intermediate_size=64", "checkpoint.interval=0"]
+    return [*moe, f"checkpoint.upcycle_from={dense / 'checkpoints' / 'step-1'}"]
+
+
+@pytest.fixture(scope="module")
+def upcycled_one_process(tmp_path_factory):
+    """A dense run's step-1 checkpoint and the one-process run upcycled from it (two steps): (dense folder, metrics)."""
+    tmp = tmp_path_factory.mktemp("upcycle")
+    dense = tmp / "dense"
+    train_forked([*UPCYCLE_BASE, "moe.num_experts=0", "train.steps=1", f"train.run_dir={dense}"])
+    train_forked([*_upcycle_args(dense), f"train.run_dir={tmp / 'one'}"])
+    return dense, read_metrics(tmp / "one")
+
+
 @pytest.mark.parametrize(
     "layout", [["parallel.pp=2", "parallel.ep=2"], ["parallel.tp=2", "parallel.etp=2"]], ids=["pp2-ep2", "tp2-etp2"]
 )
-def test_torchrun_upcycles_a_dense_checkpoint_like_one_process(tmp_path, layout):
+def test_torchrun_upcycles_a_dense_checkpoint_like_one_process(tmp_path, upcycled_one_process, layout):
     """`checkpoint.upcycle_from` on 4 ranks: each rank upcycles the tensors it holds in their global shapes and
-    keeps its shard (experts split over ep / their FFN columns over etp, attention and the seeded shared expert over
-    tp, layers over pp); two steps equal the one-process upcycled run (granularity 2: 8 experts of width 128 from
-    the dense width 256)."""
-    base = [*COMMON[:11], "model.num_layers=4", "model.ffn_hidden_size=256", "train.global_batch_size=8"]
-    dense = tmp_path / "dense"
-    train_forked([*base, "moe.num_experts=0", "train.steps=1", f"train.run_dir={dense}"])
-    moe = [*base, "moe.ffn_hidden_size=128", "moe.shared_expert_intermediate_size=64", "checkpoint.interval=0"]
-    moe.append(f"checkpoint.upcycle_from={dense / 'checkpoints' / 'step-1'}")
-    train_forked([*moe, f"train.run_dir={tmp_path / 'one'}"])
+    keeps its shard (experts split over ep / their FFN columns over etp, attention over tp, layers over pp); two
+    steps equal the one-process upcycled run (granularity 2: 8 experts of width 128 from the dense width 256)."""
+    dense, ref = upcycled_one_process
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "moecore", "train"]
-    run_cli([*torchrun, *moe, *layout, f"train.run_dir={tmp_path / 'four'}"])
-    ref, got = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "four")
+    run_cli([*torchrun, *_upcycle_args(dense), *layout, f"train.run_dir={tmp_path / 'four'}"])
+    got = read_metrics(tmp_path / "four")
     assert [m["step"] for m in got] == [1, 2]
     for r, g in zip(ref, got):
         for key in ("loss", "grad_norm"):
