@@ -3,6 +3,8 @@
 Every check compares with transformers (installed from PyPI; nothing is downloaded):
 - `import_export_parity`: save a transformers model, `load_pretrained` it, compare fp32 logits;
   `save_pretrained` it back, load that with `AutoModelForCausalLM`, compare again;
+- `check_projection_norm_is_needed`: q/k norms over the whole projection (MiniMax-M2, OLMoE) fail the logits
+  comparison when applied per head;
 - `train_step_parity`: the LM loss and every parameter's gradient of one training step, then the
   per-layer aux loss against transformers' `load_balancing_loss_func` and the gradient of the full
   objective (LM + aux) against the same objective built from transformers' router logits.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from moecore.config import load_config
@@ -197,3 +200,26 @@ def check_indexer_grads_only(ours, hf_model, maps) -> int:
         elif mp.ours in params:
             assert params[mp.ours].grad is None, f"the indexer loss reached {mp.ours}"
     return checked
+
+
+def _norm_per_head(self, x: torch.Tensor, norm) -> torch.Tensor:
+    """A mutation of `Attention._qk_norm`: the same weights, but each head normalised by its own mean of squares."""
+    from moecore.models.norms import rms_norm
+
+    return rms_norm(x, norm.weight.view(x.shape[-2], x.shape[-1]), norm.eps)
+
+
+def check_projection_norm_is_needed(hf_model, folder: Path, monkeypatch) -> None:
+    """For a family whose q/k norm covers the whole projection: the imported model's logits match, and they stop
+    matching when the same weights normalise each head on its own (the comparison sees the norm's scope)."""
+    from moecore.models.attention import Attention
+
+    hf_model.save_pretrained(folder)
+    ours = load_pretrained(folder)
+    ids = tokens(hf_model.config.vocab_size)
+    with torch.no_grad():
+        want = hf_model(ids).logits
+        assert_close(ours(ids).logits, want)
+        monkeypatch.setattr(Attention, "_qk_norm", _norm_per_head)
+        with pytest.raises(AssertionError, match="max abs diff"):
+            assert_close(ours(ids).logits, want)

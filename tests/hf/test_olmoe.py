@@ -16,6 +16,7 @@ if not hasattr(transformers, "OlmoeConfig"):
 from hf_parity import (  # noqa: E402
     assert_close,
     build_hf,
+    check_projection_norm_is_needed,
     check_real_size_recipe,
     check_tiny_recipe_exports,
     import_export_parity,
@@ -28,8 +29,6 @@ from safetensors.torch import save_file  # noqa: E402
 from moecore.config import load_config  # noqa: E402
 from moecore.hf import load_pretrained  # noqa: E402
 from moecore.hf.families import olmoe as family  # noqa: E402
-from moecore.models.attention import Attention  # noqa: E402
-from moecore.models.norms import rms_norm  # noqa: E402
 
 V = 96
 
@@ -80,23 +79,9 @@ def test_train_step(tmp_path):
     train_step_parity(load_pretrained(tmp_path), ref)
 
 
-def _per_head(self, x: torch.Tensor, norm) -> torch.Tensor:
-    """The mutation: the same weights, but each head normalised by its own mean of squares."""
-    return rms_norm(x, norm.weight.view(x.shape[-2], x.shape[-1]), norm.eps)
-
-
 def test_parity_fails_with_a_per_head_norm(tmp_path, monkeypatch):
     """The logits comparison is sensitive to the scope of the norm: normalising each head on its own fails it."""
-    ref = build_hf(olmoe_config())
-    ref.save_pretrained(tmp_path)
-    ours = load_pretrained(tmp_path)
-    ids = tokens(V)
-    with torch.no_grad():
-        want = ref(ids).logits
-        assert_close(ours(ids).logits, want)
-        monkeypatch.setattr(Attention, "_qk_norm", _per_head)
-        with pytest.raises(AssertionError, match="max abs diff"):
-            assert_close(ours(ids).logits, want)
+    check_projection_norm_is_needed(build_hf(olmoe_config()), tmp_path, monkeypatch)
 
 
 def test_config_refusals():

@@ -330,6 +330,29 @@ def qk_norm_scope_checks(m: ModelConfig) -> list[tuple[str, object, bool, str]]:
     return [("model.qk_norm_scope", scope, not m.qk_norm or scope == "head", "q/k norms per head only")]
 
 
+def projection_norm_attention_checks(m: ModelConfig, name: str) -> list[tuple[str, object, bool, str]]:
+    """The attention options of the families whose GQA layers normalise the whole q (k) projection and have nothing
+    else (MiniMax-M2, OLMoE): every layer softmax attention over the whole causal context, plain RMSNorm, SwiGLU, no
+    output gate, sinks or MTP (for `refuse_export_unless`)."""
+    return [
+        ("model.attention_type", m.attention_type, m.attention_type == "gqa", "grouped-query attention only"),
+        ("model.layer_types", m.layer_types, m.layer_types is None, "one attention kind for every layer"),
+        ("model.qk_norm", m.qk_norm, m.qk_norm, f"{name} always normalises q and k"),
+        (
+            "model.qk_norm_scope",
+            m.qk_norm_scope,
+            m.qk_norm_scope == "projection",
+            f"{name} normalises the whole q (k) projection (allowed: projection)",
+        ),
+        ("model.attn_output_gate", m.attn_output_gate, not m.attn_output_gate, "no attention output gate"),
+        ("model.attn_sinks", m.attn_sinks, not m.attn_sinks, "no attention sinks"),
+        ("model.sliding_window", m.sliding_window, m.sliding_window is None, "no sliding window"),
+        ("model.norm_zero_centered", m.norm_zero_centered, not m.norm_zero_centered, "plain RMSNorm only"),
+        ("model.activation", m.activation, m.activation == "swiglu", "SwiGLU only"),
+        ("model.mtp_num_layers", m.mtp_num_layers, m.mtp_num_layers == 0, "transformers builds no MTP module"),
+    ]
+
+
 def check_exportable(cfg: Config, model_type: str) -> None:
     """Refuse our options that no Llama-style family here can express in config.json (Mixtral, Qwen2/3-MoE)."""
     m, e = cfg.model, cfg.moe

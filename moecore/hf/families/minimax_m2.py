@@ -41,6 +41,7 @@ from moecore.hf.families.common import (
     holds_fused_experts,
     moe_pattern,
     num_experts,
+    projection_norm_attention_checks,
     refuse_export_unless,
     validated,
 )
@@ -193,23 +194,9 @@ def config_to_hf(cfg: Config) -> dict:
     refuse_export_unless(
         MODEL_TYPE,
         [
-            ("model.attention_type", m.attention_type, m.attention_type == "gqa", "grouped-query attention only"),
-            ("model.layer_types", m.layer_types, m.layer_types is None, "one attention kind for every layer"),
-            ("model.qk_norm", m.qk_norm, m.qk_norm, "MiniMax-M2 always normalises q and k"),
-            (
-                "model.qk_norm_scope",
-                m.qk_norm_scope,
-                m.qk_norm_scope == "projection",
-                "MiniMax-M2 normalises the whole q (k) projection (allowed: projection)",
-            ),
+            *projection_norm_attention_checks(m, "MiniMax-M2"),
             ("model.qkv_bias", m.qkv_bias, not m.qkv_bias, "no attention biases"),
             ("model.attn_out_bias", m.attn_out_bias, not m.attn_out_bias, "no attention biases"),
-            ("model.attn_output_gate", m.attn_output_gate, not m.attn_output_gate, "no attention output gate"),
-            ("model.attn_sinks", m.attn_sinks, not m.attn_sinks, "no attention sinks"),
-            ("model.sliding_window", m.sliding_window, m.sliding_window is None, "no sliding window"),
-            ("model.norm_zero_centered", m.norm_zero_centered, not m.norm_zero_centered, "plain RMSNorm only"),
-            ("model.activation", m.activation, m.activation == "swiglu", "SwiGLU only"),
-            ("model.mtp_num_layers", m.mtp_num_layers, m.mtp_num_layers == 0, "transformers builds no MTP module"),
             (
                 "model.partial_rotary_factor",
                 m.partial_rotary_factor,

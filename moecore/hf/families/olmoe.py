@@ -27,6 +27,7 @@ from moecore.hf.families.common import (
     base_to_hf,
     moe_pattern,
     num_experts,
+    projection_norm_attention_checks,
     qwen_tensor_maps,
     refuse_export_unless,
     renormalises,
@@ -85,24 +86,10 @@ def config_to_hf(cfg: Config) -> dict:
     refuse_export_unless(
         MODEL_TYPE,
         [
-            ("model.attention_type", m.attention_type, m.attention_type == "gqa", "grouped-query attention only"),
-            ("model.layer_types", m.layer_types, m.layer_types is None, "one attention kind for every layer"),
-            ("model.qk_norm", m.qk_norm, m.qk_norm, "OLMoE always normalises q and k"),
-            (
-                "model.qk_norm_scope",
-                m.qk_norm_scope,
-                m.qk_norm_scope == "projection",
-                "OLMoE normalises the whole q (k) projection (allowed: projection)",
-            ),
+            *projection_norm_attention_checks(m, "OLMoE"),
             ("model.head_dim", m.head_dim, m.head_dim is None, "head_dim = hidden_size / num_attention_heads"),
             ("model.attn_out_bias", m.attn_out_bias, m.attn_out_bias == m.qkv_bias, "attention_bias covers q/k/v/o"),
-            ("model.attn_output_gate", m.attn_output_gate, not m.attn_output_gate, "no attention output gate"),
-            ("model.attn_sinks", m.attn_sinks, not m.attn_sinks, "no attention sinks"),
-            ("model.sliding_window", m.sliding_window, m.sliding_window is None, "no sliding window"),
-            ("model.norm_zero_centered", m.norm_zero_centered, not m.norm_zero_centered, "plain RMSNorm only"),
             ("model.partial_rotary_factor", m.partial_rotary_factor, m.partial_rotary_factor == 1.0, "full rotary"),
-            ("model.activation", m.activation, m.activation == "swiglu", "SwiGLU only"),
-            ("model.mtp_num_layers", m.mtp_num_layers, m.mtp_num_layers == 0, "no multi-token prediction"),
             ("moe.num_experts", e.num_experts, e.num_experts > 0, "needs routed experts"),
             ("moe.layer_freq", e.layer_freq, all(moe_pattern(cfg)), "every OLMoE layer is MoE"),
             (
