@@ -39,8 +39,6 @@ def check_layout(cfg: Config) -> None:
             raise ConfigError(
                 "parallel.fsdp=true shards the optimizer state itself; use parallel.distributed_optimizer=false"
             )
-        if cfg.train.precision == "fp16":
-            raise ConfigError("train.precision='fp16' is not supported with parallel.fsdp=true; use fp32 or bf16")
     if p.distributed_optimizer and cfg.train.precision == "fp16":
         raise ConfigError(
             "train.precision='fp16' is not supported with parallel.distributed_optimizer=true; use bf16 or fp32"

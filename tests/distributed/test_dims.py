@@ -70,10 +70,6 @@ def test_invalid_layouts_are_refused_naming_the_field(par, world, kwargs, messag
             {"parallel.fsdp": True, "parallel.distributed_optimizer": True},
             "parallel.fsdp=true shards the optimizer state itself",
         ),
-        (
-            {"train.precision": "fp16", "parallel.fsdp": True},
-            "train.precision='fp16' is not supported with parallel.fsdp",
-        ),
         ({"parallel.cp": 2, "train.seq_length": 18}, "train.seq_length=18 is not divisible by 2"),
         (
             {"parallel.cp": 2, "model.attention_dropout": 0.1},
