@@ -282,6 +282,13 @@ class DistributedOptimizer:
             b.shard_grad = None
         self.inner.zero_grad(set_to_none=True)
 
+    def expose_shard_grads(self) -> None:
+        """Give each master shard its bucket's reduced gradient as `.grad` (the same tensor), so that code working on
+        an optimizer's parameters sees the gradients this rank steps: fp16's `GradScaler.unscale_` unscales them in
+        place, and `clip_grad_norm` / `step` then read the unscaled shards."""
+        for i, b in enumerate(self._ready_buckets()):
+            self.master[i].grad = b.shard_grad
+
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float, uncounted: Collection[int] = ()) -> torch.Tensor:
         """Global L2 norm of the (reduced, sharded) gradient, every element counted once; scale to max_norm.

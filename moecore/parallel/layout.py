@@ -39,10 +39,6 @@ def check_layout(cfg: Config) -> None:
             raise ConfigError(
                 "parallel.fsdp=true shards the optimizer state itself; use parallel.distributed_optimizer=false"
             )
-    if p.distributed_optimizer and cfg.train.precision == "fp16":
-        raise ConfigError(
-            "train.precision='fp16' is not supported with parallel.distributed_optimizer=true; use bf16 or fp32"
-        )
     if (p.ep > 1 or p.etp > 1) and not e.num_experts:
         raise ConfigError(f"parallel.ep={p.ep}, parallel.etp={p.etp} need MoE layers (moe.num_experts > 0); use 1")
     if e.num_experts and e.num_experts % p.ep:

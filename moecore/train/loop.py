@@ -269,7 +269,7 @@ class Trainer:
         pipe.sync_shared_grads()
         rt.finish_grad_sync(model)
         if rt.scaler is not None:
-            rt.scaler.unscale_(self.optimizer)
+            rt.unscale_gradients()
         grad_norm = clip_grad_norm_pipeline(pipe, cfg.optim.clip_grad, self.optimizer, rt.grad_reducer)
         rt.agree_on_overflow(grad_norm)  # fp16: every stage skips an overflowing step, or none
         # Non-finite check and stop-signal agreement (train/guards.py). The loss lives on the last stage

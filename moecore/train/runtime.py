@@ -126,10 +126,17 @@ class Runtime:
         otherwise the gradients are scaled in place.
         """
         if self.scaler is not None:
-            self.scaler.unscale_(self._optimizer)
+            self.unscale_gradients()
         norm = self._clipped_norm(model, max_norm)
         self.agree_on_overflow(norm)
         return norm
+
+    def unscale_gradients(self) -> None:
+        """fp16: divide this step's gradients by the loss scale (the distributed optimizer's are its shards)."""
+        expose = getattr(self._optimizer, "expose_shard_grads", None)
+        if expose is not None:
+            expose()
+        self.scaler.unscale_(self._optimizer)
 
     def agree_on_overflow(self, grad_norm: float | torch.Tensor) -> None:
         """fp16: make the loss scaler's overflow finding the same on every rank, from the global gradient norm.

@@ -119,17 +119,19 @@ def test_torchrun_bf16_equals_one_process(tmp_path):
                 assert abs(g[key] - r[key]) <= tol * abs(r[key]), (run_dir.name, key, r["step"], r[key], g[key])
 
 
-def test_torchrun_fp16_with_fsdp_follows_one_process(tmp_path):
-    """train.precision=fp16 (autocast over fp32 parameters, dynamic loss scaling) with FSDP2 on 2 ranks: the scaler
-    unscales the sharded gradients, and whether a step overflowed comes from the global norm. Against the one-process
-    fp16 run, three steps: measured losses equal, grad norms within 1.1e-7 (fp32 sums in another order; plain dp2
-    gives FSDP2's numbers to the bit), bound 1e-5."""
+@pytest.mark.parametrize("sharding", ["parallel.fsdp=true", "parallel.distributed_optimizer=true"])
+def test_torchrun_fp16_with_sharded_state_follows_one_process(tmp_path, sharding):
+    """train.precision=fp16 (autocast over fp32 parameters, dynamic loss scaling) on 2 ranks with FSDP2 or the
+    distributed optimizer: the scaler unscales the sharded gradients (FSDP2's DTensors; the distributed optimizer's
+    reduced shards, given to its master shards as `.grad`), and whether a step overflowed comes from the global norm.
+    Against the one-process fp16 run, three steps: measured losses equal, grad norms within 1.1e-7 (fp32 sums in
+    another order; plain dp2 gives the same numbers to the bit, under either), bound 1e-5."""
     fp16 = [*COMMON, "train.steps=3", "train.global_batch_size=8", "train.precision=fp16", "checkpoint.interval=0"]
-    one, fsdp = tmp_path / "one", tmp_path / "fsdp"
+    one, sharded = tmp_path / "one", tmp_path / "sharded"
     train_forked([*fp16, f"train.run_dir={one}"])
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moecore", "train"]
-    run_cli([*torchrun, *fp16, f"train.run_dir={fsdp}", "parallel.fsdp=true"])
-    ref, got = read_metrics(one), read_metrics(fsdp)
+    run_cli([*torchrun, *fp16, f"train.run_dir={sharded}", sharding])
+    ref, got = read_metrics(one), read_metrics(sharded)
     assert [m["step"] for m in got] == [1, 2, 3] and "skipped" not in got[0]
     for r, g in zip(ref, got):
         for key in ("loss", "grad_norm"):

@@ -197,18 +197,6 @@ def test_checkpoint_reshards(results, where, name):
     assert loss <= TOL and norm <= TOL, (name, loss, norm)
 
 
-@pytest.mark.parametrize(("field", "value"), [("train.precision", "fp16")])
-def test_unsupported_combinations_are_refused(field, value):
-    from moecore.config import ConfigError
-    from moecore.parallel.layout import check_layout
-
-    cfg = zh.layout({}, dist_opt=True)
-    section, name = field.split(".")
-    setattr(getattr(cfg, section), name, value)
-    with pytest.raises(ConfigError, match=f"^{field}=.*parallel.distributed_optimizer=true"):
-        check_layout(cfg)
-
-
 @pytest.mark.parametrize(
     ("world", "name", "dp"),
     [
