@@ -9,6 +9,7 @@ from moecore.config.errors import _check_choice, _check_range, _fail
 MODEL_FAMILIES = (
     "moecore", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "qwen3_next",
     "glm4_moe", "gpt_oss", "qwen3_5_moe_text", "glm4_moe_lite", "minimax_m2", "glm_moe_dsa", "olmoe",
+    "dots1",
 )  # fmt: skip
 
 
