@@ -66,8 +66,8 @@ class _InjectLossGrad(torch.autograd.Function):
     """Identity on `x`; in backward the scalar `loss` receives gradient `scale` (it joins the objective)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+        ctx.scale = scale  # a float, or a 0-dim tensor (fp16: it carries the loss scale)
         ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
         # A contiguous copy, not a view: torch sends it as is and its zero-bubble backward detaches stage
         # outputs in place.
@@ -76,7 +76,8 @@ class _InjectLossGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         shape, dtype, device = ctx.loss_meta
-        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+        # as_tensor + expand, not torch.full: a tensor scale stays on the device (full would read it on the host)
+        return grad, torch.as_tensor(ctx.scale, dtype=dtype, device=device).expand(shape).clone(), None
 
 
 class _CountInFlight(torch.autograd.Function):

@@ -28,18 +28,12 @@ from moecore.hf.families.common import (
     base_config,
     base_to_hf,
     embed_maps,
-    num_experts,
     qk_norm_scope_checks,
     refuse_export_unless,
     validated,
 )
-from moecore.hf.families.glm4_moe import (
-    dense_then_moe,
-    layer_maps,
-    sigmoid_router_checks,
-    sigmoid_router_from_hf,
-    sigmoid_router_to_hf,
-)
+from moecore.hf.families.glm4_moe import deepseek_moe_checks, deepseek_moe_from_hf, deepseek_moe_to_hf, layer_maps
+from moecore.hf.families.qwen2_moe import one_window
 
 MODEL_TYPE = "dots1"
 ARCHITECTURE = "Dots1ForCausalLM"
@@ -83,41 +77,25 @@ def _sliding_window(f: HFFields, num_layers: int) -> int | None:
         ]
     if not isinstance(types, list) or len(types) != num_layers:
         f.refuse("layer_types", types, f"a list with one entry per layer ({num_layers})")
-    if any(t not in ("full_attention", "sliding_attention") for t in types):
-        f.refuse("layer_types", types, "allowed: 'full_attention' | 'sliding_attention'")
-    if len(set(types)) > 1:
-        f.refuse("layer_types", types, "sliding and full attention mixed across layers is not supported")
-    if types[0] == "full_attention":
-        return None
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        f.refuse("sliding_window", window, "an integer >= 1")
-    return window
+    return one_window(f, types, window)
 
 
 def config_from_hf(hf: dict) -> Config:
     """config.json -> Config, refusing (one line naming the field) what transformers' Dots1 does not compute."""
     f = HFFields(hf, MODEL_TYPE, DEFAULTS)
     cfg = base_config(f)
-    m, e = cfg.model, cfg.moe
+    m = cfg.model
     m.qkv_bias = m.attn_out_bias = f.expect("attention_bias", (True, False))
     m.qk_norm = True
     m.sliding_window = _sliding_window(f, m.num_layers)
-    e.num_experts = num_experts(f, "n_routed_experts", "num_local_experts")
-    e.ffn_hidden_size = f.integer("moe_intermediate_size")
-    shared = f.integer("n_shared_experts", lo=0) if f.get("n_shared_experts") is not None else 0
-    e.shared_expert_intermediate_size = shared * e.ffn_hidden_size or None
-    e.shared_expert_gate = False
-    e.first_k_dense_replace = f.integer("first_k_dense_replace", lo=0)
-    e.layer_freq = 1
-    sigmoid_router_from_hf(f, cfg)
+    deepseek_moe_from_hf(f, cfg)
     f.finish()
     return validated(cfg)
 
 
 def config_to_hf(cfg: Config) -> dict:
     """Our Config -> config.json, refusing options Dots1ForCausalLM cannot express."""
-    m, e = cfg.model, cfg.moe
-    shared = e.shared_expert_intermediate_size or 0
+    m = cfg.model
     refuse_export_unless(
         MODEL_TYPE,
         [
@@ -132,21 +110,7 @@ def config_to_hf(cfg: Config) -> dict:
             ("model.partial_rotary_factor", m.partial_rotary_factor, m.partial_rotary_factor == 1.0, "full rotary"),
             ("model.activation", m.activation, m.activation == "swiglu", "SwiGLU only"),
             ("model.mtp_num_layers", m.mtp_num_layers, m.mtp_num_layers == 0, "no multi-token prediction"),
-            ("moe.num_experts", e.num_experts, e.num_experts > 0, "needs routed experts"),
-            ("moe.layer_freq", e.layer_freq, dense_then_moe(cfg), "every layer after moe.first_k_dense_replace is MoE"),
-            *sigmoid_router_checks(e),
-            (
-                "moe.shared_expert_gate",
-                e.shared_expert_gate,
-                not e.shared_expert_gate,
-                "the shared experts are ungated",
-            ),
-            (
-                "moe.shared_expert_intermediate_size",
-                shared,
-                shared % e.ffn_hidden_size == 0,
-                "a multiple of moe.ffn_hidden_size",
-            ),
+            *deepseek_moe_checks(cfg),
         ],
     )
     n = m.num_layers
@@ -156,12 +120,7 @@ def config_to_hf(cfg: Config) -> dict:
         "sliding_window": m.sliding_window,
         "max_window_layers": 0 if m.sliding_window is not None else n,
         "layer_types": ["sliding_attention" if m.sliding_window is not None else "full_attention"] * n,
-        "n_routed_experts": e.num_experts,
-        "num_experts_per_tok": e.router_topk,
-        "moe_intermediate_size": e.ffn_hidden_size,
-        "n_shared_experts": shared // e.ffn_hidden_size,
-        "first_k_dense_replace": e.first_k_dense_replace,
-        **sigmoid_router_to_hf(e),
+        **deepseek_moe_to_hf(cfg),
     }
 
 

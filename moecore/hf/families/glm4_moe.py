@@ -161,6 +161,51 @@ def sigmoid_router_to_hf(e: MoEConfig) -> dict:
     }
 
 
+def deepseek_moe_from_hf(f: HFFields, cfg: Config) -> None:
+    """The MoE fields GLM-4.5 and dots.llm1 share with DeepSeek-V3 (`n_routed_experts`, `moe_intermediate_size`,
+    `n_shared_experts` fused into one ungated SwiGLU, `first_k_dense_replace`, the sigmoid router) onto `cfg.moe`."""
+    e = cfg.moe
+    e.num_experts = num_experts(f, "n_routed_experts", "num_local_experts")
+    e.ffn_hidden_size = f.integer("moe_intermediate_size")
+    shared = 0 if f.get("n_shared_experts") is None else f.integer("n_shared_experts", lo=0)
+    e.shared_expert_intermediate_size = shared * e.ffn_hidden_size or None
+    e.shared_expert_gate = False
+    e.first_k_dense_replace = f.integer("first_k_dense_replace", lo=0)
+    e.layer_freq = 1
+    sigmoid_router_from_hf(f, cfg)
+
+
+def deepseek_moe_checks(cfg: Config) -> list[tuple]:
+    """`refuse_export_unless` checks of what `deepseek_moe_from_hf` reads."""
+    e = cfg.moe
+    shared = e.shared_expert_intermediate_size or 0
+    return [
+        ("moe.num_experts", e.num_experts, e.num_experts > 0, "needs routed experts"),
+        ("moe.layer_freq", e.layer_freq, dense_then_moe(cfg), "every layer after moe.first_k_dense_replace is MoE"),
+        *sigmoid_router_checks(e),
+        ("moe.shared_expert_gate", e.shared_expert_gate, not e.shared_expert_gate, "the shared experts are ungated"),
+        (
+            "moe.shared_expert_intermediate_size",
+            shared,
+            shared % e.ffn_hidden_size == 0,
+            "a multiple of moe.ffn_hidden_size",
+        ),
+    ]
+
+
+def deepseek_moe_to_hf(cfg: Config) -> dict:
+    """The config.json fields of `deepseek_moe_from_hf` (its reverse)."""
+    e = cfg.moe
+    return {
+        "n_routed_experts": e.num_experts,
+        "num_experts_per_tok": e.router_topk,
+        "moe_intermediate_size": e.ffn_hidden_size,
+        "n_shared_experts": (e.shared_expert_intermediate_size or 0) // e.ffn_hidden_size,
+        "first_k_dense_replace": e.first_k_dense_replace,
+        **sigmoid_router_to_hf(e),
+    }
+
+
 def config_from_hf(hf: dict, available: Collection[str] | None = None) -> Config:
     """config.json -> Config; with `available` (the checkpoint's tensor names), MTP modules it lacks are dropped."""
     hf, partial = split_partial_rotary(hf, DEFAULTS["partial_rotary_factor"])
@@ -174,14 +219,7 @@ def config_from_hf(hf: dict, available: Collection[str] | None = None) -> Config
     if f.get("moe_layer_freq", 1) != 1:  # transformers makes every layer after the dense ones MoE
         f.refuse("moe_layer_freq", f.hf["moe_layer_freq"], "allowed: 1")
 
-    e.num_experts = num_experts(f, "n_routed_experts", "num_local_experts")
-    e.ffn_hidden_size = f.integer("moe_intermediate_size")
-    shared = f.integer("n_shared_experts", lo=0)
-    e.shared_expert_intermediate_size = shared * e.ffn_hidden_size or None
-    e.shared_expert_gate = False
-    e.first_k_dense_replace = f.integer("first_k_dense_replace", lo=0)
-    e.layer_freq = 1
-    sigmoid_router_from_hf(f, cfg)
+    deepseek_moe_from_hf(f, cfg)
     glm_balancing(e)
     m.mtp_num_layers = mtp_count(f, m.num_layers, available, DEFAULTS["num_nextn_predict_layers"])
     f.finish()
@@ -196,8 +234,7 @@ def dense_then_moe(cfg: Config) -> bool:
 
 def config_to_hf(cfg: Config) -> dict:
     """Our Config -> config.json, refusing options Glm4MoeForCausalLM cannot express."""
-    m, e = cfg.model, cfg.moe
-    shared = e.shared_expert_intermediate_size or 0
+    m = cfg.model
     refuse_export_unless(
         MODEL_TYPE,
         [
@@ -210,21 +247,7 @@ def config_to_hf(cfg: Config) -> dict:
             ("model.sliding_window", m.sliding_window, m.sliding_window is None, "no sliding window"),
             ("model.activation", m.activation, m.activation == "swiglu", "SwiGLU only"),
             *qk_norm_scope_checks(m),
-            ("moe.num_experts", e.num_experts, e.num_experts > 0, "needs routed experts"),
-            ("moe.layer_freq", e.layer_freq, dense_then_moe(cfg), "every layer after moe.first_k_dense_replace is MoE"),
-            *sigmoid_router_checks(e),
-            (
-                "moe.shared_expert_gate",
-                e.shared_expert_gate,
-                not e.shared_expert_gate,
-                "the shared experts are ungated",
-            ),
-            (
-                "moe.shared_expert_intermediate_size",
-                shared,
-                shared % e.ffn_hidden_size == 0,
-                "a multiple of moe.ffn_hidden_size",
-            ),
+            *deepseek_moe_checks(cfg),
         ],
     )
     return {
@@ -232,12 +255,7 @@ def config_to_hf(cfg: Config) -> dict:
         "partial_rotary_factor": m.partial_rotary_factor,
         "attention_bias": m.qkv_bias,
         "use_qk_norm": m.qk_norm,
-        "n_routed_experts": e.num_experts,
-        "num_experts_per_tok": e.router_topk,
-        "moe_intermediate_size": e.ffn_hidden_size,
-        "n_shared_experts": shared // e.ffn_hidden_size,
-        "first_k_dense_replace": e.first_k_dense_replace,
-        **sigmoid_router_to_hf(e),
+        **deepseek_moe_to_hf(cfg),
         "num_nextn_predict_layers": m.mtp_num_layers,
     }
 

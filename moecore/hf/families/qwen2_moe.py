@@ -77,6 +77,12 @@ def sliding_window_from_hf(f: HFFields, num_layers: int, derive_types: bool) -> 
         ]
     if types is None:
         types = ["sliding_attention"] * num_layers
+    return one_window(f, types, window)
+
+
+def one_window(f: HFFields, types: list, window) -> int | None:
+    """The window of per-layer `layer_types` that are all one kind: None when every layer is full, the checked
+    `sliding_window` when every layer slides; other kinds and mixed layers are refused."""
     for t in types:
         if t not in ("full_attention", "sliding_attention"):
             f.refuse("layer_types", t, "allowed: 'full_attention' | 'sliding_attention'")
