@@ -9,7 +9,7 @@ from moecore.config.errors import _check_choice, _check_range, _fail
 MODEL_FAMILIES = (
     "moecore", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "qwen3_next",
     "glm4_moe", "gpt_oss", "qwen3_5_moe_text", "glm4_moe_lite", "minimax_m2", "glm_moe_dsa", "olmoe",
-    "dots1",
+    "dots1", "deepseek_v4",
 )  # fmt: skip
 
 
@@ -25,7 +25,9 @@ class ModelConfig:
     num_kv_heads: int = 2
     head_dim: int | None = None  # None: hidden_size // num_attention_heads
     ffn_hidden_size: int = 352  # dense SwiGLU MLP width (dense layers)
-    activation: str = "swiglu"  # swiglu | gelu | swiglu_clamped (gpt-oss experts) (dense MLP and experts)
+    # swiglu | gelu | swiglu_clamped (gpt-oss experts) | swiglu_clipped (DeepSeek-V4: gate <= swiglu_limit, up
+    # within +-swiglu_limit, then the plain SwiGLU; experts and shared experts)
+    activation: str = "swiglu"
     norm_eps: float = 1e-6
     norm_zero_centered: bool = False  # RMSNorm weight stored as an offset from 1 (Qwen3-Next)
     max_position_embeddings: int = 4096
@@ -51,6 +53,24 @@ class ModelConfig:
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     rope_interleave: bool = True  # MLA checkpoints store rope dims interleaved
+    # DeepSeek-V4 (attention_type=compressed, moecore/models/compressed_attention.py): one shared key/value head,
+    # a sliding window over the layer's own tokens plus compressed entries: per layer (layer_types) none
+    # (sliding_attention), one per csa_compress_rate tokens picked by a lightning indexer (compressed_sparse_attention)
+    # or one per hca_compress_rate tokens, all visible (heavily_compressed_attention). Compressed layers rotate with
+    # compress_rope_theta / compress_rope_scaling. The output projection is grouped: o_groups blocks of heads, each to
+    # o_lora_rank channels, then one linear to the hidden size. Learned attention sinks on every layer.
+    csa_compress_rate: int = 4
+    hca_compress_rate: int = 128
+    compress_rope_theta: float = 160000.0
+    compress_rope_scaling: dict | None = None
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    # Manifold-constrained hyper-connections (DeepSeek-V4, moecore/models/hyper_connections.py): hc_mult residual
+    # streams mixed by per-token weights, the mixing matrix made doubly stochastic by hc_sinkhorn_iters Sinkhorn
+    # iterations. 1: the plain residual.
+    hc_mult: int = 1
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
     # DeepSeek sparse attention (attention_type=dsa): indexer heads, their size, tokens kept per query,
     # training stage (dense_warmup: dense attention, only the indexer trained; sparse) and the KL loss weight.
     index_n_heads: int = 64
@@ -64,7 +84,8 @@ class ModelConfig:
     indexer_rope_interleave: bool = False
     indexer_types: list | None = None
     # Per-layer attention kind, one entry per layer: full_attention | linear_attention (Qwen3-Next hybrid)
-    # | sliding_attention (gpt-oss: model.sliding_window on that layer only).
+    # | sliding_attention (gpt-oss: model.sliding_window on that layer only); with attention_type=compressed:
+    # sliding_attention | compressed_sparse_attention | heavily_compressed_attention.
     layer_types: list | None = None
     linear_num_key_heads: int = 2
     linear_num_value_heads: int = 4
@@ -121,7 +142,7 @@ class ModelConfig:
                 self.num_attention_heads,
                 f"must divide model.hidden_size={self.hidden_size} (or set model.head_dim)",
             )
-        _check_choice("model.activation", self.activation, ("swiglu", "gelu", "swiglu_clamped"))
+        _check_choice("model.activation", self.activation, ("swiglu", "gelu", "swiglu_clamped", "swiglu_clipped"))
         _check_range("model.swiglu_limit", self.swiglu_limit, 0.0)
         if self.activation == "swiglu_clamped" and not self.expert_linear_bias:
             _fail(
@@ -134,7 +155,7 @@ class ModelConfig:
         _check_choice("model.qk_norm_scope", self.qk_norm_scope, ("head", "projection"))
         if self.qk_norm_scope == "projection" and not self.qk_norm:
             _fail("model.qk_norm_scope", self.qk_norm_scope, "needs model.qk_norm=true")
-        _check_choice("model.attention_type", self.attention_type, ("gqa", "mla", "dsa"))
+        _check_choice("model.attention_type", self.attention_type, ("gqa", "mla", "dsa", "compressed"))
         _check_choice("model.dsa_stage", self.dsa_stage, ("dense_warmup", "sparse"))
         _check_range("model.dsa_indexer_loss_coeff", self.dsa_indexer_loss_coeff, 0.0)
         if self.attention_type == "dsa":
@@ -155,6 +176,7 @@ class ModelConfig:
                     f"must be >= model.qk_rope_head_dim={self.qk_rope_head_dim}",
                 )
         self._validate_indexer_types()
+        self._validate_compressed()
         _check_choice(
             "model.attention_backend", self.attention_backend, ("auto", "flash", "cudnn", "efficient", "math")
         )
@@ -182,12 +204,38 @@ class ModelConfig:
                     self.layer_types,
                     f"needs one entry per layer (model.num_layers={self.num_layers})",
                 )
+            kinds = ("full_attention", "linear_attention", "sliding_attention")
+            if self.attention_type == "compressed":
+                kinds = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
             for t in self.layer_types:
-                _check_choice("model.layer_types", t, ("full_attention", "linear_attention", "sliding_attention"))
+                _check_choice("model.layer_types", t, kinds)
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 _fail(
                     "model.sliding_window", None, "set a window for the sliding_attention entries of model.layer_types"
                 )
+
+    def _validate_compressed(self) -> None:
+        """DeepSeek-V4's attention (attention_type=compressed) and hyper-connections."""
+        _check_range("model.hc_mult", self.hc_mult, 1)
+        _check_range("model.hc_sinkhorn_iters", self.hc_sinkhorn_iters, 1)
+        _check_range("model.hc_eps", self.hc_eps, 0.0)
+        if self.attention_type != "compressed":
+            return
+        for name in ("csa_compress_rate", "hca_compress_rate", "o_groups", "o_lora_rank", "index_n_heads",
+                     "index_head_dim", "index_topk"):  # fmt: skip
+            _check_range(f"model.{name}", getattr(self, name), 1)
+        if self.q_lora_rank is None:
+            _fail("model.q_lora_rank", None, "model.attention_type=compressed needs the q LoRA rank")
+        if self.sliding_window is None:
+            _fail("model.sliding_window", None, "model.attention_type=compressed needs the local window")
+        if self.layer_types is None:
+            _fail("model.layer_types", None, "model.attention_type=compressed needs one attention kind per layer")
+        heads = self.num_attention_heads
+        if heads % self.o_groups:
+            _fail("model.o_groups", self.o_groups, f"must divide model.num_attention_heads={heads}")
+        rope = self.qk_rope_head_dim
+        if rope % 2 or rope > min(self.resolved_head_dim, self.index_head_dim):
+            _fail("model.qk_rope_head_dim", rope, "must be even and at most model.head_dim and model.index_head_dim")
 
     def _validate_indexer_types(self) -> None:
         """GLM-5's per-layer indexer kinds and indexer RoPE layout (DSA layers only)."""

@@ -15,7 +15,7 @@ class MoEConfig:
 
     num_experts: int = 8  # 0: no MoE layers (dense model)
     router_topk: int = 2
-    router_score_function: str = "softmax"  # softmax | sigmoid
+    router_score_function: str = "softmax"  # softmax | sigmoid | sqrtsoftplus (DeepSeek-V4: sqrt(softplus(logit)))
     router_pre_softmax: bool = False  # softmax over all experts before top-k (else softmax over the top-k)
     norm_topk_prob: bool = True  # renormalise the top-k weights to sum to one
     router_topk_scaling_factor: float | None = None  # multiply the routing weights (routed_scaling_factor)
@@ -38,6 +38,9 @@ class MoEConfig:
     shared_expert_gate: bool = False  # sigmoid gate on the shared expert output (Qwen2-MoE)
     layer_freq: Any = 1  # int N: every N-th layer is MoE; or a list of 0/1 per layer
     first_k_dense_replace: int = 0  # the first k layers are dense (DeepSeek)
+    # DeepSeek-V4's hash routing: the first n MoE layers pick their experts from a fixed table of the token id
+    # (`router.tid2eid` [vocab, top-k]); their learned router only weighs the picked experts
+    num_hash_layers: int = 0
     token_dispatcher_type: str = "alltoall"  # allgather | alltoall
     grouped_gemm: bool = (
         True  # grouped GEMM where it runs (fused expert FFN kernels on CUDA); a loop of GEMMs otherwise
@@ -103,7 +106,8 @@ class MoEConfig:
         if self.num_experts == 0:
             return
         _check_range("moe.router_topk", self.router_topk, 1, self.num_experts)
-        _check_choice("moe.router_score_function", self.router_score_function, ("softmax", "sigmoid"))
+        _check_choice("moe.router_score_function", self.router_score_function, ("softmax", "sigmoid", "sqrtsoftplus"))
+        _check_range("moe.num_hash_layers", self.num_hash_layers, 0)
         _check_choice("moe.router_dtype", self.router_dtype, ("fp32", "fp64"))
         _check_choice("moe.token_drop_policy", self.token_drop_policy, ("probs", "position"))
         _check_choice("moe.token_dispatcher_type", self.token_dispatcher_type, ("allgather", "alltoall"))

@@ -75,6 +75,7 @@ class Config:
         if self.train.exit_interval is not None and self.train.exit_interval > self.train.steps:
             _fail("train.exit_interval", self.train.exit_interval, f"must be <= train.steps={self.train.steps}")
         _validate_moe_perf(self)
+        _validate_deepseek_v4(self)
         if self.train.precision == "fp8":
             check_fp8_dims(self)
             _check_fp8_combinations(self)
@@ -145,6 +146,31 @@ def _validate_moe_perf(cfg: Config) -> None:
         recompute_moe = "moe" in m.recompute_modules or m.recompute_granularity == "full"
         if recompute_moe and e.router_enable_expert_bias:
             refuse("with expert bias cannot recompute the MoE block (its token counts would be added twice)")
+
+
+def _validate_deepseek_v4(cfg: Config) -> None:
+    """DeepSeek-V4's parts (compressed attention, hyper-connections, hash routing) with what they run under."""
+    m, e, p, t = cfg.model, cfg.moe, cfg.parallel, cfg.train
+    parts = [
+        (m.attention_type == "compressed", "model.attention_type", "compressed"),
+        (m.hc_mult > 1, "model.hc_mult", m.hc_mult),
+        (e.num_experts > 0 and e.num_hash_layers > 0, "moe.num_hash_layers", e.num_hash_layers),
+    ]
+    for used, name, value in parts:
+        if not used:
+            continue
+        if p.tp > 1 or p.cp > 1 or p.pp > 1 or p.fsdp:
+            _fail(name, value, "runs with data and expert parallel only: parallel.tp, cp, pp = 1, fsdp=false")
+        if t.cuda_graphs != "none":
+            _fail(name, value, "does not run under CUDA graphs: train.cuda_graphs=none")
+        if m.mtp_num_layers:
+            _fail(name, value, "has no multi-token prediction blocks: model.mtp_num_layers=0")
+        if cfg.optim.muon_qk_clip and name == "model.attention_type":
+            _fail(name, value, "does not record attention logits for optim.muon_qk_clip")
+    if e.num_experts and e.num_hash_layers:
+        moe_layers = sum(e.is_moe_layer(i, m.num_layers) for i in range(m.num_layers))
+        if e.num_hash_layers > moe_layers:
+            _fail("moe.num_hash_layers", e.num_hash_layers, f"exceeds the model's {moe_layers} MoE layers")
 
 
 def check_fp8_dims(cfg: Config) -> None:

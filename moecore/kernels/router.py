@@ -443,7 +443,7 @@ class _FusedRouterFn(torch.autograd.Function):
 def kernel_covers(spec: RouterSpec, num_experts: int) -> bool:
     """Whether the kernel implements these options for this many experts: group-limited routing needs a
     power-of-two expert count (so the groups are whole blocks of the kernel's tile)."""
-    if spec.topk > num_experts:
+    if spec.topk > num_experts or spec.score_function not in ("softmax", "sigmoid"):
         return False
     if spec.grouped:
         pow2 = next_pow2(num_experts) == num_experts

@@ -1,5 +1,10 @@
-"""gpt-oss's MoE block: a router with a learned logit bias and experts with biased projections and the
-clamped SwiGLU. Built on MoELayer (routing, dispatch, balancing losses, expert parallel are unchanged).
+"""MoE blocks whose experts are not the plain SwiGLU: gpt-oss's (a router with a learned logit bias, experts with
+biased projections and the clamped SwiGLU) and DeepSeek-V4's (no biases, the clipped SwiGLU, also in the shared
+expert). Built on MoELayer (routing, dispatch, balancing losses, expert parallel are unchanged).
+
+DeepSeek-V4's clipped SwiGLU (`model.activation=swiglu_clipped`, limit = model.swiglu_limit):
+
+    a = silu(min(g, limit)) * clamp(u, -limit, limit)
 
 Expert e applied to a row x (our layout: `w13` [E, 2F, H] gate rows then up rows, `b13` [E, 2F] the same
 order, `w2` [E, H, F], `b2` [E, H]):
@@ -37,6 +42,12 @@ from moecore.moe.router import TopKRouter
 from moecore.parallel.sharding import set_shard
 
 
+def clipped_swiglu(h: torch.Tensor, limit: float) -> torch.Tensor:
+    """[.., 2F] (gate half then up half) -> [.., F]: silu(min(g, limit)) * clamp(u, -limit, limit) (DeepSeek-V4)."""
+    g, u = h.chunk(2, dim=-1)
+    return F.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
+
+
 def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """[.., 2F] (gate half then up half) -> [.., F]: (clamp(u) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit)."""
     g, u = h.chunk(2, dim=-1)
@@ -46,36 +57,46 @@ def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
 
 
 class BiasedGroupedExperts(GroupedExperts):
-    """GroupedExperts plus `b13` [E, 2F] and `b2` [E, H], with the clamped SwiGLU (`clamped`) or the plain one."""
+    """GroupedExperts with `activation` swiglu | swiglu_clamped (gpt-oss) | swiglu_clipped (DeepSeek-V4), plus
+    `b13` [E, 2F] and `b2` [E, H] when `biased` (else both None)."""
 
     def __init__(
         self,
         num_experts: int,
         hidden_size: int,
         ffn_hidden_size: int,
-        clamped: bool,
+        activation: str,
         alpha: float,
         limit: float,
         init_std: float = 0.02,
         grouped_gemm: bool = True,
+        biased: bool = True,
     ) -> None:
         super().__init__(num_experts, hidden_size, ffn_hidden_size, "swiglu", init_std, grouped_gemm)
-        self.clamped, self.alpha, self.limit = clamped, alpha, limit
-        self.b13 = nn.Parameter(torch.zeros(num_experts, 2 * ffn_hidden_size))
-        self.b2 = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.kind, self.alpha, self.limit = activation, alpha, limit
+        self.b13 = nn.Parameter(torch.zeros(num_experts, 2 * ffn_hidden_size)) if biased else None
+        self.b2 = nn.Parameter(torch.zeros(num_experts, hidden_size)) if biased else None
         self.b2_columns: tuple[int, int] | None = None  # expert tensor parallel: the hidden columns b2 holds
 
     def reset_parameters(self) -> None:
         """Matrices N(0, init_std) as GroupedExperts does at construction; biases zero."""
-        nn.init.zeros_(self.b13)
-        nn.init.zeros_(self.b2)
+        if self.b13 is not None:
+            nn.init.zeros_(self.b13)
+            nn.init.zeros_(self.b2)
 
     def _act(self, h: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
-        a = clamped_swiglu(h, self.alpha, self.limit) if self.clamped else activation_fn(h, "swiglu")
+        if self.kind == "swiglu_clamped":
+            a = clamped_swiglu(h, self.alpha, self.limit)
+        elif self.kind == "swiglu_clipped":
+            a = clipped_swiglu(h, self.limit)
+        else:
+            a = activation_fn(h, "swiglu")
         return a if p is None else a * p.to(a.dtype).unsqueeze(-1)
 
-    def _down_bias(self, dtype: torch.dtype) -> torch.Tensor:
+    def _down_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
         """b2 [E, H] as this rank adds it: under expert tensor parallel its own columns, zero elsewhere."""
+        if self.b2 is None:
+            return None
         b2 = self.b2.to(dtype)
         if self.b2_columns is None:
             return b2
@@ -102,25 +123,32 @@ class BiasedGroupedExperts(GroupedExperts):
             )
             x = x_NH.contiguous()
             h = _ContiguousGrad.apply(torch._grouped_mm(x, self.w13.to(x.dtype).transpose(-2, -1), offs=offs))
-            h = h + self.b13.to(h.dtype)[expert_N]
+            if self.b13 is not None:
+                h = h + self.b13.to(h.dtype)[expert_N]
             a = self._activate(h, probs_N)
             y = _ContiguousGrad.apply(torch._grouped_mm(a, self.w2.to(a.dtype).transpose(-2, -1), offs=offs))
+            if self.b2 is None:
+                return y
             b2 = self._down_bias(y.dtype)[expert_N]
             return y + (b2 if probs_N is None else b2 * probs_N.to(y.dtype).unsqueeze(-1))
         self.last_path = "loop"
         outs, start = [], 0
         # per-expert views made once (unbind): indexing w[e] per expert would add a full-size zero gradient each
-        w13, b13, w2 = self.w13.unbind(0), self.b13.unbind(0), self.w2.unbind(0)
-        b2s = self._down_bias(self.b2.dtype).unbind(0)
+        w13, w2 = self.w13.unbind(0), self.w2.unbind(0)
+        b13 = self.b13.unbind(0) if self.b13 is not None else None
+        b2s = self._down_bias(self.b2.dtype).unbind(0) if self.b2 is not None else None
         for e, rows in enumerate(tokens_per_expert.tolist()):
             if rows == 0:
                 continue
             seg = x_NH[start : start + rows]
             p = None if probs_N is None else probs_N[start : start + rows]
-            a = self._activate(F.linear(seg, w13[e].to(seg.dtype), b13[e].to(seg.dtype)), p)
+            bias = None if b13 is None else b13[e].to(seg.dtype)
+            a = self._activate(F.linear(seg, w13[e].to(seg.dtype), bias), p)
             y = F.linear(a, w2[e].to(a.dtype))
-            b2 = b2s[e].to(y.dtype)
-            outs.append(y + (b2 if p is None else b2 * p.to(y.dtype).unsqueeze(-1)))
+            if b2s is not None:
+                b2 = b2s[e].to(y.dtype)
+                y = y + (b2 if p is None else b2 * p.to(y.dtype).unsqueeze(-1))
+            outs.append(y)
             start += rows
         return torch.cat(outs, dim=0) if outs else x_NH.new_zeros(0, self.hidden_size)
 
@@ -138,25 +166,29 @@ class BiasedTopKRouter(TopKRouter):
 
 
 class BiasedMoELayer(MoELayer):
-    """MoELayer with gpt-oss's router bias (`model.router_logit_bias`) and biased, clamped-SwiGLU experts."""
+    """MoELayer with gpt-oss's router bias (`model.router_logit_bias`) and biased, clamped-SwiGLU experts, or with
+    DeepSeek-V4's clipped-SwiGLU experts and shared experts (`model.activation=swiglu_clipped`)."""
 
     def __init__(self, cfg: Config, dims=None, recompute_act: bool = False, recompute_shared: bool = False) -> None:
         m, e = cfg.model, cfg.moe
-        if dims is not None and m.hidden_size % dims.etp:
+        if dims is not None and m.expert_linear_bias and m.hidden_size % dims.etp:
             raise ValueError(f"parallel.etp={dims.etp} does not divide model.hidden_size={m.hidden_size}")
         super().__init__(e, m.hidden_size, "swiglu", m.init_std, dims, recompute_act, recompute_shared)
         if m.router_logit_bias:
             self.router = BiasedTopKRouter(e, m.hidden_size, m.init_std)
             ep_util.mark_replicated_moe_params([self.router], dims)
-        if m.expert_linear_bias:
+        if m.expert_linear_bias or m.activation == "swiglu_clipped":
             old = self.experts
             self.experts = BiasedGroupedExperts(
-                old.num_experts, old.hidden_size, old.ffn_hidden_size, m.activation == "swiglu_clamped",
-                m.swiglu_alpha, m.swiglu_limit, m.init_std, e.grouped_gemm,
+                old.num_experts, old.hidden_size, old.ffn_hidden_size, m.activation,
+                m.swiglu_alpha, m.swiglu_limit, m.init_std, e.grouped_gemm, biased=m.expert_linear_bias,
             )  # fmt: skip
             self.experts.recompute_act = recompute_act
             ep_util.shard_expert_params(self.experts.w13, self.experts.w2, e.num_experts, e.ffn_hidden_size, True, dims)
-            self._shard_biases(e.num_experts, dims)
+            if m.expert_linear_bias:
+                self._shard_biases(e.num_experts, dims)
+        if m.activation == "swiglu_clipped" and self.shared_experts is not None:
+            self.shared_experts.clip_limit = m.swiglu_limit
 
     def _shard_biases(self, num_experts: int, dims) -> None:
         """b13 [E, 2F] split as w13's rows (experts over ep, FFN columns over etp); b2 [E, H] experts over ep, hidden

@@ -117,8 +117,17 @@ def rule_for(module: nn.Module, attr: str, param: torch.Tensor, init_std: float)
     # gpt-oss (models/biased_moe.py, models/attention.py): biased experts and router, attention sinks.
     if cls in ("BiasedGroupedExperts", "BiasedTopKRouter"):
         return normal if attr in ("w13", "w2", "weight") else KEEP  # b13, b2, bias: zeros
-    if cls == "Attention" and attr == "sinks":
+    if cls in ("Attention", "CompressedAttention") and attr == "sinks":
         return KEEP  # zeros
+    # DeepSeek-V4 (models/compressed_attention.py, models/hyper_connections.py)
+    if attr == "position_bias":  # the compressors' and the indexer's window-position gate bias: zeros
+        return KEEP
+    if cls == "HyperConnection":
+        return normal if attr == "fn" else KEEP  # base zeros, scale ones
+    if cls == "HyperHead":
+        return normal if attr == "hc_fn" else KEEP
+    if cls == "HashRouter" and attr == "weight":
+        return normal
     if isinstance(module, nn.LayerNorm):  # the DSA indexer's k_norm (models/dsa.py): ones and zeros
         return KEEP
     if cls == "GatedDeltaNet" and attr == "A_log":

@@ -71,6 +71,7 @@ class Absent(nn.Module):
 
     is_moe = False
     passes_topk = False
+    needs_token_ids = False
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("this layer is held by another pipeline stage")
@@ -93,6 +94,11 @@ class MoETransformer(nn.Module):
             DecoderLayer(cfg, i, dims) if parts.layers is None or i in parts.layers else Absent()
             for i in range(m.num_layers)
         )
+        self.hc_head = None  # DeepSeek-V4: collapses the hyper-connection streams (moecore/models/hyper_connections.py)
+        if m.hc_mult > 1 and parts.norm:
+            from moecore.models.hyper_connections import HyperHead
+
+            self.hc_head = HyperHead(m.hidden_size, m.hc_mult, m.hc_eps, m.norm_eps)
         self.norm = RMSNorm(m.hidden_size, m.norm_eps, m.norm_zero_centered) if parts.norm else None
         if self.norm is not None:
             tpl.mark_sequence_parallel(self.norm, dims)
@@ -163,11 +169,18 @@ class MoETransformer(nn.Module):
             else:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.embed(input_ids)
+        hc = self.cfg.model.hc_mult
+        if hc > 1:  # DeepSeek-V4: the embedding enters every hyper-connection stream
+            from moecore.models.hyper_connections import expand_streams
+
+            x = expand_streams(x, hc)
         auxes = []
         topk = None  # DSA with shared indexer layers: the top-k indices the last layer used (moecore/models/dsa.py)
         for layer in self.layers:
             # an explicit argument, so a checkpointed layer's recomputation sees the indices its forward saw
             args = (x, position_ids, loss_mask) + ((topk,) if layer.passes_topk else ())
+            if layer.needs_token_ids:  # hash-routed MoE layer (moecore/moe/router.py HashRouter)
+                args = (x, position_ids, loss_mask, None, input_ids)
             if self.full_recompute and self.training and torch.is_grad_enabled():
                 out = checkpoint_module(layer, *args)
             else:
@@ -178,6 +191,8 @@ class MoETransformer(nn.Module):
                 x, aux = out
             if aux is not None:
                 auxes.append((layer.layer_idx, aux))
+        if self.hc_head is not None:
+            x = self.hc_head(x)
         return x, auxes, position_ids
 
     def forward(

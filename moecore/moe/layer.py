@@ -73,7 +73,8 @@ def _in_backward() -> bool:
 
 
 class SharedExpertMLP(nn.Module):
-    """The always-on expert: down(silu(gate(x)) * up(x)), or down(gelu(up(x))) for GeLU."""
+    """The always-on expert: down(silu(gate(x)) * up(x)), or down(gelu(up(x))) for GeLU. With `clip_limit` L
+    (DeepSeek-V4), the SwiGLU's gate is clipped to <= L and its up projection to [-L, L] first."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "swiglu", init_std: float = 0.02):
         super().__init__()
@@ -84,8 +85,12 @@ class SharedExpertMLP(nn.Module):
         self.down_proj = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
         for p in self.parameters():
             nn.init.normal_(p, std=init_std)
+        self.clip_limit: float | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation == "swiglu" and self.clip_limit is not None:
+            lim = self.clip_limit
+            return self.down_proj(F.silu(self.gate_proj(x).clamp(max=lim)) * self.up_proj(x).clamp(-lim, lim))
         if self.activation == "swiglu":
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
@@ -147,10 +152,17 @@ class MoELayer(nn.Module):
         self.fused_router_impl = "auto"
 
     # ------------------------------------------------------------------ forward
-    def route(self, x: torch.Tensor, loss_mask: torch.Tensor | None, full_loss_mask: torch.Tensor | None) -> Routed:
+    def route(
+        self,
+        x: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+        full_loss_mask: torch.Tensor | None,
+        token_ids: torch.Tensor | None = None,
+    ) -> Routed:
         """Step 1 on this rank's tokens x [B, S, H]: the chosen experts, their weights, the routing losses.
 
         `full_loss_mask`: the whole micro-batch's mask (the balancing losses see it under tensor parallel).
+        `token_ids` [B, S]: the input's token ids, which a hash-routed layer (moe.num_hash_layers) routes by.
         """
         B, S, H = x.shape
         x_TH = x.reshape(B * S, H)
@@ -164,7 +176,7 @@ class MoELayer(nn.Module):
                 counts_GE = sums.counts_GE  # one segment: its row is the sum (no reduction launched)
                 counts_E = counts_GE[0] if counts_GE.shape[0] == 1 else counts_GE.sum(0)
                 return Routed(r.topk_idx_TK, r.topk_weight_TK, loss, stats, counts_E)
-            r = self.router(x_TH)
+            r = self.router(x_TH) if token_ids is None else self.router(x_TH, token_ids.reshape(B * S))
             loss_logits, loss_valid, loss_S = ep_util.router_logits_for_losses(
                 r.logits_TE, B, full_loss_mask, self.dims
             )
@@ -181,9 +193,14 @@ class MoELayer(nn.Module):
         return routed
 
     def forward(
-        self, x: torch.Tensor, loss_mask: torch.Tensor | None = None, routed: Routed | None = None
+        self,
+        x: torch.Tensor,
+        loss_mask: torch.Tensor | None = None,
+        routed: Routed | None = None,
+        token_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, MoELayerAux]:
-        """`routed`: step 1 already done (a captured CUDA graph of the router, moecore/models/cuda_graphs.py)."""
+        """`routed`: step 1 already done (a captured CUDA graph of the router, moecore/models/cuda_graphs.py).
+        `token_ids` [B, S]: for a hash-routed layer, the ids of x's tokens."""
         full_loss_mask = loss_mask
         x, loss_mask = ep_util.moe_tokens_enter(x, loss_mask, self.dims)  # tensor parallel: this rank's tokens
         B, S, H = x.shape
@@ -192,7 +209,7 @@ class MoELayer(nn.Module):
 
         # 1. route (the balancing losses see the whole micro-batch, also under tensor parallel)
         if routed is None:
-            routed = self.route(x, loss_mask, full_loss_mask)
+            routed = self.route(x, loss_mask, full_loss_mask, token_ids)
         idx_TK, weight_TK, loss, stats = routed.idx_TK, routed.weight_TK, routed.loss, dict(routed.stats)
         routed_counts_E = routed.counts_E  # this rank's routed counts when the fused router summed them
 

@@ -5,7 +5,8 @@ Legend for shape suffixes: T tokens, E experts, K experts per token (top-k), H h
 Order of operations (`topk_routing`), one token at a time:
 1. logits = x @ W_router^T, computed in `moe.router_dtype` (fp32 or fp64).
 2. scores: softmax over all experts (`router_pre_softmax`), the raw logits (softmax after top-k,
-   Megatron-Core's default), or sigmoid (`router_score_function=sigmoid`).
+   Megatron-Core's default), sigmoid (`router_score_function=sigmoid`) or sqrt(softplus(logit))
+   (`sqrtsoftplus`, DeepSeek-V4).
 3. selection scores = scores + expert bias (aux-loss-free balancing, DeepSeek-V3); the bias only
    chooses experts, the weights below never see it.
 4. group-limited routing (DeepSeek-V2/V3): experts form `router_num_groups` equal groups, each group
@@ -16,13 +17,14 @@ Order of operations (`topk_routing`), one token at a time:
    - softmax, pre-softmax: softmax(all)[idx], divided by their sum if `norm_topk_prob` (no epsilon,
      as Mixtral / Qwen-MoE in transformers);
    - softmax after top-k: softmax over the K selected logits (sums to one by construction);
-   - sigmoid: sigmoid[idx], divided by (their sum + 1e-20) if `norm_topk_prob` (DeepSeek-V3).
+   - sigmoid / sqrtsoftplus: score[idx], divided by (their sum + 1e-20) if `norm_topk_prob` (DeepSeek-V3, -V4).
 7. weights *= `router_topk_scaling_factor` (routed_scaling_factor) when set.
 
 Hugging Face equivalents: Mixtral = softmax, pre-softmax, renorm; Qwen2-MoE = softmax, pre-softmax,
 no renorm; Qwen3-MoE = softmax, pre-softmax, renorm; DeepSeek-V2 = softmax, pre-softmax, group `max`,
 no renorm, scaling; DeepSeek-V3 = sigmoid + expert bias (`e_score_correction_bias`), group `top2_sum`,
-renorm, scaling.
+renorm, scaling; DeepSeek-V4 = sqrtsoftplus + expert bias, no groups, renorm, scaling, and in its first layers
+hash routing (`HashRouter`: the experts come from a fixed table of the token id, the weights from the scores).
 
 The expert bias is updated once per optimizer step from the token counts accumulated over the
 micro-batches of that step: bias += rate * sign(mean(count) - count) (DeepSeek-V3, Wang et al. 2024,
@@ -101,8 +103,12 @@ def topk_routing(
         scores_TE = torch.softmax(logits_TE, dim=-1) if pre_softmax else logits_TE
     elif score_function == "sigmoid":
         scores_TE = torch.sigmoid(logits_TE)
+    elif score_function == "sqrtsoftplus":
+        scores_TE = torch.sqrt(torch.nn.functional.softplus(logits_TE))
     else:
-        raise ValueError(f"moe.router_score_function={score_function!r} is invalid: allowed: softmax | sigmoid")
+        raise ValueError(
+            f"moe.router_score_function={score_function!r} is invalid: allowed: softmax | sigmoid | sqrtsoftplus"
+        )
     if forced_idx_TK is not None:
         idx_TK = forced_idx_TK.to(device=logits_TE.device, dtype=torch.int64)
     else:
@@ -123,11 +129,14 @@ def topk_routing(
 def scores_for_balancing(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor:
     """Per-token scores over all experts that the balancing losses use (P in E * sum_i f_i P_i).
 
-    softmax: softmax of the logits; sigmoid: sigmoid scores divided by (their sum + 1e-20), so each
-    row sums to one (Megatron-Core's `compute_routing_scores_for_aux_loss`).
+    softmax: softmax of the logits; sigmoid (sqrtsoftplus): the scores divided by (their sum + 1e-20), so
+    each row sums to one (Megatron-Core's `compute_routing_scores_for_aux_loss`).
     """
     if score_function == "softmax":
         return torch.softmax(logits_TE, dim=-1)
+    if score_function == "sqrtsoftplus":
+        s = torch.sqrt(torch.nn.functional.softplus(logits_TE))
+        return s / (s.sum(dim=-1, keepdim=True) + 1e-20)
     s = torch.sigmoid(logits_TE)
     return s / (s.sum(dim=-1, keepdim=True) + 1e-20)
 
@@ -268,3 +277,48 @@ class TopKRouter(nn.Module):
         offset = counts.mean() - counts
         self.expert_bias += self.cfg.router_bias_update_rate * torch.sign(offset)
         self.local_tokens_per_expert.zero_()
+
+
+class HashRouter(TopKRouter):
+    """DeepSeek-V4's hash-routed layers: token t goes to the experts `tid2eid[token_id_t]` (a fixed table,
+    [vocab, top-k] int64, saved with the model), weighted by the learned router's scores at those experts
+    (step 6-7 of the module docstring). No expert bias: the table alone chooses.
+
+    A model trained from scratch gets a table drawn from `seed`: each token's top-k distinct experts uniformly
+    at random, the same on every rank and layout. An imported checkpoint brings its own table.
+    """
+
+    def __init__(self, cfg: MoEConfig, hidden_size: int, vocab_size: int, seed: int, init_std: float = 0.02) -> None:
+        super().__init__(cfg, hidden_size, init_std)
+        self.expert_bias = None
+        self.local_tokens_per_expert = None
+        self.register_buffer("tid2eid", random_hash_table(vocab_size, cfg.num_experts, cfg.router_topk, seed))
+
+    def fusable(self) -> bool:
+        return False
+
+    def forward(self, x_TH: torch.Tensor, token_ids_T: torch.Tensor | None = None) -> RouterOutput:
+        if token_ids_T is None:
+            raise ValueError("a hash-routed MoE layer (moe.num_hash_layers) needs the token ids of its input")
+        logits_TE = self.router_logits(x_TH)
+        idx_TK = self.tid2eid[token_ids_T.reshape(-1).to(self.tid2eid.device)]
+        cfg = self.cfg
+        weight_TK, idx_TK = topk_routing(
+            logits_TE,
+            self.topk,
+            score_function=cfg.router_score_function,
+            pre_softmax=cfg.router_pre_softmax,
+            norm_topk_prob=cfg.norm_topk_prob,
+            scaling_factor=cfg.router_topk_scaling_factor,
+            forced_idx_TK=idx_TK,
+        )
+        if self.replay is not None:
+            self.replay.recorded(self.replay_key, idx_TK)
+        return RouterOutput(logits_TE=logits_TE, topk_idx_TK=idx_TK, topk_weight_TK=weight_TK)
+
+
+def random_hash_table(vocab_size: int, num_experts: int, topk: int, seed: int) -> torch.Tensor:
+    """[vocab, topk] int64: for every token id, `topk` distinct experts drawn uniformly from a CPU generator
+    seeded with `seed` (so every rank draws the same table)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(vocab_size, num_experts, generator=gen).topk(topk, dim=-1).indices

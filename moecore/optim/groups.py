@@ -1,7 +1,7 @@
 """Which parameters get weight decay: matrices only.
 
-Norm weights, biases (also grouped expert biases), embeddings (and the output head when it is tied
-to them) and any 1-D parameter are excluded from weight decay, as is customary for transformer language models.
+Norm weights, biases (also grouped expert biases and DeepSeek-V4's per-slot `position_bias` of its compressors),
+embeddings (and the output head when it is tied to them) and any 1-D parameter are excluded from weight decay, as is customary for transformer language models.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from torch import nn
 def no_decay(name: str, param: nn.Parameter) -> bool:
     """True for parameters trained without weight decay (norms, biases, embeddings, vectors)."""
     leaf = name.rsplit(".", 1)[-1]
-    # b13 / b2: gpt-oss's per-expert biases, stored [E, ...] (2-D) beside the expert weights.
-    return param.ndim < 2 or leaf in ("bias", "b13", "b2") or "embed" in name or "norm" in name
+    # b13 / b2: gpt-oss's per-expert biases, stored [E, ...] (2-D) beside the expert weights; position_bias:
+    # DeepSeek-V4's compressor gate bias per window slot [m, channels] (moecore/models/compressed_attention.py).
+    biases = ("bias", "b13", "b2", "position_bias")
+    return param.ndim < 2 or leaf in biases or "embed" in name or "norm" in name
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

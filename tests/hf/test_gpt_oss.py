@@ -100,7 +100,7 @@ def test_biased_experts_match_transformers():
     want = ref(x, idx, w)
     for grouped in (False, True):
         ours = BiasedGroupedExperts(
-            e, cfg.hidden_size, f, True, cfg.swiglu_alpha, cfg.swiglu_limit, grouped_gemm=grouped
+            e, cfg.hidden_size, f, "swiglu_clamped", cfg.swiglu_alpha, cfg.swiglu_limit, grouped_gemm=grouped
         )
         maps = family.expert_maps("m", "m", e, cfg.hidden_size, f)[2:]
         with torch.no_grad():

@@ -1,0 +1,260 @@
+"""DeepSeek-V4 attention: a sliding window over the layer's own tokens plus compressed entries of the past.
+
+Shapes: x [B, S, H], n query heads of size D (`head_dim`), r = `qk_rope_head_dim` rotary channels at the END of
+every head (layout [nope | rope], rotated in interleaved pairs (0,1), (2,3), ...), window W = `sliding_window`.
+
+Queries and the single key/value head (multi-query attention; the key IS the value):
+
+    cq  = RMSNorm(q_a_proj(x))                          [B, S, q_lora_rank]
+    q   = RoPE(RMSNorm_unweighted(q_b_proj(cq)))        [B, S, n, D]    (per-head norm without a weight)
+    kv  = RoPE(RMSNorm(kv_proj(x)))                     [B, S, D]
+
+Compressed entries (layers of kind CSA / HCA; none on `sliding_attention` layers). A compressor pools windows of
+m tokens with a softmax gate per channel and slot:  with c_j = kv_proj(x_j), z_j = gate_proj(x_j) + bias[slot(j)],
+
+    C_w = RoPE_{w*m}( RMSNorm( sum_j softmax_j(z_j) * c_j ) )        (softmax over the window's slots, per channel)
+
+- HCA (`heavily_compressed_attention`, m' = `hca_compress_rate`): window w = tokens w*m'..(w+1)*m'-1.
+- CSA (`compressed_sparse_attention`, m = `csa_compress_rate`): the projections give 2D channels, a series Ca
+  (first D) and a series Cb (last D). Entry w pools 2m slots: Ca of window w-1 and Cb of window w, i.e.
+  overlapping windows of width 2m and stride m. For w = 0 the Ca half does not exist (gate -inf, weight 0).
+Only complete windows are compressed: T = S // m entries; the tail S - T*m tokens make none. Entry w is rotated
+at position w*m, and a query at position t may see it only once its window is complete:
+
+    entry w is visible to query t  iff  (w+1) * m <= t + 1.
+
+HCA layers see every such entry. CSA layers see only the entries a lightning indexer picks: it has its own
+CSA-style compressor at `index_head_dim` = d (keys K^I_w), queries qI = RoPE(q_b_proj(cq)) with `index_n_heads` = h
+heads and per-head weights w_{t,h} = weights_proj(x_t)_h / sqrt(h):
+
+    I[t, w] = sum_h w_{t,h} * ReLU(qI_{t,h} . K^I_w) / sqrt(d)
+
+and keeps, per query, the top `index_topk` visible entries (all of them when fewer are visible). The selection
+is an integer choice made without gradient: the indexer's parameters get no gradient from this block.
+
+Attention over the S local keys and T compressed entries, scores [B, n, S, S + T] in fp32, with per-head sinks:
+
+    s_{t,j} = q_t . k_j / sqrt(D)   for visible j:  local j with t-W < j <= t, and the visible entries above
+    p_{t,j} = exp(s_{t,j}) / (exp(sink_h) + sum_{j'} exp(s_{t,j'}))          o_t = sum_j p_{t,j} k_j
+
+A query that sees nothing gets o = 0. Since the values carry the keys' rotation, o's rope channels are rotated
+back by the query's own angle (RoPE with -sin at position t), so each value contributes according to its
+distance to the query only. Output projection, grouped: the n heads split into g = `o_groups` contiguous groups
+of n*D/g channels, each mapped by its own block to `o_lora_rank` channels (`o_a_proj`, block-diagonal), and
+the g * o_lora_rank channels mapped to H by `o_b_proj`.
+
+RoPE: `sliding_attention` layers use (`rope_theta`, `rope_scaling`); CSA / HCA layers, their compressors and
+indexer use (`compress_rope_theta`, `compress_rope_scaling`), where YaRN leaves cos / sin unscaled (attention
+factor 1) unless the dict says otherwise. Angles, norms' statistics and softmaxes are computed in fp32.
+
+Parameter names follow transformers' DeepseekV4Attention (there the indexer's `weights_proj` sits under
+`indexer.scorer`). Training only: whole sequences, no KV cache; position_ids must be 0..S-1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from moecore.config import ModelConfig
+from moecore.models.norms import RMSNorm
+from moecore.models.rope import RotaryEmbedding
+
+LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+
+
+def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing 2 * cos.shape[-1] channels of x in interleaved pairs; cos / sin broadcast to
+    x[..., pairs]. The rotation runs in fp32, the result has x's dtype."""
+    r = 2 * cos.shape[-1]
+    even, odd = x[..., -r:].float().unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-r], rotated.to(x.dtype)), dim=-1)
+
+
+def sink_attention(
+    q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Multi-query attention with sinks, eager: q [B, S, n, D], kv [B, K, D] (keys and values), visible
+    [B or 1, S, K] bool, sinks [n] -> [B, S, n, D]. Rows that see no key give zeros."""
+    scores = torch.einsum("bshd,bkd->bhsk", q, kv).float() * scale
+    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    # The sink is a finite logit in every row, so the (internally max-subtracted) softmax never sees a row of
+    # -inf only; it takes its share of the mass and is dropped.
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("bhsk,bkd->bshd", probs.to(kv.dtype), kv)
+
+
+class GroupedLinear(nn.Linear):
+    """Block-diagonal linear: x [..., g, in_per_group] -> [..., g, out_per_group], group i by rows
+    i*out_per_group..(i+1)*out_per_group-1 of weight [g * out_per_group, in_per_group]."""
+
+    def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
+        super().__init__(in_per_group, out_features, bias=False)
+        self.groups = groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.view(self.groups, -1, self.in_features)
+        return torch.einsum("...gi,goi->...go", x, w)
+
+
+class KVCompressor(nn.Module):
+    """Gated pooling of windows of `rate` tokens into entries [B, S // rate, dim] (see the module doc); with
+    `overlap` (CSA) the windows span 2 * rate tokens at stride rate."""
+
+    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        self.dim, self.rate, self.overlap = dim, rate, overlap
+        width = 2 * dim if overlap else dim
+        self.kv_proj = nn.Linear(hidden, width, bias=False)
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
+        self.kv_norm = RMSNorm(dim, eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.position_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, S, H]; cos / sin [T, r/2] at the entries' positions 0, m, 2m, ... -> [B, T, dim]."""
+        b, s, _ = x.shape
+        m, d, n = self.rate, self.dim, s // self.rate
+        x = x[:, : n * m]  # the incomplete last window makes no entry
+        kv = self.kv_proj(x).view(b, n, m, -1)
+        gate = self.gate_proj(x).float().view(b, n, m, -1) + self.position_bias.float()
+        if self.overlap:
+            # Slots 0..m-1: series Ca of the previous window (zeros with gate -inf before window 0);
+            # slots m..2m-1: series Cb of this window.
+            prev_kv = F.pad(kv[:, :-1, :, :d], (0, 0, 0, 0, 1, 0))
+            prev_gate = F.pad(gate[:, :-1, :, :d], (0, 0, 0, 0, 1, 0), value=float("-inf"))
+            kv = torch.cat((prev_kv, kv[..., d:]), dim=2)
+            gate = torch.cat((prev_gate, gate[..., d:]), dim=2)
+        pooled = (kv * gate.softmax(dim=2).to(kv.dtype)).sum(dim=2)
+        return apply_interleaved_rope(self.kv_norm(pooled), cos, sin)
+
+
+class CompressedIndexer(KVCompressor):
+    """CSA's lightning indexer: a CSA compressor at `index_head_dim` for its keys, plus query heads and
+    per-head weights; `select` returns which compressed entries each query attends to."""
+
+    def __init__(self, cfg: ModelConfig, rate: int) -> None:
+        super().__init__(cfg.hidden_size, cfg.index_head_dim, rate, True, cfg.norm_eps)
+        self.n_heads, self.topk = cfg.index_n_heads, cfg.index_topk
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * self.dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+
+    @torch.no_grad()
+    def select(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        ready: torch.Tensor,
+        cos_q: torch.Tensor,
+        sin_q: torch.Tensor,
+        cos_e: torch.Tensor,
+        sin_e: torch.Tensor,
+    ) -> torch.Tensor:
+        """Bool [B, S, T]: the top-k entries by index score among those `ready` [S, T] for each query."""
+        b, s, _ = x.shape
+        keys = self(x, cos_e, sin_e).float()  # [B, T, d]
+        q = self.q_b_proj(q_latent).view(b, s, self.n_heads, self.dim)
+        q = apply_interleaved_rope(q, cos_q.unsqueeze(1), sin_q.unsqueeze(1)).float()
+        logits = torch.matmul(q, keys.unsqueeze(1).transpose(-1, -2))  # [B, S, h, T]
+        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        scores = (F.relu(logits) * self.dim**-0.5 * weights.unsqueeze(-1)).sum(dim=2)
+        scores = scores.masked_fill(~ready, float("-inf"))
+        picks = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
+        # A query with fewer than k ready entries also picks some that are not ready: drop those.
+        return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, picks, True) & ready
+
+
+class CompressedAttention(nn.Module):
+    """DeepSeek-V4 attention for one layer; `forward(x [B, S, H], position_ids [S]) -> [B, S, H]`."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dims: Any = None) -> None:
+        super().__init__()
+        if dims is not None and (getattr(dims, "tp", 1) > 1 or getattr(dims, "cp", 1) > 1):
+            raise ValueError(
+                "DeepSeek-V4's compressed attention runs without tensor / context parallel: "
+                "set parallel.tp=1 and parallel.cp=1"
+            )
+        self.kind = cfg.layer_types[layer_idx]
+        if self.kind not in LAYER_KINDS:
+            raise ValueError(f"model.layer_types[{layer_idx}]={self.kind!r}: expected one of {LAYER_KINDS}")
+        h, n = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = n
+        self.head_dim = d = cfg.head_dim or h // n
+        self.window = cfg.sliding_window
+        self.eps = cfg.norm_eps
+        self.groups = cfg.o_groups
+        self.scale = d**-0.5
+
+        self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, n * d, bias=False)
+        self.kv_proj = nn.Linear(h, d, bias=False)
+        self.kv_norm = RMSNorm(d, cfg.norm_eps)
+        self.o_a_proj = GroupedLinear(n * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups)
+        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, h, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+
+        self.rate = 0
+        if self.kind == "sliding_attention":
+            theta, scaling = cfg.rope_theta, cfg.rope_scaling
+        else:
+            theta, scaling = cfg.compress_rope_theta, dict(cfg.compress_rope_scaling or {})
+            if scaling.get("type", scaling.get("rope_type")) == "yarn":
+                scaling.setdefault("attention_factor", 1.0)  # V4 does not scale cos / sin under YaRN
+            csa = self.kind == "compressed_sparse_attention"
+            self.rate = cfg.csa_compress_rate if csa else cfg.hca_compress_rate
+            self.compressor = KVCompressor(h, d, self.rate, csa, cfg.norm_eps)
+            if csa:
+                self.compressor.indexer = CompressedIndexer(cfg, self.rate)
+        self.recompute_core = "core_attn" in cfg.recompute_modules  # keep q and the keys, not the probabilities
+        self.rope_pairs = cfg.qk_rope_head_dim // 2
+        self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, theta, scaling or None, cfg.max_position_embeddings)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.sinks)
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos / sin [len, r/2], one angle per interleaved pair (RotaryEmbedding repeats them)."""
+        cos, sin = self.rotary(positions, torch.float32)
+        return cos[:, : self.rope_pairs], sin[:, : self.rope_pairs]
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        pos = position_ids.to(x.device)
+        cos, sin = self._cos_sin(pos)
+        q_latent = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_latent).view(b, s, self.num_heads, self.head_dim)
+        q = (q.float() * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
+        q = apply_interleaved_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        kv = apply_interleaved_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+
+        # Local keys: t - W < j <= t.
+        gap = pos[:, None] - pos[None, :]
+        visible = ((gap >= 0) & (gap < self.window)).unsqueeze(0)  # [1, S, S]
+        n_entries = s // self.rate if self.rate else 0
+        if n_entries:
+            cos_e, sin_e = self._cos_sin(torch.arange(n_entries, device=x.device) * self.rate)
+            entries = self.compressor(x, cos_e, sin_e)  # [B, T, D]
+            ready = (torch.arange(n_entries, device=x.device)[None, :] + 1) * self.rate <= pos[:, None] + 1
+            if self.kind == "compressed_sparse_attention":
+                picked = self.compressor.indexer.select(x, q_latent, ready, cos, sin, cos_e, sin_e)
+            else:
+                picked = ready.unsqueeze(0)
+            kv = torch.cat((kv, entries), dim=1)
+            visible = torch.cat((visible.expand(picked.shape[0], -1, -1), picked), dim=-1)
+
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            out = checkpoint(sink_attention, q, kv, visible, self.sinks, self.scale, use_reentrant=False)
+        else:
+            out = sink_attention(q, kv, visible, self.sinks, self.scale)  # [B, S, n, D]
+        out = apply_interleaved_rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))  # undo the values' rotation
+        out = self.o_a_proj(out.reshape(b, s, self.groups, -1))  # [B, S, g, o_lora_rank]
+        return self.o_b_proj(out.flatten(2))
