@@ -288,21 +288,22 @@ def _planned(maps: list[TensorMap], state: dict[str, torch.Tensor], dtype: torch
 
                 plan.append(PlannedTensor(name, tuple(mp.hf_shapes[k]), dtype, produce_part))
             continue
+        out_dtype = dtype if src.is_floating_point() else src.dtype  # integer tables (DeepSeek-V4's tid2eid) stay
         for s, parts in enumerate(mp.hf):
             sl = src[s] if mp.stacked else src
             rows = sl.shape[0] // len(parts) if sl.dim() else 0
             for k, name in enumerate(parts):
 
-                def produce(sl=sl, k=k, rows=rows, mp=mp) -> torch.Tensor:
+                def produce(sl=sl, k=k, rows=rows, mp=mp, out_dtype=out_dtype) -> torch.Tensor:
                     t = sl if len(mp.hf[0]) == 1 else sl[k * rows : (k + 1) * rows]
                     if mp.to_hf is not None:
                         t = mp.to_hf(t)
-                    return t.detach().to(dtype)
+                    return t.detach().to(out_dtype)
 
                 shape = tuple(sl.shape) if len(parts) == 1 else (rows, *sl.shape[1:])
                 if mp.hf_shape is not None:
                     shape = tuple(mp.hf_shape)
-                plan.append(PlannedTensor(name, shape, dtype, produce))
+                plan.append(PlannedTensor(name, shape, out_dtype, produce))
     return plan
 
 

@@ -47,6 +47,7 @@ _FAMILY_MODULES = {
     "glm_moe_dsa": "moecore.hf.families.glm_moe_dsa",
     "olmoe": "moecore.hf.families.olmoe",
     "dots1": "moecore.hf.families.dots1",
+    "deepseek_v4": "moecore.hf.families.deepseek_v4",
 }
 # model_types we import through another family and never write: a multimodal Qwen3.5-MoE checkpoint's language model
 _IMPORT_ONLY = {"qwen3_5_moe": "qwen3_5_moe_text"}
