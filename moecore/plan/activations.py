@@ -38,6 +38,12 @@ GLM-5's shared layers; in the sparse stage `sparse_attn` (the absorbed form and 
 kernel's inputs on GPUs, the PyTorch reference's gathered rows on the CPU) replaces mla_up and core_attn, which
 no selective option recomputes there. Not counted: the kernels' workspaces, the rotary tables, dense_warmup's
 freezing (counted as MLA plus the indexer, an upper bound). Attention with sinks (gpt-oss) is counted as plain SDPA.
+
+DeepSeek-V4 (`compressed_modules`, `hyper_modules`): estimated from what the eager PyTorch implementation keeps
+(moecore/models/compressed_attention.py, hyper_connections.py), not yet checked against GPU measurements. Its
+attention keeps fp32 probabilities over all S local keys plus the layer's S / m compressed entries per head and
+query (`core_attn`, dropped by core_attn recomputation down to q and the keys); each hyper-connection keeps the n
+streams in fp32 twice (its norm's input and the projection's) and in the activation dtype twice (collapse, merge).
 """
 
 from __future__ import annotations
@@ -87,6 +93,9 @@ def attention_modules(cfg: Config, layer: int, layout: Layout, c: ActContext) ->
             out["core_attn"] += 2 * T * m.linear_num_value_heads * m.linear_key_head_dim * 4
         out["attn_out"] = T * vd * b
         return out
+    if m.attention_type == "compressed":
+        out.update(compressed_modules(cfg, layer, c))
+        return out
     if m.attention_type in ("mla", "dsa"):
         n, dn, dr, dv = m.num_attention_heads // tp, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
         # the latents are those of the whole sequence on every TP rank; the heads are this rank's
@@ -119,6 +128,47 @@ def attention_modules(cfg: Config, layer: int, layout: Layout, c: ActContext) ->
     if m.attn_output_gate:
         out["attn_gate"] = 2 * T * nh * hd * b
     return out
+
+
+def _compressed_rate(cfg: Config, layer: int) -> int:
+    """m of a DeepSeek-V4 layer: tokens per compressed entry (0: a sliding layer, no entries)."""
+    m = cfg.model
+    kind = m.layer_types[layer]
+    if kind == "sliding_attention":
+        return 0
+    return m.csa_compress_rate if kind == "compressed_sparse_attention" else m.hca_compress_rate
+
+
+def compressed_modules(cfg: Config, layer: int, c: ActContext) -> dict[str, float]:
+    """A DeepSeek-V4 attention layer (tp = cp = 1), T tokens of sequences of S, n heads of D, K = S + S // m keys:
+    projections: q_a's output and q latent, q_b's output, its fp32 copy and normed q, kv_proj's output and kv
+                 T (2 q_lora b + n D (2 b + 8) + 3 D b)
+    core_attn:   fp32 probabilities and their cast, the visibility mask, the output before and after the
+                 de-rotation   T (n K (4 + b) + K + 2 n D b)
+    compressor:  the pooled series and their fp32 gates and softmax (w = 2 D on CSA layers, D on HCA layers),
+                 and the indexer's the same at its head dim (no gradient: nothing kept)   T 3 w (b + 4) / ...
+    attn_out:    o_a's and o_b's inputs   T (n D + o_groups o_lora_rank) b"""
+    m = cfg.model
+    T, b = c.tokens, c.act_bytes
+    n, d, s = m.num_attention_heads, m.resolved_head_dim, cfg.train.seq_length
+    rate = _compressed_rate(cfg, layer)
+    keys = s + (s // rate if rate else 0)
+    out = {
+        "mla_latent": T * (2 * m.q_lora_rank * b + n * d * (2 * b + 8) + 3 * d * b),
+        "core_attn": T * (n * keys * (4 + b) + keys + 2 * n * d * b),
+        "attn_out": T * (n * d + m.o_groups * m.o_lora_rank) * b,
+    }
+    if rate:
+        width = 2 * d if m.layer_types[layer] == "compressed_sparse_attention" else d
+        out["indexer"] = T * width * (b + 8)
+    return out
+
+
+def hyper_modules(cfg: Config, c: ActContext) -> float:
+    """One hyper-connection (DeepSeek-V4, n = hc_mult streams): the streams in fp32 for the norm and the projection,
+    in the activation dtype for the collapse and the merge, and its fp32 weights: T (n H (8 + 2 b) + 4 n (n + 2))."""
+    n, h = cfg.model.hc_mult, cfg.model.hidden_size
+    return c.tokens * (n * h * (8 + 2 * c.act_bytes) + 4 * n * (n + 2))
 
 
 def dsa_modules(cfg: Config, layer: int, layout: Layout, c: ActContext) -> dict[str, float | None]:
@@ -258,6 +308,8 @@ def layer_modules(cfg: Config, layer: int, is_moe: bool, layout: Layout, c: ActC
     """Both halves of one decoder layer, keys prefixed attn. / ffn."""
     out = {f"attn.{k}": v for k, v in attention_modules(cfg, layer, layout, c).items()}
     out.update({f"ffn.{k}": v for k, v in ffn_modules(cfg, is_moe, layout, c).items()})
+    if cfg.model.hc_mult > 1:
+        out["attn.hyper"] = out["ffn.hyper"] = hyper_modules(cfg, c)
     return out
 
 
@@ -322,8 +374,8 @@ def layer_saved(cfg: Config, layer: int, is_moe: bool, layout: Layout, c: ActCon
     mods = layer_modules(cfg, layer, is_moe, layout, c)
     h = cfg.model.hidden_size
     total = sum(mods.values())
-    if layout.recompute_granularity == "full":
-        kept = c.tokens / layout.tp * h * c.residual_bytes
+    if layout.recompute_granularity == "full":  # the layer's input: hc_mult streams with hyper-connections
+        kept = c.tokens / layout.tp * h * c.residual_bytes * cfg.model.hc_mult
         return kept, total, 0.0
     drop = dropped_keys(cfg, layout, is_moe)
     host = offloaded_keys(layout, is_moe)
@@ -349,6 +401,8 @@ def _core_attn_inputs(cfg: Config, layout: Layout, c: ActContext) -> float:
     T, b = c.tokens, c.act_bytes
     if m.attention_type in ("mla", "dsa"):
         return 0.0  # q, k, v are kept by mla_up already (or recomputed with it under mla_up_proj)
+    if m.attention_type == "compressed":  # q and the single key/value head (its compressed entries are few)
+        return T * m.resolved_head_dim * b * (m.num_attention_heads + 1)
     hd = m.resolved_head_dim
     nh, nkv = m.num_attention_heads // layout.tp, m.kv_heads // layout.tp
     return T * hd * b * (nh + 2 * nkv)

@@ -83,6 +83,33 @@ def _linear_attention_numels(cfg: Config, tp: int = 1) -> list[tuple[str, int, i
     ]
 
 
+def _compressed_attention_numels(cfg: Config, layer: int) -> list[tuple[str, int, int]]:
+    """(name, numel, ndim) of a DeepSeek-V4 attention layer: q LoRA, one key/value head, grouped output projection,
+    sinks; a compressor on CSA / HCA layers (CSA's pools two series: 2 D channels) and CSA's lightning indexer."""
+    m = cfg.model
+    h, n, d, ql = m.hidden_size, m.num_attention_heads, m.resolved_head_dim, m.q_lora_rank
+    out = [
+        ("attn.q_a_proj.weight", h * ql, 2), ("attn.q_a_norm.weight", ql, 1), ("attn.q_b_proj.weight", ql * n * d, 2),
+        ("attn.kv_proj.weight", h * d, 2), ("attn.kv_norm.weight", d, 1),
+        ("attn.o_a_proj.weight", n * d * m.o_lora_rank, 2), ("attn.o_b_proj.weight", m.o_groups * m.o_lora_rank * h, 2),
+        ("attn.sinks", n, 1),
+    ]  # fmt: skip
+    kind = m.layer_types[layer]
+    if kind == "sliding_attention":
+        return out
+
+    def compressor(prefix: str, dim: int, rate: int, width: int) -> list[tuple[str, int, int]]:
+        return [(f"{prefix}.kv_proj.weight", h * width, 2), (f"{prefix}.gate_proj.weight", h * width, 2),
+                (f"{prefix}.position_bias", rate * width, 2), (f"{prefix}.kv_norm.weight", dim, 1)]  # fmt: skip
+
+    if kind == "heavily_compressed_attention":
+        return out + compressor("attn.compressor", d, m.hca_compress_rate, d)
+    rate, nh, di = m.csa_compress_rate, m.index_n_heads, m.index_head_dim
+    out += compressor("attn.compressor", d, rate, 2 * d) + compressor("attn.compressor.indexer", di, rate, 2 * di)
+    return out + [("attn.compressor.indexer.q_b_proj.weight", ql * nh * di, 2),
+                  ("attn.compressor.indexer.weights_proj.weight", h * nh, 2)]  # fmt: skip
+
+
 def _attention(cfg: Config, layer: int, tp: int, prefix: str) -> list[ParamEntry]:
     m = cfg.model
     h = m.hidden_size
@@ -90,11 +117,15 @@ def _attention(cfg: Config, layer: int, tp: int, prefix: str) -> list[ParamEntry
 
     def add(name: str, numel: int, ndim: int, n_k: tuple[int, int] | None = None) -> None:
         full = prefix + name
-        decay = ndim >= 2 and not name.endswith(".bias") and "norm" not in full
+        decay = ndim >= 2 and not name.endswith((".bias", ".position_bias")) and "norm" not in full
         out.append(ParamEntry(full, numel, decay, gemm=None if n_k is None else ("attention", 1, *n_k)))
 
     if m.layer_types is not None and m.layer_types[layer] == "linear_attention":
         for name, numel, ndim in _linear_attention_numels(cfg, tp):
+            add(name, numel, ndim)
+        return out
+    if m.attention_type == "compressed":  # DeepSeek-V4 (moecore/models/compressed_attention.py); tp = 1
+        for name, numel, ndim in _compressed_attention_numels(cfg, layer):
             add(name, numel, ndim)
         return out
     if m.attention_type in ("mla", "dsa"):  # DSA is MLA plus the lightning indexer (moecore/models/dsa.py)
@@ -148,14 +179,14 @@ def _attention(cfg: Config, layer: int, tp: int, prefix: str) -> list[ParamEntry
 def _ffn(cfg: Config, is_moe: bool, layout: Layout, prefix: str) -> list[ParamEntry]:
     m, e = cfg.model, cfg.moe
     h = m.hidden_size
-    mats = 3 if m.activation == "swiglu" else 2
+    mats = 2 if m.activation == "gelu" else 3
     # gate / up [F / tp, H] and down [H, F / tp]: as mats x [F / tp, H] in numel and in the scales of every FP8 copy
     # the plan counts (tensorwise, 128x128 tiles, rowwise primary weights' two layouts)
     if not is_moe:
         f = m.ffn_hidden_size // layout.tp
         return [ParamEntry(prefix + "mlp.proj", mats * h * f, True, gemm=("dense_mlp", mats, f, h))]
     out = [ParamEntry(prefix + "mlp.router.weight", e.num_experts * h, True)]
-    gated = 2 if m.activation in ("swiglu", "swiglu_clamped") else 1  # w13 rows per FFN column: gate and up, or up
+    gated = 1 if m.activation == "gelu" else 2  # w13 rows per FFN column: gate and up, or up
     if getattr(m, "router_logit_bias", False):  # gpt-oss: a learned bias [E] on the router logits
         out.append(ParamEntry(prefix + "mlp.router.bias", e.num_experts, False))
     f_loc = e.ffn_hidden_size // layout.etp
@@ -180,8 +211,12 @@ def _ffn(cfg: Config, is_moe: bool, layout: Layout, prefix: str) -> list[ParamEn
 
 def decoder_layer_entries(cfg: Config, layer: int, layout: Layout, is_moe: bool, prefix: str) -> list[ParamEntry]:
     """Parameters of one decoder layer on one rank: two norms, attention, dense MLP or MoE block."""
-    h = cfg.model.hidden_size
+    h, hc = cfg.model.hidden_size, cfg.model.hc_mult
     out = [ParamEntry(prefix + "attn_norm.weight", h, False), ParamEntry(prefix + "mlp_norm.weight", h, False)]
+    if hc > 1:  # hyper-connections (moecore/models/hyper_connections.py): fn [(2 + n) n, n H], base, scale [3]
+        for block in ("attn_hc", "mlp_hc"):
+            out += [ParamEntry(f"{prefix}{block}.fn", (2 + hc) * hc * hc * h, True),
+                    ParamEntry(f"{prefix}{block}.base", (2 + hc) * hc, False), ParamEntry(f"{prefix}{block}.scale", 3, False)]  # fmt: skip
     return out + _attention(cfg, layer, layout.tp, prefix) + _ffn(cfg, is_moe, layout, prefix)
 
 
@@ -209,6 +244,10 @@ def param_entries(cfg: Config, layout: Layout, stage: int = 0) -> list[ParamEntr
         out += decoder_layer_entries(cfg, i, layout, cfg.moe.is_moe_layer(i, m.num_layers), f"layers.{i}.")
     if last:
         out.append(ParamEntry("norm.weight", h, False))
+        hc = m.hc_mult
+        if hc > 1:  # the final collapse of the hyper-connection streams
+            out += [ParamEntry("hc_head.hc_fn", hc * hc * h, True), ParamEntry("hc_head.hc_base", hc, False),
+                    ParamEntry("hc_head.hc_scale", 1, False)]  # fmt: skip
         if not m.tie_embeddings:
             out.append(ParamEntry("lm_head.weight", v // layout.tp * h, True))
         for d in range(m.mtp_num_layers):

@@ -106,7 +106,7 @@ def data_parallel_bytes(layout: Layout, summary, mode, group: str) -> float:
 def recompute_flops_per_token(cfg: Config, layout: Layout) -> float:
     """Extra forward FLOPs per token that recomputation re-runs (full: every layer; moe: the MoE blocks;
     core_attn: the attention scores; the cheap options are left out)."""
-    from moecore.train.logger import _attention_flops, _ffn_flops
+    from moecore.train.logger import _attention_flops, _ffn_flops, compressed_attention_flops
 
     m = cfg.model
     s = cfg.train.seq_length
@@ -117,7 +117,8 @@ def recompute_flops_per_token(cfg: Config, layout: Layout) -> float:
         linear = m.layer_types is not None and m.layer_types[i] == "linear_attention"
         is_moe = cfg.moe.is_moe_layer(i, m.num_layers)
         if layout.recompute_granularity == "full":
-            extra += _attention_flops(cfg, ctx, linear) + _ffn_flops(cfg, is_moe)
+            attn = compressed_attention_flops(cfg, i, s) if m.attention_type == "compressed" else None
+            extra += (_attention_flops(cfg, ctx, linear) if attn is None else attn) + _ffn_flops(cfg, is_moe)
             continue
         if ("moe" in rec and is_moe) or ("mlp" in rec and not is_moe):
             extra += _ffn_flops(cfg, is_moe)

@@ -226,10 +226,43 @@ def _attention_flops(cfg: Config, ctx: float, linear: bool, keys: float | None =
     return 2.0 * (proj + 2 * nh * hd * ctx)
 
 
+def compressed_attention_flops(cfg: Config, layer: int, seq: int) -> float:
+    """Forward FLOPs per token of a DeepSeek-V4 attention layer (models/compressed_attention.py), causal sequences
+    of `seq`: projections (q LoRA, the key/value head, the grouped output projection, a compressor's two
+    projections, the indexer's three), and per query 2 n D products per key read: min(window, visible) local keys
+    plus the visible compressed entries (HCA) or the indexer's picks among them (CSA), which the indexer scores with
+    its nh heads of d."""
+    m = cfg.model
+    h, n, d, ql = m.hidden_size, m.num_attention_heads, m.resolved_head_dim, m.q_lora_rank
+    proj = h * ql + ql * n * d + h * d + n * d * m.o_lora_rank + m.o_groups * m.o_lora_rank * h
+    keys = min((seq + 1) / 2, float(m.sliding_window))
+    kind = m.layer_types[layer]
+    extra = 0.0
+    if kind != "sliding_attention":
+        csa = kind == "compressed_sparse_attention"
+        rate = m.csa_compress_rate if csa else m.hca_compress_rate
+        entries = seq // rate
+        visible = max(entries - 1, 0) / 2  # query t sees (t + 1) // rate entries: about entries / 2 on average
+        proj += 2 * h * (2 * d if csa else d)
+        keys += selected_keys(entries, m.index_topk) if csa and entries else visible
+        if csa:
+            nh, di = m.index_n_heads, m.index_head_dim
+            proj += 2 * h * 2 * di + ql * nh * di + h * nh
+            extra = 2.0 * nh * (di + 1) * visible
+    return 2.0 * (proj + 2 * n * d * keys) + extra
+
+
+def hyper_connection_flops(cfg: Config) -> float:
+    """Forward FLOPs per token of one layer's two hyper-connections (n streams): the weight projection from the
+    n H stream values, the collapse and the merge."""
+    n, h = cfg.model.hc_mult, cfg.model.hidden_size
+    return 2 * 2.0 * ((2 + n) * n * n * h + n * h + n * n * h + n * h)
+
+
 def _ffn_flops(cfg: Config, moe: bool) -> float:
     """Forward FLOPs per token of one layer's feed-forward block (MoE: router + activated experts only)."""
     m, e = cfg.model, cfg.moe
-    mats = 3 if m.activation in ("swiglu", "swiglu_clamped") else 2
+    mats = 2 if m.activation == "gelu" else 3
     if not moe:
         return 2.0 * mats * m.hidden_size * m.ffn_hidden_size
     macs = m.hidden_size * e.num_experts + e.router_topk * mats * m.hidden_size * e.ffn_hidden_size
@@ -265,7 +298,10 @@ def flops_per_token(
     for i in range(m.num_layers):
         linear = m.layer_types is not None and m.layer_types[i] == "linear_attention"
         indexer = dsa and (m.indexer_types is None or m.indexer_types[i] != "shared")
-        fwd += _attention_flops(cfg, ctx, linear, keys, indexer)
+        if m.attention_type == "compressed":
+            fwd += compressed_attention_flops(cfg, i, s) + (hyper_connection_flops(cfg) if m.hc_mult > 1 else 0.0)
+        else:
+            fwd += _attention_flops(cfg, ctx, linear, keys, indexer)
         fwd += _ffn_flops(cfg, cfg.moe.is_moe_layer(i, m.num_layers))
     fwd += 2.0 * m.hidden_size * vocab  # output head (the embedding lookup costs no FLOPs)
     for _ in range(m.mtp_num_layers):  # each MTP depth: 2H -> H projection, an MoE block with full attention, head
