@@ -47,6 +47,11 @@ RoPE: `sliding_attention` layers use (`rope_theta`, `rope_scaling`); CSA / HCA l
 indexer use (`compress_rope_theta`, `compress_rope_scaling`), where YaRN leaves cos / sin unscaled (attention
 factor 1) unless the dict says otherwise. Angles, norms' statistics and softmaxes are computed in fp32.
 
+Two implementations of the attention itself: `sink_attention`, eager (the [B, n, S, S + T] scores; CPU, and the
+reference), and on CUDA `sink_attention_flex`, torch's flex_attention (compiled) with a block mask built from the
+same visibility rule (window blocks and the picked entries only; no [S, S] tensor) and the sinks applied from its
+log-sum-exp: out * sigmoid(lse - sink) (moecore/models/sinks.py gives the derivation).
+
 Parameter names follow transformers' DeepseekV4Attention (there the indexer's `weights_proj` sits under
 `indexer.scorer`). Training only: whole sequences, no KV cache; position_ids must be 0..S-1.
 """
@@ -63,6 +68,7 @@ from torch.utils.checkpoint import checkpoint
 from moecore.config import ModelConfig
 from moecore.models.norms import RMSNorm
 from moecore.models.rope import RotaryEmbedding
+from moecore.models.sinks import compiled_flex_attention
 
 LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
@@ -88,6 +94,38 @@ def sink_attention(
     # -inf only; it takes its share of the mass and is dropped.
     probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
     return torch.einsum("bhsk,bkd->bshd", probs.to(kv.dtype), kv)
+
+
+def sink_attention_flex(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    local: int,
+    window: int,
+    picked: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`sink_attention` through flex_attention (CUDA): q [B, S, n, D], kv [B, local + T, D] (the local keys, then
+    T compressed entries), `picked` [B or 1, S, T] bool (None: no entries) -> [B, S, n, D]."""
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
+
+    b, s, _, _ = q.shape
+
+    def visible(bi, hi, qi, ki):
+        near = (ki < local) & (ki <= qi) & (ki > qi - window)
+        if picked is None:
+            return near
+        entry = torch.where(ki >= local, ki - local, 0)
+        return near | ((ki >= local) & picked[bi, qi, entry])
+
+    rows = 1 if picked is None else picked.shape[0]
+    mask = create_block_mask(visible, rows, None, s, kv.shape[1], device=q.device)
+    qh, kvh = q.transpose(1, 2), kv.unsqueeze(1)
+    out, aux = compiled_flex_attention()(
+        qh, kvh, kvh, block_mask=mask, scale=scale, enable_gqa=True, return_aux=AuxRequest(lse=True)
+    )
+    gate = torch.sigmoid(aux.lse.float() - sinks.float().view(1, -1, 1))  # [B, n, S]; a row seeing nothing: 0
+    return (out.float() * gate.unsqueeze(-1)).to(q.dtype).transpose(1, 2)
 
 
 class GroupedLinear(nn.Linear):
@@ -215,6 +253,7 @@ class CompressedAttention(nn.Module):
             if csa:
                 self.compressor.indexer = CompressedIndexer(cfg, self.rate)
         self.recompute_core = "core_attn" in cfg.recompute_modules  # keep q and the keys, not the probabilities
+        self.use_flex = True  # on CUDA; False: the eager reference (tests)
         self.rope_pairs = cfg.qk_rope_head_dim // 2
         self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, theta, scaling or None, cfg.max_position_embeddings)
 
@@ -236,9 +275,7 @@ class CompressedAttention(nn.Module):
         q = apply_interleaved_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
         kv = apply_interleaved_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
 
-        # Local keys: t - W < j <= t.
-        gap = pos[:, None] - pos[None, :]
-        visible = ((gap >= 0) & (gap < self.window)).unsqueeze(0)  # [1, S, S]
+        picked = None  # [B or 1, S, T]: which compressed entries each query sees
         n_entries = s // self.rate if self.rate else 0
         if n_entries:
             cos_e, sin_e = self._cos_sin(torch.arange(n_entries, device=x.device) * self.rate)
@@ -249,12 +286,19 @@ class CompressedAttention(nn.Module):
             else:
                 picked = ready.unsqueeze(0)
             kv = torch.cat((kv, entries), dim=1)
-            visible = torch.cat((visible.expand(picked.shape[0], -1, -1), picked), dim=-1)
 
-        if self.recompute_core and self.training and torch.is_grad_enabled():
-            out = checkpoint(sink_attention, q, kv, visible, self.sinks, self.scale, use_reentrant=False)
+        if x.is_cuda and self.use_flex:  # flex_attention: no [S, S + T] tensors
+            args, attend = (q, kv, s, self.window, picked, self.sinks, self.scale), sink_attention_flex
         else:
-            out = sink_attention(q, kv, visible, self.sinks, self.scale)  # [B, S, n, D]
+            gap = pos[:, None] - pos[None, :]
+            visible = ((gap >= 0) & (gap < self.window)).unsqueeze(0)  # local keys t - W < j <= t: [1, S, S]
+            if picked is not None:
+                visible = torch.cat((visible.expand(picked.shape[0], -1, -1), picked), dim=-1)
+            args, attend = (q, kv, visible, self.sinks, self.scale), sink_attention
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            out = checkpoint(attend, *args, use_reentrant=False)
+        else:
+            out = attend(*args)  # [B, S, n, D]
         out = apply_interleaved_rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))  # undo the values' rotation
         out = self.o_a_proj(out.reshape(b, s, self.groups, -1))  # [B, S, g, o_lora_rank]
         return self.o_b_proj(out.flatten(2))

@@ -17,7 +17,7 @@ returns lse with a gradient. Three implementations of the same maths:
   zero value, placed first; the causal mask aligned to the bottom right (`causal_lower_right`) lets query t
   see the sink and keys 0..t, so flash / cuDNN kernels run it (full layers; windows need a boolean mask).
   The channel is padded to a multiple of 8 for those kernels;
-- `sink_attention_flex`: torch's flex_attention with a block mask (causal / sliding window, no [S, S]
+- `sink_attention_flex`: torch's flex_attention (compiled) with a block mask (causal / sliding window, no [S, S]
   tensor) returning lse, then the sigmoid rescaling above (no backward on CPU).
 `sink_attention` takes the reference on CPU; on CUDA the SDPA path for full layers and flex_attention for
 sliding windows (which it skips block by block). tests/models/test_sinks.py checks SDPA against the
@@ -65,15 +65,25 @@ def _block_mask(seq: int, window: int | None, device: str):
     return create_block_mask(mask, None, None, seq, seq, device=device)
 
 
+@functools.cache
+def compiled_flex_attention():
+    """torch's flex_attention compiled once per process (uncompiled, it runs an unfused reference that holds the
+    whole score matrix)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
 def sink_attention_flex(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, window: int | None, scale: float
 ) -> torch.Tensor:
     """Same as `sink_attention_reference` through flex_attention (CUDA): attention * sigmoid(lse - sink)."""
-    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest
 
     mask = _block_mask(q.shape[2], window, str(q.device))
     gqa = k.shape[1] != q.shape[1]
-    out, aux = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+    flex = compiled_flex_attention()
+    out, aux = flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
     gate = torch.sigmoid(aux.lse.float() - sinks.float().view(1, -1, 1))  # [B, Hq, S]
     return (out.float() * gate.unsqueeze(-1)).to(q.dtype)
 

@@ -52,6 +52,7 @@ from torch import nn
 
 from moecore.config import Config, ConfigError
 from moecore.models.dsa import DSAttention, indexer_count
+from moecore.models.hyper_connections import expand_streams
 from moecore.models.recompute import checkpoint_module
 from moecore.models.transformer import ModelParts, MoETransformer
 from moecore.optim.mixed_precision import grad_of, set_grad
@@ -132,6 +133,7 @@ class StageModule(nn.Module):
         self.embed = model.embed if spec.embed or spec.mtp or (spec.loss and model.lm_head is None) else None
         self.layers = nn.ModuleList(model.layers[i] for i in spec.layers)
         self.norm = model.norm if applies_norm else None
+        self.hc_head = model.hc_head if applies_norm else None  # DeepSeek-V4: the streams collapse before the norm
         self.mtp = model.mtp if spec.mtp else None
         self.lm_head = model.lm_head if (spec.loss or spec.mtp) else None
         # DSA: the objective's indexer term is the mean of every indexer's KL loss in the model (times its
@@ -150,6 +152,8 @@ class StageModule(nn.Module):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         if spec.embed:
             x = model.embed(x)
+            if model.cfg.model.hc_mult > 1:  # DeepSeek-V4: the embedding enters every hyper-connection stream
+                x = expand_streams(x, model.cfg.model.hc_mult)
         if torch.is_grad_enabled() and x.requires_grad:
             x = _CountInFlight.apply(x, rec, spec.index)
         extra, stats = None, []
@@ -157,6 +161,8 @@ class StageModule(nn.Module):
         topk = None
         for layer in self.layers:
             args = (x, position_ids, loss_mask) + ((topk,) if layer.passes_topk else ())
+            if layer.needs_token_ids:  # hash-routed MoE layer (moecore/moe/router.py HashRouter)
+                args = (x, position_ids, loss_mask, None, input_ids)
             if model.full_recompute and self.training and torch.is_grad_enabled():
                 out = checkpoint_module(layer, *args)
             else:
@@ -167,6 +173,8 @@ class StageModule(nn.Module):
             if aux is not None:
                 stats.append(dict(aux.stats, layer=layer.layer_idx))
                 extra = aux.loss if extra is None else extra + aux.loss
+        if self.hc_head is not None:
+            x = self.hc_head(x)
         if self.norm is not None:
             x = self.norm(x)  # final-normed hidden states: what MTP and the head read
         mask = loss_mask.float()
@@ -316,6 +324,11 @@ class Pipeline:
                 counts[prm.dtype] = counts.get(prm.dtype, 0) + prm.numel()
         return max(counts, key=counts.get) if counts else torch.float32
 
+    def _hidden_shape(self, micro_batch: int, seq_local: int) -> tuple[int, ...]:
+        """What one stage sends the next: [B, S, H], or [B, S, hc_mult, H] hyper-connection streams (DeepSeek-V4)."""
+        m = self.cfg.model
+        return (micro_batch, seq_local) + ((m.hc_mult,) if m.hc_mult > 1 else ()) + (m.hidden_size,)
+
     def _build_schedule(self, n_microbatches: int, micro_batch: int, seq: int) -> None:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining import schedules as S
@@ -324,7 +337,7 @@ class Pipeline:
         seq_local = seq // dims.tp if dims.sequence_parallel else seq
         # Static shapes (torch would otherwise infer them by running the stage on meta tensors, which the
         # data-dependent MoE dispatch cannot do); requires_grad marks what carries gradients between stages.
-        shape = (micro_batch, seq_local, cfg.model.hidden_size)
+        shape = self._hidden_shape(micro_batch, seq_local)
         hidden = torch.empty(shape, dtype=self._activation_dtype(), device=self.device, requires_grad=True)
         ids = torch.empty(micro_batch, seq, dtype=torch.long, device=self.device)
         objective = torch.empty(1, dtype=torch.float32, device=self.device, requires_grad=True)
@@ -406,7 +419,7 @@ class Pipeline:
         me = pp.rank
         local = {m.spec.index: m for m in self.stage_modules}
         seq_local = input_ids.shape[1] // self.dims.tp if self.dims.sequence_parallel else input_ids.shape[1]
-        shape = (input_ids.shape[0], seq_local, self.cfg.model.hidden_size)
+        shape = self._hidden_shape(input_ids.shape[0], seq_local)
         x = input_ids
         for s in range(len(self.all_stages)):
             if self.placement[s] != me:

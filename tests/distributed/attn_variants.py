@@ -99,3 +99,21 @@ def with_indexer_in_aux(forward):
         return out
 
     return folded
+
+
+def v4_config(num_layers: int = 3) -> Config:
+    """DeepSeek-V4's layers: sliding (window 3), heavily compressed (every 4 tokens) and compressed sparse (every 2,
+    the indexer's top-2) attention, then sliding layers; 2 hyper-connection streams, the sqrt-softplus router with
+    expert bias, the first layer hash-routed, clipped-SwiGLU experts and shared expert, every layer MoE."""
+    cfg = tiny_config(token_dispatcher_type="alltoall", first_k_dense_replace=0)
+    m, e = cfg.model, cfg.moe
+    m.num_layers = num_layers
+    m.attention_type, m.num_kv_heads, m.head_dim, m.q_lora_rank, m.qk_rope_head_dim = "compressed", 1, 8, 8, 4
+    kinds = ["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"]
+    m.layer_types = (kinds + ["sliding_attention"] * num_layers)[:num_layers]
+    m.sliding_window, m.csa_compress_rate, m.hca_compress_rate, m.o_groups, m.o_lora_rank = 3, 2, 4, 2, 8
+    m.index_n_heads, m.index_head_dim, m.index_topk, m.attn_sinks, m.hc_mult = 4, 8, 2, True, 2
+    m.activation, m.swiglu_limit = "swiglu_clipped", 0.5
+    e.router_score_function, e.router_pre_softmax, e.router_enable_expert_bias = "sqrtsoftplus", False, True
+    e.router_topk_scaling_factor, e.num_hash_layers = 1.5, 1
+    return cfg

@@ -15,7 +15,7 @@ gpt-oss and DeepSeek-V4 with expert tensor parallel, etp 2).
 from __future__ import annotations
 
 import pytest
-from attn_variants import oss_config
+from attn_variants import oss_config, v4_config
 from dist_parity import compare, make_data, reference, run_layout, tiny_config
 
 from moecore.models.transformer import MoETransformer
@@ -32,26 +32,14 @@ def _dsa(cfg):
     return cfg
 
 
-def _v4():
-    cfg = tiny_config(token_dispatcher_type="alltoall", first_k_dense_replace=0)
-    m, e = cfg.model, cfg.moe
-    m.attention_type, m.num_kv_heads, m.head_dim, m.q_lora_rank, m.qk_rope_head_dim = "compressed", 1, 8, 8, 4
-    m.layer_types = ["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"]
-    m.sliding_window, m.csa_compress_rate, m.hca_compress_rate, m.o_groups, m.o_lora_rank = 3, 2, 4, 2, 8
-    m.index_n_heads, m.index_head_dim, m.index_topk, m.attn_sinks, m.hc_mult = 4, 8, 2, True, 2
-    m.activation, m.swiglu_limit = "swiglu_clipped", 0.5
-    e.router_score_function, e.router_pre_softmax, e.router_enable_expert_bias = "sqrtsoftplus", False, True
-    e.router_topk_scaling_factor, e.num_hash_layers = 1.5, 1
-    return cfg
-
-
 VARIANTS = {
     "oss": (oss_config, {"ep": 2}),
     # expert tensor parallel: b13 split with the FFN columns, b2 with the hidden columns
     "oss-etp2": (oss_config, {"etp": 2}),
     "dsa": (lambda: _dsa(tiny_config(token_dispatcher_type="alltoall")), {"ep": 2}),
-    "v4": (_v4, {"ep": 2}),
-    "v4-etp2": (_v4, {"etp": 2}),
+    "v4": (v4_config, {"ep": 2}),
+    "v4-etp2": (v4_config, {"etp": 2}),
+    "v4-fsdp": (v4_config, {"fsdp": True}),
 }
 
 

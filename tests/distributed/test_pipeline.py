@@ -15,6 +15,7 @@ import copy
 
 import pytest
 import torch.distributed as dist
+from attn_variants import v4_config
 from dist_parity import make_data, tiny_config
 from pipeline_parity import reference, resume_same_layout, run_pipeline, worst
 
@@ -157,6 +158,15 @@ def _tied(**parallel) -> Config:
     return cfg
 
 
+def _v4(**parallel) -> Config:
+    """DeepSeek-V4's layers (hyper-connection streams between stages, a hash-routed first layer reading the token
+    ids, the streams' collapse on the last stage)."""
+    cfg = v4_config(num_layers=4)
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
 ZB, IL, V = "zero_bubble", "interleaved_1f1b", "zbv"
 # Every schedule runs on several layouts; each layout named in docs/parallel.md runs under at least one schedule.
 CASES = {
@@ -172,6 +182,7 @@ CASES = {
             "selective", ["moe", "norm", "core_attn"], pp=2, vpp=2, pp_schedule=V
         ),
         "deepseek-v3-mtp-stage-pp2-vpp2-zero_bubble": _deepseek_v3("Et|tt|m|L", pp=2, vpp=2, pp_schedule=ZB),
+        "deepseek-v4-pp2-vpp2-zbv": _v4(pp=2, vpp=2, pp_schedule=V),
     },
     4: {
         "pp4-1f1b": _cfg(pp=4),
@@ -180,6 +191,7 @@ CASES = {
         "pp2-dp2-1f1b": _cfg(pp=2),
         "deepseek-v3-mtp-stage-pp4-1f1b": _deepseek_v3("Et|tt|m|L", pp=4),
         "deepseek-v3-pp2-ep2-vpp2-interleaved": _deepseek_v3("Et|t|t|mL", pp=2, ep=2, vpp=2, pp_schedule=IL),
+        "deepseek-v4-pp2-ep2-1f1b": _v4(pp=2, ep=2),
     },
 }
 
