@@ -30,7 +30,7 @@ heads and per-head weights w_{t,h} = weights_proj(x_t)_h / sqrt(h):
     I[t, w] = sum_h w_{t,h} * ReLU(qI_{t,h} . K^I_w) / sqrt(d)
 
 and keeps, per query, the top `index_topk` visible entries (all of them when fewer are visible). The selection
-is an integer choice made without gradient: the indexer's parameters get no gradient from this block.
+is an integer choice made without gradient: nothing trains the indexer, whose parameters are frozen.
 
 Attention over the S local keys and T compressed entries, scores [B, n, S, S + T] in fp32, with per-head sinks:
 
@@ -184,6 +184,9 @@ class CompressedIndexer(KVCompressor):
         self.n_heads, self.topk = cfg.index_n_heads, cfg.index_topk
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * self.dim, bias=False)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        # Only its top-k choice leaves the indexer, and no gradient flows through a choice: nothing trains it. Frozen
+        # (requires_grad off), so optimizers, gradient reductions and checkpoints of optimizer state skip it.
+        self.requires_grad_(False)
 
     @torch.no_grad()
     def select(

@@ -67,10 +67,13 @@ def trainable_islands(model: torch.nn.Module) -> list[torch.nn.Module]:
     from moecore.moe.experts import GroupedExperts
 
     islands: list[torch.nn.Module] = []
+    # DeepSeek-V4's indexers (models/compressed_attention.py) are always frozen and only select: their layers'
+    # outputs carry gradients, so they do not make a layer need islands.
+    selectors = {id(p) for m in model.modules() if type(m).__name__ == "CompressedIndexer" for p in m.parameters()}
 
     def visit(module: torch.nn.Module) -> None:
         for child in module.children():
-            params = list(child.parameters())
+            params = [p for p in child.parameters() if id(p) not in selectors]
             if not params or isinstance(child, GroupedExperts):  # experts are sharded on their own mesh already
                 continue
             if all(p.requires_grad for p in params):
@@ -78,7 +81,7 @@ def trainable_islands(model: torch.nn.Module) -> list[torch.nn.Module]:
             elif any(p.requires_grad for p in params):
                 visit(child)
 
-    if any(not p.requires_grad for p in model.parameters()):
+    if any(not p.requires_grad and id(p) not in selectors for p in model.parameters()):
         visit(model)
     return islands
 

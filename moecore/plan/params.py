@@ -259,6 +259,8 @@ def param_entries(cfg: Config, layout: Layout, stage: int = 0) -> list[ParamEntr
                 blk = copy.deepcopy(cfg)
                 blk.model.layer_types = blk.model.indexer_types = None
             out += decoder_layer_entries(blk, 0, layout, cfg.moe.num_experts > 0, pre + "block.")
+    if m.attention_type == "compressed":  # DeepSeek-V4's indexers are frozen (moecore/models/compressed_attention.py)
+        out = [replace(e, trained=False) if ".compressor.indexer." in e.name else e for e in out]
     if dense_warmup(cfg):  # only the lightning indexers train (moecore/models/dsa.py freeze_all_but_indexers)
         out = [e if ".indexer." in e.name else replace(e, trained=False) for e in out]
     return out

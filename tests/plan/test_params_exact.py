@@ -28,7 +28,7 @@ def test_total_and_active_params_match_the_model(recipe: str) -> None:
     assert total_params(cfg) == model.num_params()
     decayed = param_groups(model, 0.1)[0]["params"]  # what the optimizer decays (moecore.optim.groups)
     n_decay = sum(p.numel() for p in decayed)
-    assert sum(e.numel for e in param_entries(cfg, Layout()) if e.decay) == n_decay
+    assert sum(e.numel for e in param_entries(cfg, Layout()) if e.decay and e.trained) == n_decay
 
 
 def test_stage_layers_split_contiguously_with_the_extra_layers_first() -> None:
