@@ -195,10 +195,14 @@ class TopKRouter(nn.Module):
         return router_linear(x, self.weight, self.router_dtype, split=self.split_gemm)
 
     def forward(self, x_TH: torch.Tensor) -> RouterOutput:
-        cfg = self.cfg
         logits_TE = self.router_logits(x_TH)
         replay, memo = self.replay, self.recompute_memo
         forced = replay.replayed(self.replay_key, logits_TE.shape[0], memo) if replay is not None else None
+        return self._route(logits_TE, forced)
+
+    def _route(self, logits_TE: torch.Tensor, forced: torch.Tensor | None) -> RouterOutput:
+        """Steps 2-7 on the logits (`forced`: these experts instead of steps 3-5), recorded for router replay."""
+        cfg = self.cfg
         weight_TK, idx_TK = topk_routing(
             logits_TE,
             self.topk,
@@ -301,20 +305,7 @@ class HashRouter(TopKRouter):
         if token_ids_T is None:
             raise ValueError("a hash-routed MoE layer (moe.num_hash_layers) needs the token ids of its input")
         logits_TE = self.router_logits(x_TH)
-        idx_TK = self.tid2eid[token_ids_T.reshape(-1).to(self.tid2eid.device)]
-        cfg = self.cfg
-        weight_TK, idx_TK = topk_routing(
-            logits_TE,
-            self.topk,
-            score_function=cfg.router_score_function,
-            pre_softmax=cfg.router_pre_softmax,
-            norm_topk_prob=cfg.norm_topk_prob,
-            scaling_factor=cfg.router_topk_scaling_factor,
-            forced_idx_TK=idx_TK,
-        )
-        if self.replay is not None:
-            self.replay.recorded(self.replay_key, idx_TK)
-        return RouterOutput(logits_TE=logits_TE, topk_idx_TK=idx_TK, topk_weight_TK=weight_TK)
+        return self._route(logits_TE, self.tid2eid[token_ids_T.reshape(-1).to(self.tid2eid.device)])
 
 
 def random_hash_table(vocab_size: int, num_experts: int, topk: int, seed: int) -> torch.Tensor:
