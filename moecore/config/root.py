@@ -159,8 +159,8 @@ def _validate_deepseek_v4(cfg: Config) -> None:
     for used, name, value in parts:
         if not used:
             continue
-        if p.tp > 1 or p.cp > 1:
-            _fail(name, value, "runs without tensor and context parallel: parallel.tp=1, parallel.cp=1")
+        if p.cp > 1:
+            _fail(name, value, "runs without context parallel: parallel.cp=1")
         if t.cuda_graphs != "none":
             _fail(name, value, "does not run under CUDA graphs: train.cuda_graphs=none")
         if m.mtp_num_layers:

@@ -52,6 +52,11 @@ reference), and on CUDA `sink_attention_flex`, torch's flex_attention (compiled)
 same visibility rule (window blocks and the picked entries only; no [S, S] tensor) and the sinks applied from its
 log-sum-exp: out * sigmoid(lse - sink) (moecore/models/sinks.py gives the derivation).
 
+Tensor parallel: the query heads split over the ranks with their sinks and output-projection groups (q_b_proj by
+columns, o_a_proj by its groups' rows, o_b_proj by its input columns, summed over the ranks); the q LoRA, the key /
+value head, the compressor and the indexer stay whole on every rank (`tp_partial`: each rank's heads give their
+share of the gradient; the indexer has none), so every rank selects the same entries.
+
 Parameter names follow transformers' DeepseekV4Attention (there the indexer's `weights_proj` sits under
 `indexer.scorer`). Training only: whole sequences, no KV cache; position_ids must be 0..S-1.
 """
@@ -69,6 +74,8 @@ from moecore.config import ModelConfig
 from moecore.models.norms import RMSNorm
 from moecore.models.rope import RotaryEmbedding
 from moecore.models.sinks import compiled_flex_attention
+from moecore.parallel.sharding import mark_tp_partial, set_shard
+from moecore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, tp_region_input, tp_size
 
 LAYER_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
@@ -128,13 +135,14 @@ def sink_attention_flex(
     return (out.float() * gate.unsqueeze(-1)).to(q.dtype).transpose(1, 2)
 
 
-class GroupedLinear(nn.Linear):
+class GroupedLinear(ColumnParallelLinear):
     """Block-diagonal linear: x [..., g, in_per_group] -> [..., g, out_per_group], group i by rows
-    i*out_per_group..(i+1)*out_per_group-1 of weight [g * out_per_group, in_per_group]."""
+    i*out_per_group..(i+1)*out_per_group-1 of weight [g * out_per_group, in_per_group]. Under tensor parallel each
+    rank holds the contiguous rows of its g / tp groups (those of its heads)."""
 
-    def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
-        super().__init__(in_per_group, out_features, bias=False)
-        self.groups = groups
+    def __init__(self, in_per_group: int, out_features: int, groups: int, dims: Any = None) -> None:
+        super().__init__(in_per_group, out_features, False, dims, name="model.o_groups * o_lora_rank")
+        self.groups = groups // tp_size(dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight.view(self.groups, -1, self.in_features)
@@ -218,30 +226,34 @@ class CompressedAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, dims: Any = None) -> None:
         super().__init__()
-        if dims is not None and (getattr(dims, "tp", 1) > 1 or getattr(dims, "cp", 1) > 1):
-            raise ValueError(
-                "DeepSeek-V4's compressed attention runs without tensor / context parallel: "
-                "set parallel.tp=1 and parallel.cp=1"
-            )
+        if getattr(dims, "cp", 1) > 1:
+            raise ValueError("DeepSeek-V4's compressed attention runs without context parallel: set parallel.cp=1")
         self.kind = cfg.layer_types[layer_idx]
         if self.kind not in LAYER_KINDS:
             raise ValueError(f"model.layer_types[{layer_idx}]={self.kind!r}: expected one of {LAYER_KINDS}")
+        tp = tp_size(dims)
         h, n = cfg.hidden_size, cfg.num_attention_heads
-        self.num_heads = n
+        if n % tp or cfg.o_groups % tp:
+            raise ValueError(f"parallel.tp={tp} must divide model.num_attention_heads={n} and model.o_groups")
+        self.dims = dims
+        self.num_heads = n // tp  # this rank's heads, with their output-projection groups
         self.head_dim = d = cfg.head_dim or h // n
         self.window = cfg.sliding_window
         self.eps = cfg.norm_eps
-        self.groups = cfg.o_groups
+        self.groups = cfg.o_groups // tp
         self.scale = d**-0.5
 
+        heads = "model.num_attention_heads * head_dim"
         self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, n * d, bias=False)
+        self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, n * d, False, dims, name=heads)
         self.kv_proj = nn.Linear(h, d, bias=False)
         self.kv_norm = RMSNorm(d, cfg.norm_eps)
-        self.o_a_proj = GroupedLinear(n * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups)
-        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, h, bias=False)
-        self.sinks = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.o_a_proj = GroupedLinear(n * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups, dims)
+        self.o_b_proj = RowParallelLinear(cfg.o_groups * cfg.o_lora_rank, h, False, dims, name="model.o_groups")
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
+        if tp > 1:  # sinks split with the heads
+            set_shard(self.sinks, "tensor_parallel", (n,), (dims.tp_group.rank * self.num_heads,))
 
         self.rate = 0
         if self.kind == "sliding_attention":
@@ -255,6 +267,13 @@ class CompressedAttention(nn.Module):
             self.compressor = KVCompressor(h, d, self.rate, csa, cfg.norm_eps)
             if csa:
                 self.compressor.indexer = CompressedIndexer(cfg, self.rate)
+        if tp > 1:  # whole on every rank, read by this rank's heads only: partial gradients over TP (the indexer
+            # trains not at all)
+            for name in ("q_a_proj", "q_a_norm", "kv_proj", "kv_norm"):
+                mark_tp_partial(getattr(self, name))
+            if self.rate:
+                for name in ("kv_proj", "gate_proj", "position_bias", "kv_norm"):
+                    mark_tp_partial(getattr(self.compressor, name))
         self.recompute_core = "core_attn" in cfg.recompute_modules  # keep q and the keys, not the probabilities
         self.use_flex = True  # on CUDA; False: the eager reference (tests)
         self.rope_pairs = cfg.qk_rope_head_dim // 2
@@ -269,6 +288,7 @@ class CompressedAttention(nn.Module):
         return cos[:, : self.rope_pairs], sin[:, : self.rope_pairs]
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = tp_region_input(x, self.dims)  # sequence-parallel shards -> the whole sequence
         b, s, _ = x.shape
         pos = position_ids.to(x.device)
         cos, sin = self._cos_sin(pos)

@@ -89,6 +89,8 @@ class DecoderLayer(nn.Module):
 
             hc = (m.hidden_size, m.hc_mult, m.hc_sinkhorn_iters, m.hc_eps, m.norm_eps)
             self.attn_hc, self.mlp_hc = HyperConnection(*hc), HyperConnection(*hc)
+            tpl.mark_sequence_parallel(self.attn_hc, dims)  # per token, on sequence shards under SP
+            tpl.mark_sequence_parallel(self.mlp_hc, dims)
         rec = set(m.recompute_modules)
         self.recompute_norm = "norm" in rec
         self.recompute_mlp = ("moe" in rec) if self.is_moe else ("mlp" in rec)
@@ -100,8 +102,6 @@ class DecoderLayer(nn.Module):
         from moecore.moe import expert_parallel as ep_util
         from moecore.moe.router import HashRouter
 
-        if ep_util.splits_tokens_over_tp(dims):
-            raise ValueError("moe.num_hash_layers > 0 needs parallel.tp=1 (hash routing reads each token's id)")
         m = cfg.model
         self.mlp.router = HashRouter(cfg.moe, m.hidden_size, m.vocab_size, cfg.train.seed, m.init_std)
         ep_util.mark_replicated_moe_params([self.mlp.router], dims)

@@ -99,6 +99,7 @@ class MoETransformer(nn.Module):
             from moecore.models.hyper_connections import HyperHead
 
             self.hc_head = HyperHead(m.hidden_size, m.hc_mult, m.hc_eps, m.norm_eps)
+            tpl.mark_sequence_parallel(self.hc_head, dims)
         self.norm = RMSNorm(m.hidden_size, m.norm_eps, m.norm_zero_centered) if parts.norm else None
         if self.norm is not None:
             tpl.mark_sequence_parallel(self.norm, dims)

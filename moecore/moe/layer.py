@@ -43,6 +43,7 @@ from moecore.moe.minimal import minimal_experts
 from moecore.moe.permute import SortedAssignments, capacity_keep, expert_capacity, sort_assignments
 from moecore.moe.router import TopKRouter, scores_for_balancing
 from moecore.nvtx import nvtx_range
+from moecore.parallel import comm
 
 
 @dataclass
@@ -203,6 +204,8 @@ class MoELayer(nn.Module):
         `token_ids` [B, S]: for a hash-routed layer, the ids of x's tokens."""
         full_loss_mask = loss_mask
         x, loss_mask = ep_util.moe_tokens_enter(x, loss_mask, self.dims)  # tensor parallel: this rank's tokens
+        if token_ids is not None and ep_util.splits_tokens_over_tp(self.dims):  # split as the loss mask is
+            token_ids = comm.split_dim(token_ids, self.dims.tp_group, 1)
         B, S, H = x.shape
         x_TH = x.reshape(B * S, H)
         valid_T = None if loss_mask is None else (loss_mask.reshape(B * S) > 0)

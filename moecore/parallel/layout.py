@@ -61,6 +61,8 @@ def check_layout(cfg: Config) -> None:
     ]
     if m.attention_type == "gqa":
         checks.insert(1, ("model.num_kv_heads", m.kv_heads))
+    if m.attention_type == "compressed":  # DeepSeek-V4: the output projection's groups split with the heads
+        checks.insert(1, ("model.o_groups", m.o_groups))
     if "linear_attention" in layer_types:
         checks.append(("model.linear_num_key_heads", m.linear_num_key_heads))
         checks.append(("model.linear_num_value_heads", m.linear_num_value_heads))

@@ -83,16 +83,17 @@ def _linear_attention_numels(cfg: Config, tp: int = 1) -> list[tuple[str, int, i
     ]
 
 
-def _compressed_attention_numels(cfg: Config, layer: int) -> list[tuple[str, int, int]]:
-    """(name, numel, ndim) of a DeepSeek-V4 attention layer: q LoRA, one key/value head, grouped output projection,
-    sinks; a compressor on CSA / HCA layers (CSA's pools two series: 2 D channels) and CSA's lightning indexer."""
+def _compressed_attention_numels(cfg: Config, layer: int, tp: int = 1) -> list[tuple[str, int, int]]:
+    """(name, numel, ndim) on one rank of a DeepSeek-V4 attention layer: q LoRA, one key/value head, grouped output
+    projection, sinks (the heads' parts split over tp); a compressor on CSA / HCA layers (CSA's pools two series: 2 D
+    channels) and CSA's lightning indexer, whole on every rank."""
     m = cfg.model
-    h, n, d, ql = m.hidden_size, m.num_attention_heads, m.resolved_head_dim, m.q_lora_rank
+    h, n, d, ql = m.hidden_size, m.num_attention_heads // tp, m.resolved_head_dim, m.q_lora_rank
     out = [
         ("attn.q_a_proj.weight", h * ql, 2), ("attn.q_a_norm.weight", ql, 1), ("attn.q_b_proj.weight", ql * n * d, 2),
         ("attn.kv_proj.weight", h * d, 2), ("attn.kv_norm.weight", d, 1),
-        ("attn.o_a_proj.weight", n * d * m.o_lora_rank, 2), ("attn.o_b_proj.weight", m.o_groups * m.o_lora_rank * h, 2),
-        ("attn.sinks", n, 1),
+        ("attn.o_a_proj.weight", n * d * m.o_lora_rank, 2),
+        ("attn.o_b_proj.weight", m.o_groups // tp * m.o_lora_rank * h, 2), ("attn.sinks", n, 1),
     ]  # fmt: skip
     kind = m.layer_types[layer]
     if kind == "sliding_attention":
@@ -124,8 +125,8 @@ def _attention(cfg: Config, layer: int, tp: int, prefix: str) -> list[ParamEntry
         for name, numel, ndim in _linear_attention_numels(cfg, tp):
             add(name, numel, ndim)
         return out
-    if m.attention_type == "compressed":  # DeepSeek-V4 (moecore/models/compressed_attention.py); tp = 1
-        for name, numel, ndim in _compressed_attention_numels(cfg, layer):
+    if m.attention_type == "compressed":  # DeepSeek-V4 (moecore/models/compressed_attention.py)
+        for name, numel, ndim in _compressed_attention_numels(cfg, layer, tp):
             add(name, numel, ndim)
         return out
     if m.attention_type in ("mla", "dsa"):  # DSA is MLA plus the lightning indexer (moecore/models/dsa.py)

@@ -40,6 +40,8 @@ VARIANTS = {
     "v4": (v4_config, {"ep": 2}),
     "v4-etp2": (v4_config, {"etp": 2}),
     "v4-fsdp": (v4_config, {"fsdp": True}),
+    "v4-tp2-sp": (v4_config, {"tp": 2}),  # heads, sinks and output groups split; the MoE tokens (and ids) too
+    "v4-tp2": (v4_config, {"tp": 2, "sequence_parallel": False}),
 }
 
 

@@ -67,17 +67,29 @@ def _dense_warmup_config(par: dict) -> Config:
     return cfg
 
 
+def _v4_config(par: dict) -> Config:
+    """Tiny DeepSeek-V4 (compressed attention with frozen indexers, hyper-connections, a hash-routed layer), bf16."""
+    over = ["model.vocab_size=64", "train.precision=bf16", "train.seq_length=8"]
+    cfg = load_config("tiny-deepseek-v4", [*over, "train.global_batch_size=2", "train.micro_batch_size=1"])
+    for k, v in par.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+_CONFIGS = {"dense_warmup": _dense_warmup_config, "v4": _v4_config}
+
+
 def _real_bytes_bf16(
-    rank: int, world: int, par: dict, fp8: tuple[str, bool] | None = None, dense_warmup: bool = False
+    rank: int, world: int, par: dict, fp8: tuple[str, bool] | None = None, model: str | None = None
 ) -> dict:
     """The same through the runtime with bf16 parameters: fp32 masters, fp32 main gradients, the
     distributed optimizer driven on the masters (moecore.train.runtime); with `fp8`, FP8 GEMMs and, with primary
     weights, the FP8 GEMMs' weights held as their FP8 copies only (rebuilt from the gathered masters);
-    `dense_warmup`: `_dense_warmup_config`'s model."""
+    `model`: a `_CONFIGS` model instead of `_config`'s."""
     from moecore.optim.mixed_precision import grad_of
     from moecore.train.runtime import Runtime
 
-    cfg = _dense_warmup_config(par) if dense_warmup else _fp8(_config(par), fp8)
+    cfg = _CONFIGS[model](par) if model else _fp8(_config(par), fp8)
     dims = ParallelDims(cfg.parallel, world, rank, "cpu", num_experts=8, num_attention_heads=4, vocab_size=64)
     rt = Runtime(
         dims=dims,
@@ -188,8 +200,23 @@ def test_planner_fp8_primary_bytes_under_the_distributed_optimizer(recipe: str) 
 def test_planner_dense_warmup_bytes_under_the_distributed_optimizer(par: dict) -> None:
     """DSA's dense_warmup over 2 ranks: the distributed optimizer's buckets, master shards and moments hold the
     indexers' parameters only; every frozen parameter is its bf16 weight on each rank, as the planner counts."""
-    real = run_local(_real_bytes_bf16, 2, par, None, True)
+    real = run_local(_real_bytes_bf16, 2, par, None, "dense_warmup")
     cfg = _dense_warmup_config(par)
+    layout = layout_of(cfg, 2)
+    planned = state_bytes(cfg, layout, 0, precision_mode(cfg, layout, micro_batches=1, device="cpu"))
+    for rank, r in enumerate(real):
+        assert r == planned, f"rank {rank}: real {r} planned {planned}"
+
+
+@pytest.mark.parametrize(
+    "par", [{"tp": 2, "distributed_optimizer": True}, {"ep": 2, "distributed_optimizer": True}], ids=["tp2", "ep2"]
+)
+def test_planner_deepseek_v4_bytes(par: dict) -> None:
+    """DeepSeek-V4 over 2 ranks, the optimizer state sharded: heads, sinks and output groups split over tp (the
+    key/value head, compressors and frozen indexers whole), or experts over ep; the indexers have no master, gradient
+    or moments. Every rank's bytes as the planner counts them."""
+    real = run_local(_real_bytes_bf16, 2, par, None, "v4")
+    cfg = _v4_config(par)
     layout = layout_of(cfg, 2)
     planned = state_bytes(cfg, layout, 0, precision_mode(cfg, layout, micro_batches=1, device="cpu"))
     for rank, r in enumerate(real):
