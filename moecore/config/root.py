@@ -150,7 +150,7 @@ def _validate_moe_perf(cfg: Config) -> None:
 
 def _validate_deepseek_v4(cfg: Config) -> None:
     """DeepSeek-V4's parts (compressed attention, hyper-connections, hash routing) with what they run under."""
-    m, e, p, t = cfg.model, cfg.moe, cfg.parallel, cfg.train
+    m, e, t = cfg.model, cfg.moe, cfg.train
     parts = [
         (m.attention_type == "compressed", "model.attention_type", "compressed"),
         (m.hc_mult > 1, "model.hc_mult", m.hc_mult),
@@ -159,8 +159,6 @@ def _validate_deepseek_v4(cfg: Config) -> None:
     for used, name, value in parts:
         if not used:
             continue
-        if p.cp > 1:
-            _fail(name, value, "runs without context parallel: parallel.cp=1")
         if t.cuda_graphs != "none":
             _fail(name, value, "does not run under CUDA graphs: train.cuda_graphs=none")
         if m.mtp_num_layers:

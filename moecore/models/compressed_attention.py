@@ -74,6 +74,7 @@ from moecore.config import ModelConfig
 from moecore.models.norms import RMSNorm
 from moecore.models.rope import RotaryEmbedding
 from moecore.models.sinks import compiled_flex_attention
+from moecore.parallel.context import cp_size, gather_from_cp
 from moecore.parallel.sharding import mark_tp_partial, set_shard
 from moecore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, tp_region_input, tp_size
 
@@ -106,20 +107,23 @@ def sink_attention(
 def sink_attention_flex(
     q: torch.Tensor,
     kv: torch.Tensor,
-    local: int,
+    q_pos: torch.Tensor,
     window: int,
     picked: torch.Tensor | None,
     sinks: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """`sink_attention` through flex_attention (CUDA): q [B, S, n, D], kv [B, local + T, D] (the local keys, then
-    T compressed entries), `picked` [B or 1, S, T] bool (None: no entries) -> [B, S, n, D]."""
+    """`sink_attention` through flex_attention (CUDA): q [B, S, n, D] at positions `q_pos` [S], kv [B, L + T, D] (the
+    L tokens of the sequence, then T compressed entries), `picked` [B or 1, S, T] bool (None: no entries) ->
+    [B, S, n, D]."""
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
     b, s, _, _ = q.shape
+    local = kv.shape[1] - (picked.shape[-1] if picked is not None else 0)
 
     def visible(bi, hi, qi, ki):
-        near = (ki < local) & (ki <= qi) & (ki > qi - window)
+        t = q_pos[qi]
+        near = (ki < local) & (ki <= t) & (ki > t - window)
         if picked is None:
             return near
         entry = torch.where(ki >= local, ki - local, 0)
@@ -165,13 +169,20 @@ class KVCompressor(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.position_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, S, H]; cos / sin [T, r/2] at the entries' positions 0, m, 2m, ... -> [B, T, dim]."""
-        b, s, _ = x.shape
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dims: Any = None) -> torch.Tensor:
+        """x [B, S, H] (under context parallel this rank's tokens); cos / sin [T, r/2] at the entries' positions 0,
+        m, 2m, ... of the whole sequence -> [B, T, dim], the entries of the whole sequence on every rank."""
+        kv, gate = self.kv_proj(x), self.gate_proj(x)
+        if cp_size(dims) > 1:  # every rank pools the whole sequence; each one's use of the entries sums in backward
+            kv, gate = gather_from_cp(kv, dims, 1), gather_from_cp(gate, dims, 1)
+        return self.pool(kv, gate, cos, sin)
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The projections kv / gate [B, S, width] of the whole sequence in order -> the entries [B, T, dim]."""
+        b, s, _ = kv.shape
         m, d, n = self.rate, self.dim, s // self.rate
-        x = x[:, : n * m]  # the incomplete last window makes no entry
-        kv = self.kv_proj(x).view(b, n, m, -1)
-        gate = self.gate_proj(x).float().view(b, n, m, -1) + self.position_bias.float()
+        kv = kv[:, : n * m].view(b, n, m, -1)  # the incomplete last window makes no entry
+        gate = gate[:, : n * m].float().view(b, n, m, -1) + self.position_bias.float()
         if self.overlap:
             # Slots 0..m-1: series Ca of the previous window (zeros with gate -inf before window 0);
             # slots m..2m-1: series Cb of this window.
@@ -206,10 +217,12 @@ class CompressedIndexer(KVCompressor):
         sin_q: torch.Tensor,
         cos_e: torch.Tensor,
         sin_e: torch.Tensor,
+        dims: Any = None,
     ) -> torch.Tensor:
-        """Bool [B, S, T]: the top-k entries by index score among those `ready` [S, T] for each query."""
+        """Bool [B, S, T]: the top-k entries by index score among those `ready` [S, T] for each query (this rank's
+        queries; the keys of the whole sequence)."""
         b, s, _ = x.shape
-        keys = self(x, cos_e, sin_e).float()  # [B, T, d]
+        keys = self(x, cos_e, sin_e, dims).float()  # [B, T, d]
         q = self.q_b_proj(q_latent).view(b, s, self.n_heads, self.dim)
         q = apply_interleaved_rope(q, cos_q.unsqueeze(1), sin_q.unsqueeze(1)).float()
         logits = torch.matmul(q, keys.unsqueeze(1).transpose(-1, -2))  # [B, S, h, T]
@@ -226,8 +239,6 @@ class CompressedAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, dims: Any = None) -> None:
         super().__init__()
-        if getattr(dims, "cp", 1) > 1:
-            raise ValueError("DeepSeek-V4's compressed attention runs without context parallel: set parallel.cp=1")
         self.kind = cfg.layer_types[layer_idx]
         if self.kind not in LAYER_KINDS:
             raise ValueError(f"model.layer_types[{layer_idx}]={self.kind!r}: expected one of {LAYER_KINDS}")
@@ -289,32 +300,36 @@ class CompressedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = tp_region_input(x, self.dims)  # sequence-parallel shards -> the whole sequence
-        b, s, _ = x.shape
-        pos = position_ids.to(x.device)
+        b, s, _ = x.shape  # s: this rank's tokens (all of them without context parallel)
+        pos = position_ids.to(x.device)  # their positions in the sequence
+        full = s * cp_size(self.dims)  # the sequence's length
         cos, sin = self._cos_sin(pos)
         q_latent = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_latent).view(b, s, self.num_heads, self.head_dim)
         q = (q.float() * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps)).to(q.dtype)
         q = apply_interleaved_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
         kv = apply_interleaved_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        # Context parallel: every rank's queries read keys of the whole sequence (one head: a small all-gather);
+        # the backward sums the ranks' gradients of each key.
+        kv = gather_from_cp(kv, self.dims, 1)  # [B, full, D] in sequence order
 
         picked = None  # [B or 1, S, T]: which compressed entries each query sees
-        n_entries = s // self.rate if self.rate else 0
+        n_entries = full // self.rate if self.rate else 0
         if n_entries:
             cos_e, sin_e = self._cos_sin(torch.arange(n_entries, device=x.device) * self.rate)
-            entries = self.compressor(x, cos_e, sin_e)  # [B, T, D]
+            entries = self.compressor(x, cos_e, sin_e, self.dims)  # [B, T, D]
             ready = (torch.arange(n_entries, device=x.device)[None, :] + 1) * self.rate <= pos[:, None] + 1
             if self.kind == "compressed_sparse_attention":
-                picked = self.compressor.indexer.select(x, q_latent, ready, cos, sin, cos_e, sin_e)
+                picked = self.compressor.indexer.select(x, q_latent, ready, cos, sin, cos_e, sin_e, self.dims)
             else:
                 picked = ready.unsqueeze(0)
             kv = torch.cat((kv, entries), dim=1)
 
         if x.is_cuda and self.use_flex:  # flex_attention: no [S, S + T] tensors
-            args, attend = (q, kv, s, self.window, picked, self.sinks, self.scale), sink_attention_flex
+            args, attend = (q, kv, pos, self.window, picked, self.sinks, self.scale), sink_attention_flex
         else:
-            gap = pos[:, None] - pos[None, :]
-            visible = ((gap >= 0) & (gap < self.window)).unsqueeze(0)  # local keys t - W < j <= t: [1, S, S]
+            gap = pos[:, None] - torch.arange(full, device=x.device)[None, :]
+            visible = ((gap >= 0) & (gap < self.window)).unsqueeze(0)  # keys t - W < j <= t: [1, S, full]
             if picked is not None:
                 visible = torch.cat((visible.expand(picked.shape[0], -1, -1), picked), dim=-1)
             args, attend = (q, kv, visible, self.sinks, self.scale), sink_attention

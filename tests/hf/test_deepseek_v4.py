@@ -141,7 +141,7 @@ def test_refusals():
 
 def test_layout_refusals():
     for over, match in [
-        ("parallel.cp=2", "parallel.cp"), ("model.mtp_num_layers=1", "mtp"),
+        ("model.mtp_num_layers=1", "mtp"), ("train.cuda_graphs=attention", "cuda_graphs"),
         ("moe.num_hash_layers=5", "moe.num_hash_layers"),
     ]:  # fmt: skip
         with pytest.raises(ValueError, match=match):

@@ -199,8 +199,8 @@ def test_query_that_sees_nothing_gives_zero() -> None:
     assert all(torch.isfinite(t.grad).all() for t in (q, kv, sinks))
 
 
-def test_refuses_context_parallel() -> None:
-    cfg = our_config(hf_config())
-    with pytest.raises(ValueError, match=r"parallel\.cp"):
-        CompressedAttention(cfg, 0, types.SimpleNamespace(tp=1, cp=2))
-    CompressedAttention(cfg, 0, types.SimpleNamespace(tp=1, cp=1))
+def test_refuses_a_tensor_parallel_degree_that_splits_a_group() -> None:
+    cfg = our_config(hf_config())  # 4 heads in 2 output groups
+    dims = types.SimpleNamespace(tp=4, cp=1, tp_group=types.SimpleNamespace(rank=0, size=4), sequence_parallel=False)
+    with pytest.raises(ValueError, match=r"parallel\.tp=4 must divide .*o_groups"):
+        CompressedAttention(cfg, 0, dims)
