@@ -310,6 +310,8 @@ class HashRouter(TopKRouter):
 
 def random_hash_table(vocab_size: int, num_experts: int, topk: int, seed: int) -> torch.Tensor:
     """[vocab, topk] int64: for every token id, `topk` distinct experts drawn uniformly from a CPU generator
-    seeded with `seed` (so every rank draws the same table)."""
+    seeded with `seed` (so every rank draws the same table), placed on the default device (a model built under
+    `with torch.device("cuda")` gets it there)."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.rand(vocab_size, num_experts, generator=gen).topk(topk, dim=-1).indices
+    table = torch.rand(vocab_size, num_experts, generator=gen, device="cpu").topk(topk, dim=-1).indices
+    return table.to(torch.empty(0).device)
