@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from moecore.checkpoint.manifest import (
     COMPLETE,
@@ -219,6 +220,10 @@ class HostStager:
         return buf
 
     def stage(self, obj, key: tuple = ()):
+        if isinstance(obj, DTensor):  # FSDP2's shards: stage the local shard, keep the global layout for dcp
+            local = self.stage(obj.to_local(), key)
+            return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+                                      stride=obj.stride())  # fmt: skip
         if isinstance(obj, torch.Tensor):
             t = obj.detach()
             buf = self._buffer(key, t)
