@@ -57,8 +57,12 @@ columns, o_a_proj by its groups' rows, o_b_proj by its input columns, summed ove
 value head, the compressor and the indexer stay whole on every rank (`tp_partial`: each rank's heads give their
 share of the gradient; the indexer has none), so every rank selects the same entries.
 
+Context parallel: a rank holds some of the sequence's tokens (`position_ids`: their positions). It all-gathers the
+key/value head and the compressors' projections of the whole sequence in order (small next to the queries; the
+backward sums the ranks' gradients), pools every entry, and attends with its own queries by their positions.
+
 Parameter names follow transformers' DeepseekV4Attention (there the indexer's `weights_proj` sits under
-`indexer.scorer`). Training only: whole sequences, no KV cache; position_ids must be 0..S-1.
+`indexer.scorer`). Training only: whole sequences, no KV cache.
 """
 
 from __future__ import annotations
