@@ -94,7 +94,7 @@ def attention_modules(cfg: Config, layer: int, layout: Layout, c: ActContext) ->
         out["attn_out"] = T * vd * b
         return out
     if m.attention_type == "compressed":
-        out.update(compressed_modules(cfg, layer, c))
+        out.update(compressed_modules(cfg, layer, c, tp))
         return out
     if m.attention_type in ("mla", "dsa"):
         n, dn, dr, dv = m.num_attention_heads // tp, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
@@ -139,8 +139,9 @@ def _compressed_rate(cfg: Config, layer: int) -> int:
     return m.csa_compress_rate if kind == "compressed_sparse_attention" else m.hca_compress_rate
 
 
-def compressed_modules(cfg: Config, layer: int, c: ActContext) -> dict[str, float]:
-    """A DeepSeek-V4 attention layer (tp = cp = 1), T tokens of sequences of S, n heads of D, K = S + S // m keys:
+def compressed_modules(cfg: Config, layer: int, c: ActContext, tp: int = 1) -> dict[str, float]:
+    """A DeepSeek-V4 attention layer, T tokens of this rank (whole sequences of S under tp; S / cp of them under cp,
+    with the keys of the whole sequence), n heads of D on this rank (its share under tp), K = S + S // m keys:
     projections: q_a's output and q latent, q_b's output, its fp32 copy and normed q, kv_proj's output and kv
                  T (2 q_lora b + n D (2 b + 8) + 3 D b)
     core_attn:   fp32 probabilities and their cast, the visibility mask, the output before and after the
@@ -150,13 +151,13 @@ def compressed_modules(cfg: Config, layer: int, c: ActContext) -> dict[str, floa
     attn_out:    o_a's and o_b's inputs   T (n D + o_groups o_lora_rank) b"""
     m = cfg.model
     T, b = c.tokens, c.act_bytes
-    n, d, s = m.num_attention_heads, m.resolved_head_dim, cfg.train.seq_length
+    n, d, s = m.num_attention_heads // tp, m.resolved_head_dim, cfg.train.seq_length
     rate = _compressed_rate(cfg, layer)
     keys = s + (s // rate if rate else 0)
     out = {
         "mla_latent": T * (2 * m.q_lora_rank * b + n * d * (2 * b + 8) + 3 * d * b),
         "core_attn": T * (n * keys * (4 + b) + keys + 2 * n * d * b),
-        "attn_out": T * (n * d + m.o_groups * m.o_lora_rank) * b,
+        "attn_out": T * (n * d + m.o_groups // tp * m.o_lora_rank) * b,
     }
     if rate:
         width = 2 * d if m.layer_types[layer] == "compressed_sparse_attention" else d
