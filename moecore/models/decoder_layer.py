@@ -187,6 +187,15 @@ class DecoderLayer(nn.Module):
         ), None
 
 
+def layer_args(layer: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, loss_mask, topk, input_ids) -> tuple:
+    """The positional arguments of `layer(...)` in a decoder loop (the model's, a pipeline stage's): the previous
+    layer's DSA top-k for a layer that `passes_topk`, the token ids for one that `needs_token_ids` (hash routing).
+    Explicit arguments, so a checkpointed layer's recomputation sees what its forward saw."""
+    if layer.needs_token_ids:
+        return (x, position_ids, loss_mask, topk if layer.passes_topk else None, input_ids)
+    return (x, position_ids, loss_mask) + ((topk,) if layer.passes_topk else ())
+
+
 def _moe_ordinal(cfg: Config, layer_idx: int) -> int:
     """How many MoE layers come before decoder layer `layer_idx`."""
     return sum(cfg.moe.is_moe_layer(i, cfg.model.num_layers) for i in range(layer_idx))

@@ -34,6 +34,16 @@ def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
 
+def _mixes(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """fn x~ in fp32: x [B, S, n, H] flattened per token and divided by its root mean square."""
+    return F.linear(_unit_rms(x.flatten(2).float(), eps), fn.float())
+
+
+def _collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_i pre_i x_i: [B, S, n, H] with pre [B, S, n] -> [B, S, H] in x's dtype."""
+    return (pre.unsqueeze(-1) * x).sum(dim=2).to(x.dtype)
+
+
 def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:
     """[B, S, H] -> [B, S, n, H]: the embedding in every stream."""
     return x.unsqueeze(2).expand(-1, -1, n, -1).contiguous()
@@ -58,7 +68,7 @@ class HyperConnection(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, S, n, H] -> (post [B, S, n] fp32, comb [B, S, n, n] fp32, the block's input [B, S, H])."""
         n = self.n
-        mixes = F.linear(_unit_rms(x.flatten(2).float(), self.norm_eps), self.fn.float())
+        mixes = _mixes(x, self.fn, self.norm_eps)
         a_pre, a_post, a_comb = mixes.split([n, n, n * n], dim=-1)
         b_pre, b_post, b_comb = self.base.float().split([n, n, n * n])
         s_pre, s_post, s_comb = self.scale.float().unbind(0)
@@ -69,8 +79,7 @@ class HyperConnection(nn.Module):
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        collapsed = (pre.unsqueeze(-1) * x).sum(dim=2).to(x.dtype)
-        return post, comb, collapsed
+        return post, comb, _collapse(x, pre)
 
     @staticmethod
     def merge(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -96,6 +105,5 @@ class HyperHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, S, n, H] -> [B, S, H]."""
-        mixes = F.linear(_unit_rms(x.flatten(2).float(), self.norm_eps), self.hc_fn.float())
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
-        return (pre.unsqueeze(-1) * x).sum(dim=2).to(x.dtype)
+        mixes = _mixes(x, self.hc_fn, self.norm_eps)
+        return _collapse(x, torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps)

@@ -23,7 +23,7 @@ from torch import nn
 
 from moecore.config import Config
 from moecore.kernels.cross_entropy import linear_cross_entropy
-from moecore.models.decoder_layer import DecoderLayer
+from moecore.models.decoder_layer import DecoderLayer, layer_args
 from moecore.models.init import seeded_init_
 from moecore.models.norms import RMSNorm
 from moecore.models.recompute import checkpoint_module
@@ -178,10 +178,7 @@ class MoETransformer(nn.Module):
         auxes = []
         topk = None  # DSA with shared indexer layers: the top-k indices the last layer used (moecore/models/dsa.py)
         for layer in self.layers:
-            # an explicit argument, so a checkpointed layer's recomputation sees the indices its forward saw
-            args = (x, position_ids, loss_mask) + ((topk,) if layer.passes_topk else ())
-            if layer.needs_token_ids:  # hash-routed MoE layer (moecore/moe/router.py HashRouter)
-                args = (x, position_ids, loss_mask, None, input_ids)
+            args = layer_args(layer, x, position_ids, loss_mask, topk, input_ids)
             if self.full_recompute and self.training and torch.is_grad_enabled():
                 out = checkpoint_module(layer, *args)
             else:

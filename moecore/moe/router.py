@@ -49,6 +49,11 @@ from moecore.kernels.router import (
 from moecore.kernels.router_gemm import router_linear
 
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+# Per-expert scores that are not a softmax over the experts (their top-k weights are renormalised with + 1e-20)
+_BOUNDED_SCORES = {
+    "sigmoid": torch.sigmoid,
+    "sqrtsoftplus": lambda logits: torch.sqrt(torch.nn.functional.softplus(logits)),  # DeepSeek-V4
+}
 
 
 @dataclass
@@ -101,10 +106,8 @@ def topk_routing(
     """
     if score_function == "softmax":
         scores_TE = torch.softmax(logits_TE, dim=-1) if pre_softmax else logits_TE
-    elif score_function == "sigmoid":
-        scores_TE = torch.sigmoid(logits_TE)
-    elif score_function == "sqrtsoftplus":
-        scores_TE = torch.sqrt(torch.nn.functional.softplus(logits_TE))
+    elif score_function in _BOUNDED_SCORES:
+        scores_TE = _BOUNDED_SCORES[score_function](logits_TE)
     else:
         raise ValueError(
             f"moe.router_score_function={score_function!r} is invalid: allowed: softmax | sigmoid | sqrtsoftplus"
@@ -134,10 +137,7 @@ def scores_for_balancing(logits_TE: torch.Tensor, score_function: str) -> torch.
     """
     if score_function == "softmax":
         return torch.softmax(logits_TE, dim=-1)
-    if score_function == "sqrtsoftplus":
-        s = torch.sqrt(torch.nn.functional.softplus(logits_TE))
-        return s / (s.sum(dim=-1, keepdim=True) + 1e-20)
-    s = torch.sigmoid(logits_TE)
+    s = _BOUNDED_SCORES[score_function](logits_TE)
     return s / (s.sum(dim=-1, keepdim=True) + 1e-20)
 
 

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moecore.config import Config, ConfigError
+from moecore.models.decoder_layer import layer_args
 from moecore.models.dsa import DSAttention, indexer_count
 from moecore.models.hyper_connections import expand_streams
 from moecore.models.recompute import checkpoint_module
@@ -160,9 +161,7 @@ class StageModule(nn.Module):
         # DSA with shared indexer layers: the top-k the last layer used (a stage never opens on a shared layer)
         topk = None
         for layer in self.layers:
-            args = (x, position_ids, loss_mask) + ((topk,) if layer.passes_topk else ())
-            if layer.needs_token_ids:  # hash-routed MoE layer (moecore/moe/router.py HashRouter)
-                args = (x, position_ids, loss_mask, None, input_ids)
+            args = layer_args(layer, x, position_ids, loss_mask, topk, input_ids)
             if model.full_recompute and self.training and torch.is_grad_enabled():
                 out = checkpoint_module(layer, *args)
             else:
