@@ -32,7 +32,9 @@ SHAPES = {  # hidden, expert ffn, experts, top-k, tokens
     "mixtral_8x7b": (4096, 14336, 8, 2, 16384),
     "deepseek_v3": (7168, 2048, 256, 8, 8192),
     "qwen3_next": (2048, 512, 512, 10, 16384),  # Qwen3-Next-80B-A3B's routed experts (its shared expert aside)
+    "deepseek_v4": (4096, 2048, 256, 6, 16384),  # transformers' DeepseekV4Config defaults (its routed experts)
 }
+SWIGLU_LIMIT = 10.0  # DeepSeek-V4's swiglu_limit (transformers' default) for the clipped variants
 
 
 def moe_flops(h: int, f: int, e: int, k: int, t: int) -> float:
@@ -70,6 +72,10 @@ VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore"
     "moecore-chunked": "moe.activation_memory=chunked: as minimal, keeping x and routing only, in chunks of 8192 rows"
     " (moecore-chunked-<rows>: chunks of <rows>)",
     "moecore-sync-free": "moe.sync_free=true: no host synchronisation from routing to combine",
+    "moecore-clipped": "DeepSeek-V4's clipped SwiGLU (model.activation=swiglu_clipped, limit 10) on the fused expert "
+    "FFN, as moecore train runs DeepSeek-V4's experts",
+    "moecore-clipped-unfused": "the clipped SwiGLU experts through torch._grouped_mm and autograd's clamps (the "
+    "experts' path without the fused expert FFN)",
     "moecore-fp8-tensorwise": "experts' GEMMs in FP8, one scale per tensor (fp8.recipe=tensorwise)",
     "moecore-fp8-rowwise": "experts' GEMMs in FP8, a scale per row (fp8.recipe=rowwise)",
     "moecore-fp8-blockwise": "experts' GEMMs in FP8, 1x128 activation / 128x128 weight blocks (fp8.recipe=blockwise)",
@@ -165,6 +171,15 @@ def _moecore_layer(h: int, f: int, e: int, k: int, variant: str = "moecore", tok
     )
     cfg.validate()
     layer = MoELayer(cfg, h)
+    if variant.startswith("moecore-clipped"):
+        layer.experts.swiglu_limit = SWIGLU_LIMIT
+        if variant == "moecore-clipped-unfused":  # torch._grouped_mm, the activation through autograd
+            from moecore.moe.experts import experts_grouped_mm
+
+            ex = layer.experts
+            ex.forward = lambda x, counts, probs=None: experts_grouped_mm(
+                x, counts, ex.w13, ex.w2, "swiglu", probs, False, ex.swiglu_limit
+            )
     if variant == "moecore-all-grouped":
         layer.experts.gemm_plan = GemmPlan.uniform("grouped")
     if variant == "moecore-fp32-router-gemm":

@@ -48,8 +48,9 @@ def _fused_path_on_cpu():
     from moecore.kernels import grouped_ffn
     from moecore.moe import experts
 
-    def ffn(x, w13, w2, counts, probs, plan=None, sync_free=False, backend="auto", load_spread=None):
-        return grouped_ffn._GroupedFFN.apply(x.contiguous(), w13, w2, counts, probs, grouped_ffn.GemmPlan(), "auto")
+    def ffn(x, w13, w2, counts, probs, plan=None, sync_free=False, backend="auto", load_spread=None, limit=None):
+        plan = grouped_ffn.GemmPlan()
+        return grouped_ffn._GroupedFFN.apply(x.contiguous(), w13, w2, counts, probs, plan, "auto", limit)
 
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(experts, "fused_expert_ffn_available", lambda x: True))

@@ -339,14 +339,17 @@ def _bf16_wgrad(
 # ---------------------------------------------------------------- the FP8 expert FFN
 
 
-def _activation_quantized(h: torch.Tensor, probs: torch.Tensor | None, recipe: Fp8Recipe) -> QOperand:
+def _activation_quantized(
+    h: torch.Tensor, probs: torch.Tensor | None, recipe: Fp8Recipe, limit: float | None = None
+) -> QOperand:
     """SwiGLU(h) (* probs) quantised for the w2 GEMM: one fused Triton kernel for rowwise and 1x128 (the
-    activation is never stored), the two functions in turn otherwise (same values)."""
-    if recipe.scaling != "tensorwise" and use_triton("auto", h) and h.shape[0]:
+    activation is never stored), the two functions in turn otherwise (same values). DeepSeek-V4's clipped SwiGLU
+    (`limit`) always takes the two functions: the fused kernel has no clip."""
+    if limit is None and recipe.scaling != "tensorwise" and use_triton("auto", h) and h.shape[0]:
         gran = "rowwise" if recipe.scaling == "rowwise" else "1x128"
         q, s = fq.swiglu_quantize(h, probs, gran, E4M3, recipe.pow2)
         return QOperand(q, s, gran)
-    return quant_rows(swiglu(h, probs), recipe, E4M3)
+    return quant_rows(swiglu(h, probs, limit=limit), recipe, E4M3)
 
 
 class _Fp8GroupedFFN(torch.autograd.Function):
@@ -355,7 +358,7 @@ class _Fp8GroupedFFN(torch.autograd.Function):
     written padded (pad_to: their padded counts and rows)."""
 
     @staticmethod
-    def forward(ctx, x, w13, w2, counts, probs, recipe: Fp8Recipe, host, pad_to=None, backend="auto"):
+    def forward(ctx, x, w13, w2, counts, probs, recipe: Fp8Recipe, host, pad_to=None, backend="auto", limit=None):
         dt = x.dtype
         # FP8 primary weights (moecore/models/fp8.py) arrive quantised (rowwise: w^T too); others are quantised here
         w13q, w2q = getattr(w13, "fp8_primary", None), getattr(w2, "fp8_primary", None)
@@ -367,7 +370,7 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         bounds = group_bounds(counts)  # one cumsum for all the GEMMs (fewer launches: the host is often the bound)
         h = gmm_nt(xq, w13q, counts, host, recipe, dt, recipe.fprop_fast_accum, bounds)
         with torch.no_grad():
-            aq = _activation_quantized(h, probs, recipe)
+            aq = _activation_quantized(h, probs, recipe, limit)
         w2q = w2q if w2q is not None else quant_weights(w2c, recipe)
         y = gmm_nt(aq, w2q, counts, host, recipe, dt, recipe.fprop_fast_accum, bounds)
         # backward reuses tensorwise / 128x128 weights transposed, and tensorwise x: saved tensors, so that
@@ -380,7 +383,7 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         keep += [pad_to[0]] if pad_to is not None else []  # the weight-gradient operands' padded counts
         ctx.save_for_backward(x, h, probs, counts, w13c, w2c, *keep)
         ctx.grans = (xq.gran, w13q.gran)
-        ctx.recipe, ctx.host, ctx.backend = recipe, host, backend
+        ctx.recipe, ctx.host, ctx.backend, ctx.limit = recipe, host, backend, limit
         ctx.pad_rows = None if pad_to is None else pad_to[1]
         ctx.w_dtypes = (w13.dtype, w2.dtype)
         ctx.p_dtype = None if probs is None else probs.dtype
@@ -402,7 +405,7 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         w2t = transposed_weights(w2q, w2c, recipe)
         da = gmm_nt(dyq, w2t, counts, host, recipe, dt, bounds=bounds)
         del w2t
-        dh, dp, a = swiglu_backward(h, probs, da)
+        dh, dp, a = swiglu_backward(h, probs, da, limit=ctx.limit)
         del da, h
         dw2 = dw13 = dx = None
         wgrad_fp8 = recipe.wgrad_in_fp8(x.shape[0] // w2c.shape[0], x.shape[1], w2c.shape[2])  # rows/expert, H, F
@@ -430,7 +433,7 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = gmm_nt(dhq, transposed_weights(w13q, w13c, recipe), counts, host, recipe, dt, bounds=bounds)
         dprobs = dp.to(ctx.p_dtype) if dp is not None and ctx.needs_input_grad[4] else None
-        return dx, dw13, dw2, None, dprobs, None, None, None, None
+        return dx, dw13, dw2, None, dprobs, None, None, None, None, None
 
 
 def fp8_expert_ffn(
@@ -441,11 +444,13 @@ def fp8_expert_ffn(
     probs_N: torch.Tensor | None,
     recipe: Fp8Recipe,
     backend: str = "auto",
+    limit: float | None = None,
 ) -> torch.Tensor:
     """The SwiGLU expert FFN on rows sorted by expert ([N, H] -> [N, H]) with FP8 GEMMs; rows padded per
     expert to the recipe's alignment (module docstring): on the way in and out (recipe.padding="all"), or only
     in the weight-gradient operands, as they are quantised ("wgrad"). `backend` (moe.gemm_backend): whether the
-    bf16 weight-gradient GEMMs (`recipe.wgrad_in_fp8` false) may run through QuACK's grouped GEMMs."""
+    bf16 weight-gradient GEMMs (`recipe.wgrad_in_fp8` false) may run through QuACK's grouped GEMMs. `limit`:
+    DeepSeek-V4's clipped SwiGLU (moecore/kernels/swiglu.py)."""
     N = x_NH.shape[0]
     if N == 0:
         return x_NH.new_zeros(0, w2_EHF.shape[1])
@@ -455,9 +460,9 @@ def fp8_expert_ffn(
     if recipe.padding == "wgrad":
         host = None if grouped else counts.tolist()
         x = x_NH.contiguous()
-        return _Fp8GroupedFFN.apply(x, w13_EFH, w2_EHF, counts, probs_N, recipe, host, (padded, P), backend)
+        return _Fp8GroupedFFN.apply(x, w13_EFH, w2_EHF, counts, probs_N, recipe, host, (padded, P), backend, limit)
     host = None if grouped else padded.tolist()
     xp = pad_rows(x_NH.contiguous(), dst, P)
     pp = None if probs_N is None else pad_rows(probs_N, dst, P)
-    y = _Fp8GroupedFFN.apply(xp, w13_EFH, w2_EHF, padded, pp, recipe, host, None, backend)
+    y = _Fp8GroupedFFN.apply(xp, w13_EFH, w2_EHF, padded, pp, recipe, host, None, backend, limit)
     return _Unpad.apply(y, dst)

@@ -6,6 +6,7 @@ Weights as the MoE layer stores them: w13 [E, 2F, H] (gate rows then up rows), w
     forward                               backward (dy [M, H])
     h  = x_e @ w13[e]^T        [M, 2F]    da   = dy_e @ w2[e]                [M, F]   (dgrad)
     a  = silu(g) * u * p       [M, F]     dh, dp, a = swiglu_backward(h, p, da)       (a recomputed)
+    (with `limit`: DeepSeek-V4's clipped SwiGLU, g and u clipped first; moecore/kernels/swiglu.py)
     y  = a_e @ w2[e]^T         [M, H]     dW2[e]  = dy_e^T @ a_e             [E, H, F] (wgrad)
                                           dx   = dh_e @ w13[e]               [M, H]   (dgrad)
                                           dW13[e] = dh_e^T @ x_e             [E, 2F, H] (wgrad)
@@ -286,14 +287,14 @@ class _GroupedFFN(torch.autograd.Function):
     # x and h are kept as ctx attributes rather than saved tensors so that backward can drop them as
     # soon as they are used: the peak then holds at most one of the large [M, *] buffers besides dy.
     @staticmethod
-    def forward(ctx, x, w13, w2, counts, probs, plan: GemmPlan, act_impl: str):
+    def forward(ctx, x, w13, w2, counts, probs, plan: GemmPlan, act_impl: str, limit: float | None = None):
         dt = x.dtype
         w13c, w2c = w13.to(dt), w2.to(dt)
         bounds = group_bounds(counts)
         host = counts.tolist() if plan.needs_host_counts else None
         h = gemm_nt(x, w13c, bounds, host, plan.fwd13, "fwd13", plan.spread)
         with torch.no_grad():
-            a = swiglu(h, probs, impl=act_impl)
+            a = swiglu(h, probs, impl=act_impl, limit=limit)
         y = gemm_nt(a, w2c, bounds, host, plan.fwd2, "fwd2", plan.spread)
         ctx.hooked = _saved_tensor_hooks_active()
         if ctx.hooked:  # activation checkpointing (or offloading) must see x and h to drop or move them
@@ -301,7 +302,7 @@ class _GroupedFFN(torch.autograd.Function):
         else:
             ctx.save_for_backward(w13c, w2c, probs, bounds)
             ctx.x, ctx.h = x.detach(), h
-        ctx.host, ctx.plan, ctx.act_impl = host, plan, act_impl
+        ctx.host, ctx.plan, ctx.act_impl, ctx.limit = host, plan, act_impl, limit
         ctx.w_dtypes = (w13.dtype, w2.dtype)
         ctx.p_dtype = None if probs is None else probs.dtype
         return y
@@ -317,7 +318,7 @@ class _GroupedFFN(torch.autograd.Function):
         plan, host = ctx.plan, ctx.host
         dy = dy.contiguous()
         da = gemm_nn(dy, w2c, bounds, host, plan.dgrad2, "dgrad2", plan.spread)
-        dh, dp, a = swiglu_backward(h, probs, da, impl=ctx.act_impl)
+        dh, dp, a = swiglu_backward(h, probs, da, impl=ctx.act_impl, limit=ctx.limit)
         del da, h
         dw2 = (
             gemm_tn(dy, a, bounds, host, plan.wgrad2, ctx.w_dtypes[1], "wgrad2", spread=plan.spread)
@@ -333,7 +334,7 @@ class _GroupedFFN(torch.autograd.Function):
         del x
         dx = gemm_nn(dh, w13c, bounds, host, plan.dgrad13, "dgrad13", plan.spread) if ctx.needs_input_grad[0] else None
         dprobs = dp.to(ctx.p_dtype) if dp is not None and ctx.needs_input_grad[4] else None
-        return dx, dw13, dw2, None, dprobs, None, None
+        return dx, dw13, dw2, None, dprobs, None, None, None
 
 
 def expert_ffn_reference(
@@ -342,13 +343,15 @@ def expert_ffn_reference(
     w2_EHF: torch.Tensor,
     counts_E: torch.Tensor,
     probs_M: torch.Tensor | None = None,
+    limit: float | None = None,
 ) -> torch.Tensor:
-    """Loop over experts through plain autograd: y = (silu(g) * u * p) @ w2[e]^T with [g|u] = x @ w13[e]^T."""
+    """Loop over experts through plain autograd: y = (silu(g) * u * p) @ w2[e]^T with [g|u] = x @ w13[e]^T
+    (g and u clipped to `limit` first when given)."""
     dt = x_MH.dtype
     outs, s = [], 0
     for e, n in enumerate(counts_E.tolist()):
         h = x_MH[s : s + n] @ w13_EFH[e].to(dt).t()
-        a = swiglu_reference(h, None if probs_M is None else probs_M[s : s + n])
+        a = swiglu_reference(h, None if probs_M is None else probs_M[s : s + n], limit)
         outs.append(a @ w2_EHF[e].to(dt).t())
         s += n
     if not outs:
@@ -372,8 +375,11 @@ def expert_ffn(
     sync_free: bool = False,
     backend: str = "auto",
     load_spread: quack_gemm.LoadSpread | None = None,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """The expert FFN of the module docstring on rows already sorted by expert ([M, H] -> [M, H]).
+
+    `limit`: DeepSeek-V4's clipped SwiGLU (g <= limit, |u| <= limit), or None for the plain one.
 
     counts_E: rows per expert (sum = M); probs_M: the routing probability of each row, multiplied
     inside the activation, or None. `plan`: GEMM choice per kind (default: `default_plan`, with
@@ -381,7 +387,7 @@ def expert_ffn(
     `load_spread`: the layer's tracker of its load spread, which QuACK's tile choices are keyed by.
     """
     if x_MH.shape[0] == 0 or not use_triton(impl, x_MH, w13_EFH, w2_EHF):
-        return expert_ffn_reference(x_MH, w13_EFH, w2_EHF, counts_E, probs_M)
+        return expert_ffn_reference(x_MH, w13_EFH, w2_EHF, counts_E, probs_M, limit)
     if plan is None:
         E, M, H, F = w13_EFH.shape[0], x_MH.shape[0], x_MH.shape[1], w2_EHF.shape[2]
         plan = default_plan(E, M, H, F, x_MH.device, backend)
@@ -389,6 +395,6 @@ def expert_ffn(
             plan = plan.without_host_sync()
     plan = plan.observing(load_spread, counts_E, x_MH.shape[0])
     act_impl = "triton" if impl == "triton" else "auto"
-    y = _GroupedFFN.apply(x_MH.contiguous(), w13_EFH, w2_EHF, counts_E, probs_M, plan, act_impl)
+    y = _GroupedFFN.apply(x_MH.contiguous(), w13_EFH, w2_EHF, counts_E, probs_M, plan, act_impl, limit)
     plan.observed(load_spread, counts_E, x_MH.shape[0])
     return y

@@ -9,6 +9,11 @@ SwiGLU) so that the unpermute is a plain sum and the probability gradient is a r
 channels instead of H. The maths is done in fp32 and rounded once to h's dtype, in the kernel and in
 the reference alike. Backward, with s = sigmoid(g) and d = dout * p:
     dg = d * u * s * (1 + g * (1 - s)),   du = d * g * s,   dp = sum_f dout * silu(g) * u
+
+With a `limit` L (DeepSeek-V4's clipped SwiGLU, `model.activation=swiglu_clipped`) the gate and up inputs are
+clipped first, g' = min(g, L) and u' = clamp(u, -L, L), and the formulas above run on g', u'; a clipped
+element passes no gradient (torch.clamp's rule: an element exactly at the limit still does):
+    dg = [g <= L] * d * u' * s' * (1 + g' * (1 - s')),   du = [-L <= u <= L] * d * silu(g')
 """
 
 from __future__ import annotations
@@ -24,7 +29,16 @@ if triton_importable():
 
     @triton.jit
     def _swiglu_fwd_kernel(
-        h_ptr, p_ptr, out_ptr, M, F, HAS_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr
+        h_ptr,
+        p_ptr,
+        out_ptr,
+        M,
+        F,
+        limit,
+        HAS_P: tl.constexpr,
+        CLIP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_F: tl.constexpr,
     ):
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rf = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -32,6 +46,9 @@ if triton_importable():
         row = rm.to(tl.int64)[:, None]
         g = tl.load(h_ptr + row * (2 * F) + rf[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(h_ptr + row * (2 * F) + F + rf[None, :], mask=mask, other=0.0).to(tl.float32)
+        if CLIP:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
         a = g * tl.sigmoid(g) * u
         if HAS_P:
             p = tl.load(p_ptr + rm, mask=rm < M, other=0.0).to(tl.float32)
@@ -48,8 +65,10 @@ if triton_importable():
         a_ptr,
         M,
         F,
+        limit,
         HAS_P: tl.constexpr,
         STORE_A: tl.constexpr,
+        CLIP: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_F: tl.constexpr,
     ):
@@ -66,6 +85,11 @@ if triton_importable():
             g = tl.load(h_ptr + row * (2 * F) + rf[None, :], mask=mask, other=0.0).to(tl.float32)
             u = tl.load(h_ptr + row * (2 * F) + F + rf[None, :], mask=mask, other=0.0).to(tl.float32)
             do = tl.load(do_ptr + row * F + rf[None, :], mask=mask, other=0.0).to(tl.float32)
+            if CLIP:
+                pass_g = g <= limit
+                pass_u = (u >= -limit) & (u <= limit)
+                g = tl.minimum(g, limit)
+                u = tl.minimum(tl.maximum(u, -limit), limit)
             s = tl.sigmoid(g)
             silu = g * s
             if HAS_P:
@@ -75,6 +99,9 @@ if triton_importable():
                 d = do
             dg = d * u * s * (1.0 + g * (1.0 - s))
             du = d * silu
+            if CLIP:
+                dg = tl.where(pass_g, dg, 0.0)
+                du = tl.where(pass_u, du, 0.0)
             tl.store(dh_ptr + row * (2 * F) + rf[None, :], dg.to(dh_ptr.dtype.element_ty), mask=mask)
             tl.store(dh_ptr + row * (2 * F) + F + rf[None, :], du.to(dh_ptr.dtype.element_ty), mask=mask)
             if STORE_A:
@@ -86,9 +113,17 @@ if triton_importable():
             tl.store(dp_ptr + rm, dp, mask=mrow)
 
 
-def swiglu_reference(h: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(g) * u (* p) in fp32, rounded to h's dtype; h [..., 2F], probs [...] or None -> [..., F]."""
-    g, u = h.float().chunk(2, dim=-1)
+def _clipped(g: torch.Tensor, u: torch.Tensor, limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min(g, limit), clamp(u, -limit, limit)), or (g, u) without a limit."""
+    if limit is None:
+        return g, u
+    return g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+
+
+def swiglu_reference(h: torch.Tensor, probs: torch.Tensor | None = None, limit: float | None = None) -> torch.Tensor:
+    """silu(g) * u (* p) in fp32, rounded to h's dtype; h [..., 2F], probs [...] or None -> [..., F].
+    `limit`: g and u clipped first (module docstring)."""
+    g, u = _clipped(*h.float().chunk(2, dim=-1), limit)
     out = F.silu(g) * u
     if probs is not None:
         out = out * probs.float().unsqueeze(-1)
@@ -96,10 +131,11 @@ def swiglu_reference(h: torch.Tensor, probs: torch.Tensor | None = None) -> torc
 
 
 def swiglu_backward_reference(
-    h: torch.Tensor, probs: torch.Tensor | None, dout: torch.Tensor
+    h: torch.Tensor, probs: torch.Tensor | None, dout: torch.Tensor, limit: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(dh in h's dtype, dprobs fp32 or None, recomputed out) from the formulas in the module docstring."""
-    g, u = h.float().chunk(2, dim=-1)
+    g0, u0 = h.float().chunk(2, dim=-1)
+    g, u = _clipped(g0, u0, limit)
     do = dout.float()
     s = torch.sigmoid(g)
     silu = g * s
@@ -112,22 +148,26 @@ def swiglu_backward_reference(
         a = a * p
     dg = do * u * s * (1 + g * (1 - s))
     du = do * silu
+    if limit is not None:
+        dg = dg * (g0 <= limit)
+        du = du * ((u0 >= -limit) & (u0 <= limit))
     return torch.cat((dg, du), dim=-1).to(h.dtype), dp, a.to(h.dtype)
 
 
-def _launch_fwd(h2: torch.Tensor, p1: torch.Tensor | None) -> torch.Tensor:
+def _launch_fwd(h2: torch.Tensor, p1: torch.Tensor | None, limit: float | None) -> torch.Tensor:
     M, F2 = h2.shape
     Fh = F2 // 2
     out = torch.empty(M, Fh, dtype=h2.dtype, device=h2.device)
     block_f = min(next_pow2(Fh), 1024)
     block_m = max(1, 2048 // block_f)
     grid = (triton.cdiv(M, block_m), triton.cdiv(Fh, block_f))
-    _swiglu_fwd_kernel[grid](h2, p1 if p1 is not None else h2, out, M, Fh, p1 is not None, block_m, block_f)
+    lim, clip = (0.0, False) if limit is None else (float(limit), True)
+    _swiglu_fwd_kernel[grid](h2, p1 if p1 is not None else h2, out, M, Fh, lim, p1 is not None, clip, block_m, block_f)
     return out
 
 
 def _launch_bwd(
-    h2: torch.Tensor, p1: torch.Tensor | None, do2: torch.Tensor, store_a: bool
+    h2: torch.Tensor, p1: torch.Tensor | None, do2: torch.Tensor, store_a: bool, limit: float | None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     M, F2 = h2.shape
     Fh = F2 // 2
@@ -146,8 +186,10 @@ def _launch_bwd(
         a if a is not None else h2,
         M,
         Fh,
+        0.0 if limit is None else float(limit),
         p1 is not None,
         store_a,
+        limit is not None,
         block_m,
         block_f,
     )
@@ -162,39 +204,42 @@ def _flat(h: torch.Tensor, probs: torch.Tensor | None) -> tuple[torch.Tensor, to
 
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, h: torch.Tensor, probs: torch.Tensor | None, limit: float | None) -> torch.Tensor:
         h2, p1 = _flat(h, probs)
         ctx.save_for_backward(h2, p1)
-        ctx.h_shape, ctx.p_dtype = h.shape, None if probs is None else probs.dtype
-        return _launch_fwd(h2, p1).view(*h.shape[:-1], h.shape[-1] // 2)
+        ctx.h_shape, ctx.p_dtype, ctx.limit = h.shape, None if probs is None else probs.dtype, limit
+        return _launch_fwd(h2, p1, limit).view(*h.shape[:-1], h.shape[-1] // 2)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         h2, p1 = ctx.saved_tensors
-        dh, dp, _ = _launch_bwd(h2, p1, dout.reshape(h2.shape[0], -1).contiguous(), store_a=False)
+        dh, dp, _ = _launch_bwd(h2, p1, dout.reshape(h2.shape[0], -1).contiguous(), False, ctx.limit)
         dprobs = None
         if dp is not None and ctx.needs_input_grad[1]:
             dprobs = dp.view(ctx.h_shape[:-1]).to(ctx.p_dtype)
-        return dh.view(ctx.h_shape), dprobs
+        return dh.view(ctx.h_shape), dprobs, None
 
 
-def swiglu(h: torch.Tensor, probs: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
-    """silu(g) * u (* probs) for h = [g | u] of shape [..., 2F]; probs [...] or None. Differentiable."""
+def swiglu(
+    h: torch.Tensor, probs: torch.Tensor | None = None, impl: str = "auto", limit: float | None = None
+) -> torch.Tensor:
+    """silu(g) * u (* probs) for h = [g | u] of shape [..., 2F]; probs [...] or None. Differentiable.
+    `limit`: DeepSeek-V4's clipped SwiGLU, g and u clipped first (module docstring)."""
     if h.shape[-1] % 2:
         raise ValueError(f"swiglu input's last dim must be even (gate | up), got {h.shape[-1]}")
     tensors = (h,) if probs is None else (h, probs)
     if not use_triton(impl, *tensors):
-        return swiglu_reference(h, probs)
-    return _SwiGLUFunction.apply(h, probs)
+        return swiglu_reference(h, probs, limit)
+    return _SwiGLUFunction.apply(h, probs, limit)
 
 
 def swiglu_backward(
-    h: torch.Tensor, probs: torch.Tensor | None, dout: torch.Tensor, impl: str = "auto"
+    h: torch.Tensor, probs: torch.Tensor | None, dout: torch.Tensor, impl: str = "auto", limit: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(dh, dprobs fp32 or None, out recomputed) for 2-D h [M, 2F]; used by the fused expert FFN."""
     tensors = (h, dout) if probs is None else (h, probs, dout)
     if not use_triton(impl, *tensors):
-        return swiglu_backward_reference(h, probs, dout)
+        return swiglu_backward_reference(h, probs, dout, limit)
     h2, p1 = _flat(h, probs)
-    dh, dp, a = _launch_bwd(h2, p1, dout.reshape(h2.shape[0], -1).contiguous(), store_a=True)
+    dh, dp, a = _launch_bwd(h2, p1, dout.reshape(h2.shape[0], -1).contiguous(), True, limit)
     return dh, dp, a

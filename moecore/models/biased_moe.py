@@ -6,6 +6,10 @@ DeepSeek-V4's clipped SwiGLU (`model.activation=swiglu_clipped`, limit = model.s
 
     a = silu(min(g, limit)) * clamp(u, -limit, limit)
 
+Its experts have no biases, so they stay the plain GroupedExperts with `swiglu_limit` set: every expert path
+(the fused expert FFN with QuACK's or Triton's GEMMs, the low-memory modes, FP8) takes the clip in its SwiGLU
+kernel (moecore/kernels/swiglu.py). gpt-oss's experts, below, are BiasedGroupedExperts:
+
 Expert e applied to a row x (our layout: `w13` [E, 2F, H] gate rows then up rows, `b13` [E, 2F] the same
 order, `w2` [E, H, F], `b2` [E, H]):
 
@@ -42,12 +46,6 @@ from moecore.moe.router import TopKRouter
 from moecore.parallel.sharding import set_shard
 
 
-def clipped_swiglu(h: torch.Tensor, limit: float) -> torch.Tensor:
-    """[.., 2F] (gate half then up half) -> [.., F]: silu(min(g, limit)) * clamp(u, -limit, limit) (DeepSeek-V4)."""
-    g, u = h.chunk(2, dim=-1)
-    return F.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
-
-
 def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """[.., 2F] (gate half then up half) -> [.., F]: (clamp(u) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit)."""
     g, u = h.chunk(2, dim=-1)
@@ -57,8 +55,8 @@ def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
 
 
 class BiasedGroupedExperts(GroupedExperts):
-    """GroupedExperts with `activation` swiglu | swiglu_clamped (gpt-oss) | swiglu_clipped (DeepSeek-V4), plus
-    `b13` [E, 2F] and `b2` [E, H] when `biased` (else both None)."""
+    """GroupedExperts with `activation` swiglu | swiglu_clamped (gpt-oss), plus `b13` [E, 2F] and `b2` [E, H] when
+    `biased` (else both None)."""
 
     def __init__(
         self,
@@ -87,8 +85,6 @@ class BiasedGroupedExperts(GroupedExperts):
     def _act(self, h: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
         if self.kind == "swiglu_clamped":
             a = clamped_swiglu(h, self.alpha, self.limit)
-        elif self.kind == "swiglu_clipped":
-            a = clipped_swiglu(h, self.limit)
         else:
             a = activation_fn(h, "swiglu")
         return a if p is None else a * p.to(a.dtype).unsqueeze(-1)
@@ -177,7 +173,9 @@ class BiasedMoELayer(MoELayer):
         if m.router_logit_bias:
             self.router = BiasedTopKRouter(e, m.hidden_size, m.init_std)
             ep_util.mark_replicated_moe_params([self.router], dims)
-        if m.expert_linear_bias or m.activation == "swiglu_clipped":
+        if m.activation == "swiglu_clipped" and not m.expert_linear_bias:  # the plain experts, clipped in the kernel
+            self.experts.swiglu_limit = m.swiglu_limit
+        elif m.expert_linear_bias:
             old = self.experts
             self.experts = BiasedGroupedExperts(
                 old.num_experts, old.hidden_size, old.ffn_hidden_size, m.activation,

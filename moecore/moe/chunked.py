@@ -111,7 +111,7 @@ class _ChunkedExperts(torch.autograd.Function):
     input gradient are written to its own row, in x's dtype, instead of summed into fp32 token accumulators."""
 
     @staticmethod
-    def forward(ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, probs_in_act, plans, chunk_rows):
+    def forward(ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, probs_in_act, plans, chunk_rows, limit):
         T, H = x_TH.shape
         in_order = order_M is None
         if in_order:
@@ -132,7 +132,7 @@ class _ChunkedExperts(torch.autograd.Function):
                 continue
             p, b = None if p_M is None else p_M[r0:r1], bounds[e0 : e1 + 1] - r0
             h = gemm_nt(_rows(x_TH, tok_M, r0, r1), w13c[e0:e1], b, None, plan.fwd13, "fwd13", plan.spread)
-            a = swiglu(h, p if probs_in_act else None)
+            a = swiglu(h, p if probs_in_act else None, limit=limit)
             del h
             y = gemm_nt(a, w2c[e0:e1], b, None, plan.fwd2, "fwd2", plan.spread)
             del a
@@ -142,7 +142,7 @@ class _ChunkedExperts(torch.autograd.Function):
                 gather_add_rows(out, y, inv_M, K, r0, None if probs_in_act else p_M)
             del y
         ctx.save_for_backward(x_TH, w13c, w2c, p_M, order_M, inv_M, bounds)
-        ctx.K, ctx.chunks, ctx.host, ctx.gemms = K, chunks, host, gemms
+        ctx.K, ctx.chunks, ctx.host, ctx.gemms, ctx.limit = K, chunks, host, gemms, limit
         ctx.w_dtypes, ctx.p_dtype = (w13.dtype, w2.dtype), None if weight_TK is None else weight_TK.dtype
         ctx.p_shape = None if weight_TK is None else weight_TK.shape
         return out.to(x_TH.dtype)
@@ -172,7 +172,9 @@ class _ChunkedExperts(torch.autograd.Function):
             h = gemm_nt(xg, w13c[e0:e1], b, None, plan.fwd13, "fwd13", plan.spread)  # FC1 again
             g = _rows(d_out, tok_M, r0, r1)  # dOut of each row's token
             da_u = gemm_nn(g, w2c[e0:e1], b, None, plan.dgrad2, "dgrad2", plan.spread)
-            dh, dp_c, a_p = swiglu_backward(h, p, da_u)  # dp = <da_u, a> = <dOut_t, expert output of the row>
+            dh, dp_c, a_p = swiglu_backward(
+                h, p, da_u, limit=ctx.limit
+            )  # dp = <da_u, a> = <dOut_t, expert output of the row>
             del h, da_u
             if dp is not None:
                 dp[r0:r1] = dp_c
@@ -191,7 +193,7 @@ class _ChunkedExperts(torch.autograd.Function):
         dw = None
         if dp is not None:
             dw = (dp if in_order else dp.index_select(0, inv_M)).view(ctx.p_shape).to(ctx.p_dtype)
-        return None if dx is None else dx.to(x_TH.dtype), dw13, dw2, dw, None, None, None, None, None, None
+        return None if dx is None else dx.to(x_TH.dtype), dw13, dw2, dw, None, None, None, None, None, None, None
 
 
 def chunked_experts(
@@ -205,19 +207,22 @@ def chunked_experts(
     presorted: SortedAssignments | None = None,
     plan: GemmPlan | None = None,
     backend: str = "auto",
+    limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_k weight[t, k] * expert_{idx[t, k]}(x[t]) for SwiGLU experts, in chunks of at most `chunk_rows`
     routed rows, keeping only x and the routing for backward (module docstring).
 
     Returns (out [T, H] in x's dtype, rows per expert [E] int64), as `minimal_experts` does; differentiable in
     x, the weights and weight_TK. `plan`: the GEMMs' implementations (None: `default_plan` for the layer's
-    shape); loops over host counts run as torch._grouped_mm.
+    shape); loops over host counts run as torch._grouped_mm. `limit`: DeepSeek-V4's clipped SwiGLU.
     """
     E, F2, H = w13_EFH.shape
     order, inv, bounds = sort_by_expert(idx_TK, E, presorted)
     plans = chunk_plans(plan, E, idx_TK.numel(), H, F2 // 2, x_TH.device, backend)
     x = x_TH.contiguous()
-    out = _ChunkedExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plans, chunk_rows)
+    out = _ChunkedExperts.apply(
+        x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plans, chunk_rows, limit
+    )
     return out, (bounds[1:] - bounds[:-1]).long()
 
 
@@ -230,6 +235,7 @@ def chunked_sorted_rows(
     chunk_rows: int,
     plan: GemmPlan | None = None,
     backend: str = "auto",
+    limit: float | None = None,
 ) -> torch.Tensor:
     """The expert FFN of rows already grouped by expert (`counts_E` rows each, in expert order: what an
     expert-parallel dispatch hands the experts), in chunks, keeping only x and the counts for backward.
@@ -242,4 +248,4 @@ def chunked_sorted_rows(
     bounds = expert_bounds(counts_E, x_NH.device)
     plans = chunk_plans(plan, E, x_NH.shape[0], H, F2 // 2, x_NH.device, backend)
     x = x_NH.contiguous()
-    return _ChunkedExperts.apply(x, w13_EFH, w2_EHF, probs_N, None, None, bounds, True, plans, chunk_rows)
+    return _ChunkedExperts.apply(x, w13_EFH, w2_EHF, probs_N, None, None, bounds, True, plans, chunk_rows, limit)

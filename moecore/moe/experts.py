@@ -7,9 +7,10 @@ gate, so `w13` is [E, F, H]); `w2` [E, H, F] is the down projection. This is Hug
 `gate_up_proj` / `down_proj` layout, so conversion is a rename.
 
 Expert e applied to a row x: SwiGLU y = w2[e] @ (silu(g) * u) with [g; u] = w13[e] @ x;
-GeLU y = w2[e] @ gelu_tanh(w13[e] @ x). With per-row routing probabilities p (the
-`moe.apply_probs_on_input` option) the activation is multiplied by p before w2, which equals
-weighting the output because w2 is linear.
+GeLU y = w2[e] @ gelu_tanh(w13[e] @ x). DeepSeek-V4's clipped SwiGLU (`swiglu_limit` L, from
+`model.activation=swiglu_clipped`) is SwiGLU on min(g, L) and clamp(u, -L, L), on every path below.
+With per-row routing probabilities p (the `moe.apply_probs_on_input` option) the activation is
+multiplied by p before w2, which equals weighting the output because w2 is linear.
 
 Three implementations of the same maths:
 - `experts_grouped_mm`: `torch._grouped_mm` over all experts at once, no host synchronisation. It
@@ -42,21 +43,26 @@ from moecore.kernels.quack_gemm import LoadSpread
 ACTIVATIONS = ("swiglu", "gelu")
 
 
-def activation_fn(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """SwiGLU on [.., 2F] (gate half then up half) -> [.., F]; GeLU (tanh approximation) elementwise."""
+def activation_fn(h: torch.Tensor, activation: str, limit: float | None = None) -> torch.Tensor:
+    """SwiGLU on [.., 2F] (gate half then up half) -> [.., F], with g and u clipped to `limit` first when given
+    (DeepSeek-V4); GeLU (tanh approximation) elementwise."""
     if activation == "swiglu":
         g, u = h.chunk(2, dim=-1)
+        if limit is not None:
+            g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
         return F.silu(g) * u
     if activation == "gelu":
         return F.gelu(h, approximate="tanh")
     raise ValueError(f"activation={activation!r} is invalid: allowed: swiglu | gelu")
 
 
-def _activate(h: torch.Tensor, activation: str, probs_N: torch.Tensor | None, recompute: bool) -> torch.Tensor:
+def _activate(
+    h: torch.Tensor, activation: str, probs_N: torch.Tensor | None, recompute: bool, limit: float | None = None
+) -> torch.Tensor:
     """activation(h) (* probs per row); with `recompute`, checkpointed: recomputed from h in backward."""
 
     def act(h: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
-        a = activation_fn(h, activation)
+        a = activation_fn(h, activation, limit)
         return a if p is None else a * p.to(a.dtype).unsqueeze(-1)
 
     if recompute and torch.is_grad_enabled() and (h.requires_grad or (probs_N is not None and probs_N.requires_grad)):
@@ -108,12 +114,13 @@ def experts_grouped_mm(
     activation: str,
     probs_N: torch.Tensor | None = None,
     recompute_act: bool = False,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """All experts in two grouped GEMMs; rows of expert e are x[offs[e-1]:offs[e]]."""
     offs = torch.cumsum(tokens_per_expert.to(x_NH.device), 0, dtype=torch.int32)
     x = x_NH.contiguous()
     h = _ContiguousGrad.apply(torch._grouped_mm(x, w13.to(x.dtype).transpose(-2, -1), offs=offs))
-    a = _activate(h, activation, probs_N, recompute_act)
+    a = _activate(h, activation, probs_N, recompute_act, limit)
     return _ContiguousGrad.apply(torch._grouped_mm(a, w2.to(x.dtype).transpose(-2, -1), offs=offs))
 
 
@@ -125,6 +132,7 @@ def experts_loop(
     activation: str,
     probs_N: torch.Tensor | None = None,
     recompute_act: bool = False,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """Same result as `experts_grouped_mm`, one F.linear pair per expert with at least one row.
 
@@ -141,7 +149,7 @@ def experts_loop(
             continue
         seg = x_NH[start : start + n]
         p = None if probs_N is None else probs_N[start : start + n]
-        a = _activate(F.linear(seg, w13_e[e].to(seg.dtype)), activation, p, recompute_act)
+        a = _activate(F.linear(seg, w13_e[e].to(seg.dtype)), activation, p, recompute_act, limit)
         outs.append(F.linear(a, w2_e[e].to(a.dtype)))
         start += n
     if not outs:
@@ -156,6 +164,7 @@ def experts_reference(
     w13: torch.Tensor,
     w2: torch.Tensor,
     activation: str,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """sum_k weight[t, k] * expert_{idx[t, k]}(x[t]), looping over experts on the original token order."""
     out = torch.zeros_like(x_TH, dtype=torch.promote_types(x_TH.dtype, weight_TK.dtype))
@@ -163,7 +172,7 @@ def experts_reference(
         tok, slot = torch.nonzero(idx_TK == e, as_tuple=True)
         if tok.numel() == 0:
             continue
-        y = F.linear(activation_fn(F.linear(x_TH[tok], w13[e]), activation), w2[e])
+        y = F.linear(activation_fn(F.linear(x_TH[tok], w13[e]), activation, limit), w2[e])
         out = out.index_add(0, tok, y.to(out.dtype) * weight_TK[tok, slot].to(out.dtype).unsqueeze(-1))
     return out.to(x_TH.dtype)
 
@@ -173,7 +182,8 @@ class GroupedExperts(nn.Module):
 
     forward(x [N, H] sorted by expert, tokens_per_expert [E], probs [N] | None) -> [N, H].
     `grouped_gemm=False` forces the loop of GEMMs; `recompute_act` (set by MoELayer from
-    `model.recompute_modules` "moe_act") recomputes the activation in backward (module docstring).
+    `model.recompute_modules` "moe_act") recomputes the activation in backward (module docstring);
+    `swiglu_limit`: DeepSeek-V4's clipped SwiGLU (set from model.swiglu_limit), None for the plain one.
     """
 
     def __init__(
@@ -194,6 +204,7 @@ class GroupedExperts(nn.Module):
         self.activation = activation
         self.grouped_gemm = grouped_gemm
         self.recompute_act = False
+        self.swiglu_limit: float | None = None
         self.gemm_plan = None  # GemmPlan for the fused expert FFN; None: default_plan per shape (benchmarks)
         self.sync_free = False  # moe.sync_free: no GEMM that reads the counts on the host
         self.gemm_backend = "auto"  # moe.gemm_backend: whether default_plan may take QuACK's grouped GEMMs
@@ -237,7 +248,14 @@ class GroupedExperts(nn.Module):
         if self.fp8_recipe is not None:  # FP8 expert FFN (moecore/kernels/fp8_grouped.py), rows padded inside
             self.last_path = "fp8"
             return fp8_expert_ffn(
-                x_NH, self.w13, self.w2, tokens_per_expert, probs_N, self.fp8_recipe, self.gemm_backend
+                x_NH,
+                self.w13,
+                self.w2,
+                tokens_per_expert,
+                probs_N,
+                self.fp8_recipe,
+                self.gemm_backend,
+                self.swiglu_limit,
             )
         if x_NH.is_cuda and not self.warned:
             self._warn_slow_path(x_NH)
@@ -255,11 +273,21 @@ class GroupedExperts(nn.Module):
                 sync_free=self.sync_free,
                 backend=self.gemm_backend,
                 load_spread=self.load_spread,
+                limit=self.swiglu_limit,
             )
         if self.uses_grouped_mm(x_NH):
             self.last_path = "grouped_mm"
             return experts_grouped_mm(
-                x_NH, tokens_per_expert, self.w13, self.w2, self.activation, probs_N, self.recompute_act
+                x_NH,
+                tokens_per_expert,
+                self.w13,
+                self.w2,
+                self.activation,
+                probs_N,
+                self.recompute_act,
+                self.swiglu_limit,
             )
         self.last_path = "loop"
-        return experts_loop(x_NH, tokens_per_expert, self.w13, self.w2, self.activation, probs_N, self.recompute_act)
+        return experts_loop(
+            x_NH, tokens_per_expert, self.w13, self.w2, self.activation, probs_N, self.recompute_act, self.swiglu_limit
+        )

@@ -79,7 +79,7 @@ def gathers_in_loads(plan: GemmPlan, x_TH: torch.Tensor, w13: torch.Tensor, w2: 
 
 class _MinimalExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, probs_in_act: bool, plan: GemmPlan):
+    def forward(ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, probs_in_act: bool, plan: GemmPlan, limit):
         T = x_TH.shape[0]
         K, w13c, w2c, tok_M, p_M = row_operands(x_TH, w13, w2, weight_TK, order_M)
         ctx.gather = gathers_in_loads(plan, x_TH, w13c, w2c)
@@ -87,12 +87,13 @@ class _MinimalExperts(torch.autograd.Function):
             h = quack_gemm.grouped_mm(x_TH, w13c, bounds, True, "fwd13", rows=tok_M.int(), spread=plan.spread)
         else:
             h = gemm_nt(sorted_copies(x_TH, order_M, inv_M, K), w13c, bounds, None, plan.fwd13, "fwd13", plan.spread)
-        a = swiglu(h, p_M if probs_in_act else None)
+        a = swiglu(h, p_M if probs_in_act else None, limit=limit)
         y = gemm_nt(a, w2c, bounds, None, plan.fwd2, "fwd2", plan.spread)
         del a
         out = unpermute_rows(y, order_M, inv_M, None if probs_in_act else weight_TK, T, K)
         ctx.save_for_backward(x_TH, w13c, w2c, h, p_M, order_M, inv_M, bounds)
         ctx.K, ctx.w_dtypes, ctx.p_dtype, ctx.plan = K, (w13.dtype, w2.dtype), weight_TK.dtype, plan
+        ctx.limit = limit
         return out
 
     @staticmethod
@@ -107,7 +108,9 @@ class _MinimalExperts(torch.autograd.Function):
             da_u = quack_gemm.grouped_mm(g, w2c, bounds, False, "dgrad2", rows=rows, spread=plan.spread)
         else:
             da_u = gemm_nn(g, w2c, bounds, None, plan.dgrad2, "dgrad2", plan.spread)
-        dh, dp, a_p = swiglu_backward(h, p_M, da_u)  # dp = <da_u, a> = <dOut_t, expert output of the row>
+        dh, dp, a_p = swiglu_backward(
+            h, p_M, da_u, limit=ctx.limit
+        )  # dp = <da_u, a> = <dOut_t, expert output of the row>
         del da_u, d
         dw2 = None
         if ctx.needs_input_grad[2] and ctx.gather:
@@ -131,7 +134,7 @@ class _MinimalExperts(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[3]:
             dw = dp.index_select(0, inv_M).view(T, K).to(ctx.p_dtype)
-        return dx, dw13, dw2, dw, None, None, None, None, None
+        return dx, dw13, dw2, dw, None, None, None, None, None, None
 
 
 class _EpilogueSwiGLUExperts(torch.autograd.Function):
@@ -181,6 +184,7 @@ def minimal_experts(
     backend: str = "auto",
     swiglu_epilogue: bool = False,
     load_spread: quack_gemm.LoadSpread | None = None,
+    limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_k weight[t, k] * expert_{idx[t, k]}(x[t]) for SwiGLU experts, keeping x, h and routing for backward.
 
@@ -189,7 +193,8 @@ def minimal_experts(
     `plan`: the GEMMs' implementations (None: `default_plan` for this shape and `backend`); loops over host
     counts run as torch._grouped_mm. `swiglu_epilogue`: the SwiGLU in QuACK's GEMM epilogues where they run
     (`moe.swiglu_epilogue`; probabilities at the combine, so not with `probs_in_act`). `load_spread`: the layer's
-    tracker of its load spread, which QuACK's tile choices are keyed by.
+    tracker of its load spread, which QuACK's tile choices are keyed by. `limit`: DeepSeek-V4's clipped SwiGLU
+    (moecore/kernels/swiglu.py); QuACK's epilogues have no clip, so it runs the separate SwiGLU kernel.
     """
     E, F2, H = w13_EFH.shape
     order, inv, bounds = sort_by_expert(idx_TK, E, presorted)
@@ -197,9 +202,10 @@ def minimal_experts(
     plan = (plan or default_plan(E, idx_TK.numel(), H, F2 // 2, x_TH.device, backend)).without_host_sync()
     plan = plan.observing(load_spread, counts, idx_TK.numel())
     x = x_TH.contiguous()
-    if swiglu_epilogue and not probs_in_act and backend != "torch" and quack_swiglu.runs(x, F2 // 2):
+    epilogue = swiglu_epilogue and limit is None and not probs_in_act and backend != "torch"
+    if epilogue and quack_swiglu.runs(x, F2 // 2):
         out = _EpilogueSwiGLUExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, plan)
     else:
-        out = _MinimalExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plan)
+        out = _MinimalExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plan, limit)
     plan.observed(load_spread, counts, idx_TK.numel())
     return out, counts

@@ -255,7 +255,7 @@ def low_memory_experts_run(cfg: Config) -> bool:
     `_low_memory_rows`): dropless SwiGLU grouped experts, not FP8 experts (they run their own Function)."""
     e = cfg.moe
     fp8_experts = cfg.train.precision == "fp8" and "experts" in cfg.fp8.modules
-    return cfg.model.activation == "swiglu" and e.grouped_gemm and e.expert_capacity_factor is None and not fp8_experts
+    return cfg.model.plain_swiglu_experts and e.grouped_gemm and e.expert_capacity_factor is None and not fp8_experts
 
 
 def ffn_modules(cfg: Config, is_moe: bool, layout: Layout, c: ActContext) -> dict[str, float]:
@@ -263,11 +263,11 @@ def ffn_modules(cfg: Config, is_moe: bool, layout: Layout, c: ActContext) -> dic
     m, e = cfg.model, cfg.moe
     T, b, tp = c.tokens, c.act_bytes, layout.tp
     h = m.hidden_size
-    swiglu = m.activation == "swiglu"
+    gated = m.activation != "gelu"  # gate and up projections (SwiGLU and its clamped / clipped forms)
     out = {"norm_in": T / tp * (h * c.residual_bytes + 4)}
     if not is_moe:
         out["norm_out"] = T * h * b
-        out["mlp"] = (4 if swiglu else 2) * T * m.ffn_hidden_size / tp * b
+        out["mlp"] = (4 if gated else 2) * T * m.ffn_hidden_size / tp * b
         return out
     tm = T / tp
     out["norm_out"] = tm * h * b
@@ -289,17 +289,17 @@ def ffn_modules(cfg: Config, is_moe: bool, layout: Layout, c: ActContext) -> dic
         out["permute"] = n * (8 + 8 + 4)  # sort order, its inverse, per-row probability (x is norm_out)
         out["experts"] = n * 2 * f * b if memory_mode == "minimal" else 0.0  # the w13 output (minimal)
         out["moe_act"] = 0.0
-    elif swiglu and c.fused and e.grouped_gemm and b == 2:  # the fused expert FFN runs in bf16 on GPUs
+    elif m.plain_swiglu_experts and c.fused and e.grouped_gemm and b == 2:  # the fused expert FFN (bf16, GPUs)
         p = padded_rows(cfg, layout, c, n)  # FP8 with every GEMM padded keeps x and h padded (n otherwise)
         out["experts"] = p * h * b + p * 2 * f * b + p * 4
         out["moe_act"] = 0.0
     else:
-        rows13 = 2 * f if swiglu else f
+        rows13 = 2 * f if gated else f
         out["experts"] = n * h * b + n * rows13 * b + n * f * b + n * 4
-        out["moe_act"] = (2 if swiglu else 1) * n * f * b  # the activation's intermediates
+        out["moe_act"] = (2 if gated else 1) * n * f * b  # the activation's intermediates
     if e.shared_expert_intermediate_size:
         fs = e.shared_expert_intermediate_size
-        out["shared_experts"] = (4 if swiglu else 2) * tm * fs * b
+        out["shared_experts"] = (4 if gated else 2) * tm * fs * b
         if e.shared_expert_gate:
             out["shared_experts"] += 2 * tm * b
     return out

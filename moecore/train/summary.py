@@ -36,7 +36,7 @@ def kernels_line(cfg: Config, device: torch.device) -> str | None:
 
     triton = "Triton kernels" if triton_importable() else "no Triton (PyTorch references)"
     m = cfg.model
-    if m.activation != "swiglu" or m.expert_linear_bias:  # gpt-oss's, DeepSeek-V4's experts (models/biased_moe.py)
+    if not m.plain_swiglu_experts:  # gpt-oss's (moecore/models/biased_moe.py)
         experts = f"torch's grouped GEMM (bf16) or a loop, for the {m.activation} experts (not the fused expert FFN)"
     elif cfg.moe.gemm_backend == "torch":
         experts = "torch's / moecore's Triton GEMMs per shape (moe.gemm_backend=torch)"

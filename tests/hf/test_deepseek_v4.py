@@ -101,6 +101,20 @@ def test_train_step(tmp_path):
     assert step_parity(load_pretrained(tmp_path), ref) == 6  # the CSA layer's indexer: 6 tensors
 
 
+@pytest.mark.parametrize("mode", ["minimal", "chunked"])
+def test_train_step_low_memory_experts(tmp_path, mode):
+    """The clipped SwiGLU experts in moe.activation_memory=minimal / chunked (the SwiGLU kernel's clip, not
+    autograd's clamps): one step's loss and every gradient against transformers."""
+    ref = build(v4_config())
+    ref.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path)
+    ours.cfg.moe.activation_memory, ours.cfg.moe.activation_chunk_rows = mode, 5
+    ours.cfg.validate()
+    assert step_parity(ours, ref) == 6
+    paths = {layer.mlp.experts.last_path for layer in ours.layers}
+    assert paths == {mode}, paths
+
+
 def test_sigmoid_router_legacy_fields(tmp_path):
     """An older config.json (compress_ratios per layer, num_hash_layers, qk_rope_head_dim, a flat yarn rope_scaling
     for the compressed layers) and the sigmoid router, with tied embeddings and 4 layers."""

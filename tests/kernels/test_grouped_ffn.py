@@ -53,14 +53,29 @@ def test_default_plan_on_cuda_takes_the_measured_gemms():
     assert default_plan(512, 163840, 2048, 512, torch.device("cpu")) == GemmPlan()
 
 
-def test_loop_and_grouped_plans_match_reference_on_cpu():
+def test_clipped_reference_matches_per_row_formula_fp64():
+    """DeepSeek-V4's clipped SwiGLU in the reference: silu(min(g, L)) * clamp(u, -L, L), written out per row."""
+    E, H, Fd, counts, L = 3, 8, 5, [2, 0, 3], 0.5
+    x, w13, w2, c, p, _ = expert_ffn_inputs(E, H, Fd, counts, "cpu", torch.float64)
+    y = expert_ffn_reference(x, w13, w2, c, p, limit=L)
+    assert not torch.allclose(y, expert_ffn_reference(x, w13, w2, c, p))  # the clip changes the result
+    expert_of_row = torch.repeat_interleave(torch.arange(E), c)
+    for r in range(x.shape[0]):
+        e = expert_of_row[r]
+        gate, up = w13[e, :Fd] @ x[r], w13[e, Fd:] @ x[r]
+        expect = w2[e] @ (F.silu(torch.minimum(gate, torch.tensor(L))) * up.clamp(-L, L) * p[r])
+        assert torch.allclose(y[r], expect)
+
+
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_loop_and_grouped_plans_match_reference_on_cpu(limit):
     # the GEMM primitives themselves run anywhere; use them through the Function with fp32 on CPU
     from moecore.kernels.grouped_ffn import _GroupedFFN
 
     E, H, Fd, counts = 4, 16, 8, [5, 0, 7, 4]
     x, w13, w2, c, p, dy = expert_ffn_inputs(E, H, Fd, counts, "cpu", torch.float32, seed=3)
     ref = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
-    expert_ffn_reference(ref[0], ref[1], ref[2], c, ref[3]).backward(dy)
+    expert_ffn_reference(ref[0], ref[1], ref[2], c, ref[3], limit=limit).backward(dy)
     for plan in (
         GemmPlan.uniform("loop"),
         GemmPlan.uniform("streams"),  # on CPU: the plain loop
@@ -68,7 +83,7 @@ def test_loop_and_grouped_plans_match_reference_on_cpu():
         GemmPlan("loop", "grouped", "loop", "grouped", "grouped", "loop"),
     ):
         ts = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
-        _GroupedFFN.apply(ts[0], ts[1], ts[2], c, ts[3], plan, "torch").backward(dy)
+        _GroupedFFN.apply(ts[0], ts[1], ts[2], c, ts[3], plan, "torch", limit).backward(dy)
         for a, b in zip(ts, ref):
             assert rel_err(a.grad, b.grad) < 1e-5, plan
 
@@ -100,6 +115,26 @@ def test_function_matches_reference(backend, plan):
     tol = 2e-2 if dt == torch.bfloat16 else 1e-5
     yr = expert_ffn_reference(x, w13, w2, c, p)
     assert rel_err(out.detach(), yr) < tol
+    for a, b in zip(ts, ref):
+        assert rel_err(a.grad, b.grad) < tol
+
+
+def test_clipped_function_matches_reference(backend):
+    """DeepSeek-V4's clipped SwiGLU through the fused Function (Triton GEMMs and SwiGLU kernel) against the
+    reference with the same limit."""
+    dev, dt = setup(backend)
+    E, H, Fd, limit = 5, 32, 16, 1.0
+    counts = [7, 0, 19, 1, 13] if backend == "interpret" else [70, 0, 190, 1, 130]
+    x, w13, w2, c, p, dy = expert_ffn_inputs(E, H, Fd, counts, dev, dt, seed=4)
+    h = x[:7].float() @ w13[0].float().t()
+    assert 0.2 < (h.abs() > limit).float().mean() < 0.8  # the clip is exercised, not everywhere
+    ref = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
+    expert_ffn_reference(ref[0], ref[1], ref[2], c, ref[3], limit=limit).backward(dy)
+    ts = [t.clone().requires_grad_() for t in (x, w13, w2, p)]
+    out = expert_ffn(ts[0], ts[1], ts[2], c, ts[3], plan=GemmPlan.uniform("triton"), impl="triton", limit=limit)
+    out.backward(dy)
+    tol = 2e-2 if dt == torch.bfloat16 else 1e-5
+    assert rel_err(out.detach(), expert_ffn_reference(x, w13, w2, c, p, limit=limit)) < tol
     for a, b in zip(ts, ref):
         assert rel_err(a.grad, b.grad) < tol
 

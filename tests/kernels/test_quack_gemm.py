@@ -118,8 +118,10 @@ def test_run_summary_names_the_expert_gemms(monkeypatch):
     cfg.moe.gemm_backend = "auto"
     monkeypatch.setattr(quack_gemm, "quack_available", lambda device: False)
     assert "QuACK not installed" in kernels_line(cfg, cuda)
-    cfg.model.activation = "swiglu_clipped"  # DeepSeek-V4's experts never take the fused expert FFN
-    assert "swiglu_clipped experts (not the fused expert FFN)" in kernels_line(cfg, cuda)
+    cfg.model.activation = "swiglu_clipped"  # DeepSeek-V4's experts take the fused expert FFN, clipped
+    assert "not the fused expert FFN" not in kernels_line(cfg, cuda)
+    cfg.model.activation, cfg.model.expert_linear_bias = "swiglu_clamped", True  # gpt-oss's never do
+    assert "swiglu_clamped experts (not the fused expert FFN)" in kernels_line(cfg, cuda)
 
 
 def test_gemm_backend_is_validated():

@@ -10,10 +10,12 @@ from moecore.kernels.swiglu import swiglu, swiglu_backward, swiglu_backward_refe
 from tests.kernels.conftest import rel_err, setup
 
 
-def _autograd(h, p, dout):
+def _autograd(h, p, dout, limit=None):
     h = h.double().requires_grad_()
     p = p.double().requires_grad_() if p is not None else None
     g, u = h.chunk(2, -1)
+    if limit is not None:  # DeepSeek-V4's clipped SwiGLU, as transformers writes it
+        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
     out = F.silu(g) * u
     if p is not None:
         out = out * p.unsqueeze(-1)
@@ -21,15 +23,19 @@ def _autograd(h, p, dout):
     return out, h.grad, (p.grad if p is not None else None)
 
 
+@pytest.mark.parametrize("limit", [None, 0.7])
 @pytest.mark.parametrize("with_probs", [True, False])
-def test_reference_matches_autograd_fp64(with_probs):
+def test_reference_matches_autograd_fp64(with_probs, limit):
     torch.manual_seed(0)
     h = torch.randn(7, 2 * 12, dtype=torch.float64)
+    if limit is not None:  # elements exactly at +-limit: clamp passes their gradient
+        h[0, :3], h[0, 12:14] = limit, -limit
+        assert (h.abs() > limit).float().mean() > 0.3  # the clip is exercised
     p = torch.rand(7, dtype=torch.float64) if with_probs else None
     dout = torch.randn(7, 12, dtype=torch.float64)
-    out, dh, dp = _autograd(h, p, dout)
-    assert torch.allclose(swiglu_reference(h, p), out)
-    rdh, rdp, ra = swiglu_backward_reference(h, p, dout)
+    out, dh, dp = _autograd(h, p, dout, limit)
+    assert torch.allclose(swiglu_reference(h, p, limit), out)
+    rdh, rdp, ra = swiglu_backward_reference(h, p, dout, limit)
     assert torch.allclose(rdh, dh) and torch.allclose(ra, out)
     if with_probs:
         assert torch.allclose(rdp.double(), dp)
@@ -42,9 +48,10 @@ def test_rejects_odd_width():
         swiglu(torch.randn(2, 5), impl="torch")
 
 
+@pytest.mark.parametrize("limit", [None, 1.0])
 @pytest.mark.parametrize("with_probs", [True, False])
 @pytest.mark.parametrize("shape", [(33, 2 * 40), (4, 5, 2 * 24)])
-def test_kernel_matches_reference(backend, with_probs, shape):
+def test_kernel_matches_reference(backend, with_probs, shape, limit):
     dev, dt = setup(backend)
     torch.manual_seed(1)
     h = torch.randn(*shape, device=dev, dtype=dt)
@@ -52,11 +59,11 @@ def test_kernel_matches_reference(backend, with_probs, shape):
     dout = torch.randn(*shape[:-1], shape[-1] // 2, device=dev, dtype=dt)
     hr = h.clone().requires_grad_()
     pr = p.clone().requires_grad_() if with_probs else None
-    ref = swiglu(hr, pr, impl="torch")
+    ref = swiglu(hr, pr, impl="torch", limit=limit)
     ref.backward(dout)
     hk = h.clone().requires_grad_()
     pk = p.clone().requires_grad_() if with_probs else None
-    out = swiglu(hk, pk, impl="triton")
+    out = swiglu(hk, pk, impl="triton", limit=limit)
     out.backward(dout)
     tol = 1e-2 if dt == torch.bfloat16 else 1e-5
     assert rel_err(out, ref) < tol
@@ -64,10 +71,14 @@ def test_kernel_matches_reference(backend, with_probs, shape):
     if with_probs:
         assert rel_err(pk.grad, pr.grad) < tol
     dh, dp, a = swiglu_backward(
-        h.reshape(-1, shape[-1]), None if p is None else p.reshape(-1), dout.reshape(-1, shape[-1] // 2), impl="triton"
+        h.reshape(-1, shape[-1]),
+        None if p is None else p.reshape(-1),
+        dout.reshape(-1, shape[-1] // 2),
+        impl="triton",
+        limit=limit,
     )
     rdh, rdp, ra = swiglu_backward_reference(
-        h.reshape(-1, shape[-1]), None if p is None else p.reshape(-1), dout.reshape(-1, shape[-1] // 2)
+        h.reshape(-1, shape[-1]), None if p is None else p.reshape(-1), dout.reshape(-1, shape[-1] // 2), limit
     )
     assert rel_err(dh, rdh) < tol and rel_err(a, ra) < tol
     if with_probs:

@@ -66,6 +66,19 @@ def test_chunked_equals_standard(chunk_rows, kw):
     torch.testing.assert_close(s1["tokens_per_expert"], s0["tokens_per_expert"])
 
 
+def test_chunked_equals_standard_with_the_clipped_swiglu():
+    """DeepSeek-V4's clipped SwiGLU (experts.swiglu_limit) in the chunked Function, several chunks."""
+    std, chunked = _layers(7, num_experts=8, router_topk=2, ffn_hidden_size=24)
+    std.experts.swiglu_limit = chunked.experts.swiglu_limit = 0.4
+    x, mask = torch.randn(3, 11, 32), torch.ones(3, 11)
+    (y0, dx0, g0, _), (y1, dx1, g1, _) = _run(std, x, mask), _run(chunked, x, mask)
+    assert chunked.experts.last_path == "chunked"
+    for a, b in [(y1, y0), (dx1, dx0)] + [(g1[n], g0[n]) for n in g0]:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
+    std.experts.swiglu_limit = None  # the clip is active: without it the output moves
+    assert not torch.allclose(_run(std, x, mask)[0], y1, atol=1e-3)
+
+
 def _problem(seed: int = 1, T: int = 9, H: int = 8, E: int = 5, K: int = 2, F: int = 8) -> tuple:
     torch.manual_seed(seed)
     x = torch.randn(T, H, requires_grad=True)

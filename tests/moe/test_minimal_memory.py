@@ -58,6 +58,25 @@ def test_minimal_equals_standard(kw):
     torch.testing.assert_close(s1["tokens_per_expert"], s0["tokens_per_expert"])
 
 
+def test_minimal_equals_standard_with_the_clipped_swiglu():
+    """DeepSeek-V4's clipped SwiGLU (experts.swiglu_limit): the minimal Function's SwiGLU kernel against the
+    standard path's clamps through autograd."""
+    std, mini = _pair(num_experts=8, router_topk=2, ffn_hidden_size=24)
+    std.experts.swiglu_limit = mini.experts.swiglu_limit = 0.4
+    x = torch.randn(3, 11, 32)
+    results = []
+    for layer in (std, mini):
+        xi = x.clone().requires_grad_()
+        y, _ = layer(xi)
+        y.square().sum().backward()
+        results.append([y.detach(), xi.grad] + [p.grad for p in layer.parameters()])
+    assert mini.experts.last_path == "minimal"
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
+    std.experts.swiglu_limit = None  # the clip is active: without it the output moves
+    assert not torch.allclose(std(x)[0], results[1][0], atol=1e-3)
+
+
 def test_minimal_function_matches_autograd_loop():
     """The Function's backward against autograd through a plain per-assignment loop (fp32 grouped_mm)."""
     torch.manual_seed(1)

@@ -37,9 +37,9 @@ def test_moe_act_and_shared_experts_give_same_gradients(monkeypatch, grouped, pr
     calls = {"act": 0, "shared": 0}
     real_act = experts_mod.activation_fn
 
-    def counting_act(h, activation):
+    def counting_act(h, activation, limit=None):
         calls["act"] += 1
-        return real_act(h, activation)
+        return real_act(h, activation, limit)
 
     monkeypatch.setattr(experts_mod, "activation_fn", counting_act)
     for act, shared in ((False, False), (True, False), (False, True), (True, True)):
