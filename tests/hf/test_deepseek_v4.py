@@ -169,6 +169,23 @@ def test_tiny_recipe(tmp_path):
     tiny_recipe_trains("tiny-deepseek-v4", tmp_path)
 
 
+def test_flash_recipe_is_transformers_default_config():
+    """`deepseek-v4-flash` is what importing transformers' default DeepseekV4Config (DeepSeek-V4-Flash-Base's) gives,
+    but for the training choices a config.json does not carry; 284B parameters, 13.8B active."""
+    import dataclasses
+
+    from moecore.plan.params import total_params
+
+    ours, imported = load_config("deepseek-v4-flash"), family.config_from_hf(transformers.DeepseekV4Config().to_dict())
+    training_choices = {"recompute_granularity", "recompute_modules", "router_load_balancing_type"}
+    for section in ("model", "moe"):
+        a, b = getattr(ours, section), getattr(imported, section)
+        differ = {f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)}
+        assert differ <= training_choices, (section, differ)
+    total, active = total_params(ours)
+    assert round(total / 1e9) == 284 and round(active / 1e8) == 138
+
+
 def test_exit_and_resume_is_bit_exact(tmp_path):
     """A tiny-deepseek-v4 run stopped at step 3 and resumed continues as the uninterrupted run: the hash table, the
     correction biases (updated every step) and the frozen indexers travel through the checkpoint with the weights
