@@ -6,7 +6,13 @@ Weights as the MoE layer stores them: w13 [E, 2F, H] (gate rows then up rows), w
     forward                               backward (dy [M, H])
     h  = x_e @ w13[e]^T        [M, 2F]    da   = dy_e @ w2[e]                [M, F]   (dgrad)
     a  = silu(g) * u * p       [M, F]     dh, dp, a = swiglu_backward(h, p, da)       (a recomputed)
-    (with `limit`: DeepSeek-V4's clipped SwiGLU, g and u clipped first; moecore/kernels/swiglu.py)
+    (with `limit`: DeepSeek-V4's clipped SwiGLU, g and u clipped first; with `alpha` too, gpt-oss's clamped form;
+    moecore/kernels/swiglu.py)
+
+gpt-oss's expert biases (b13 [E, 2F], b2 [E, H]) are added per row from the row's expert: h += b13[e] before the
+activation, y += p * b2[e] after w2 (p = 1 without probabilities); backward adds <dy, b2[e]> to dp, and the
+biases' gradients are each expert's row sums of dh and of p * dy (`expert_row_sums`: a grouped GEMM with a column
+of ones, so no atomics).
     y  = a_e @ w2[e]^T         [M, H]     dW2[e]  = dy_e^T @ a_e             [E, H, F] (wgrad)
                                           dx   = dh_e @ w13[e]               [M, H]   (dgrad)
                                           dW13[e] = dh_e^T @ x_e             [E, 2F, H] (wgrad)
@@ -287,22 +293,33 @@ class _GroupedFFN(torch.autograd.Function):
     # x and h are kept as ctx attributes rather than saved tensors so that backward can drop them as
     # soon as they are used: the peak then holds at most one of the large [M, *] buffers besides dy.
     @staticmethod
-    def forward(ctx, x, w13, w2, counts, probs, plan: GemmPlan, act_impl: str, limit: float | None = None):
+    def forward(
+        ctx, x, w13, w2, counts, probs, plan: GemmPlan, act_impl: str, limit=None, alpha=None, b13=None, b2=None
+    ):
         dt = x.dtype
         w13c, w2c = w13.to(dt), w2.to(dt)
         bounds = group_bounds(counts)
         host = counts.tolist() if plan.needs_host_counts else None
         h = gemm_nt(x, w13c, bounds, host, plan.fwd13, "fwd13", plan.spread)
+        expert_M = None if b13 is None and b2 is None else row_experts(counts, x.shape[0])
+        if b13 is not None:
+            h.add_(b13.to(dt).index_select(0, expert_M))
         with torch.no_grad():
-            a = swiglu(h, probs, impl=act_impl, limit=limit)
+            a = swiglu(h, probs, impl=act_impl, limit=limit, alpha=alpha)
         y = gemm_nt(a, w2c, bounds, host, plan.fwd2, "fwd2", plan.spread)
+        if b2 is not None:
+            y.add_(_down_bias_rows(b2, expert_M, probs, dt))
         ctx.hooked = _saved_tensor_hooks_active()
         if ctx.hooked:  # activation checkpointing (or offloading) must see x and h to drop or move them
             ctx.save_for_backward(w13c, w2c, probs, bounds, x, h)
         else:
             ctx.save_for_backward(w13c, w2c, probs, bounds)
             ctx.x, ctx.h = x.detach(), h
-        ctx.host, ctx.plan, ctx.act_impl, ctx.limit = host, plan, act_impl, limit
+        ctx.host, ctx.plan, ctx.act_impl, ctx.limit, ctx.alpha = host, plan, act_impl, limit, alpha
+        ctx.biases = (b13 is not None, b2 is not None)
+        if b13 is not None or b2 is not None:
+            ctx.expert_M, ctx.b2 = expert_M, b2
+            ctx.b_dtypes = (None if b13 is None else b13.dtype, None if b2 is None else b2.dtype)
         ctx.w_dtypes = (w13.dtype, w2.dtype)
         ctx.p_dtype = None if probs is None else probs.dtype
         return y
@@ -318,8 +335,18 @@ class _GroupedFFN(torch.autograd.Function):
         plan, host = ctx.plan, ctx.host
         dy = dy.contiguous()
         da = gemm_nn(dy, w2c, bounds, host, plan.dgrad2, "dgrad2", plan.spread)
-        dh, dp, a = swiglu_backward(h, probs, da, impl=ctx.act_impl, limit=ctx.limit)
+        dh, dp, a = swiglu_backward(h, probs, da, impl=ctx.act_impl, limit=ctx.limit, alpha=ctx.alpha)
         del da, h
+        db13 = db2 = None
+        if ctx.biases[1]:  # y += p * b2[e]: dp += <dy, b2[e]>, db2[e] = sum over e's rows of p * dy
+            b2_rows = ctx.b2.to(dy.dtype).index_select(0, ctx.expert_M)
+            if dp is not None:
+                dp = dp + (dy.float() * b2_rows.float()).sum(-1)
+            if ctx.needs_input_grad[10]:
+                pdy = dy if probs is None else dy * probs.to(dy.dtype)[:, None]
+                db2 = expert_row_sums(pdy, bounds).to(ctx.b_dtypes[1])
+        if ctx.biases[0] and ctx.needs_input_grad[9]:
+            db13 = expert_row_sums(dh, bounds).to(ctx.b_dtypes[0])
         dw2 = (
             gemm_tn(dy, a, bounds, host, plan.wgrad2, ctx.w_dtypes[1], "wgrad2", spread=plan.spread)
             if ctx.needs_input_grad[2]
@@ -334,7 +361,27 @@ class _GroupedFFN(torch.autograd.Function):
         del x
         dx = gemm_nn(dh, w13c, bounds, host, plan.dgrad13, "dgrad13", plan.spread) if ctx.needs_input_grad[0] else None
         dprobs = dp.to(ctx.p_dtype) if dp is not None and ctx.needs_input_grad[4] else None
-        return dx, dw13, dw2, None, dprobs, None, None, None
+        return dx, dw13, dw2, None, dprobs, None, None, None, None, db13, db2
+
+
+def row_experts(counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """int64 [rows]: the expert of each row sorted by expert (no host sync: the row count is given)."""
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=rows)
+
+
+def _down_bias_rows(
+    b2: torch.Tensor, expert_M: torch.Tensor, probs: torch.Tensor | None, dt: torch.dtype
+) -> torch.Tensor:
+    """b2[e] of each row, times its probability when given (the probability scales the whole expert output)."""
+    rows = b2.to(dt).index_select(0, expert_M)
+    return rows if probs is None else rows * probs.to(dt)[:, None]
+
+
+def expert_row_sums(t: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """[E, C]: the sum of each expert's rows of t [M, C] (rows sorted by expert, `bounds` [E + 1]), as the grouped
+    GEMM t_e^T @ ones: fp32 accumulation, no atomics, zeros for an expert without rows."""
+    ones = t.new_ones(t.shape[0], 8)  # 8 columns: the grouped GEMM's 16-byte alignment
+    return torch._grouped_mm(t.t(), ones, offs=bounds[1:])[..., 0]
 
 
 def expert_ffn_reference(
@@ -344,15 +391,23 @@ def expert_ffn_reference(
     counts_E: torch.Tensor,
     probs_M: torch.Tensor | None = None,
     limit: float | None = None,
+    alpha: float | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Loop over experts through plain autograd: y = (silu(g) * u * p) @ w2[e]^T with [g|u] = x @ w13[e]^T
-    (g and u clipped to `limit` first when given)."""
+    (g and u clipped to `limit` first when given; gpt-oss's form with `alpha`; biases as the module docstring)."""
     dt = x_MH.dtype
     outs, s = [], 0
     for e, n in enumerate(counts_E.tolist()):
+        p = None if probs_M is None else probs_M[s : s + n]
         h = x_MH[s : s + n] @ w13_EFH[e].to(dt).t()
-        a = swiglu_reference(h, None if probs_M is None else probs_M[s : s + n], limit)
-        outs.append(a @ w2_EHF[e].to(dt).t())
+        if b13 is not None:
+            h = h + b13[e].to(dt)
+        y = swiglu_reference(h, p, limit, alpha) @ w2_EHF[e].to(dt).t()
+        if b2 is not None:
+            y = y + (b2[e].to(dt) if p is None else b2[e].to(dt) * p.to(dt)[:, None])
+        outs.append(y)
         s += n
     if not outs:
         return x_MH.new_zeros(0, w2_EHF.shape[1])
@@ -376,10 +431,14 @@ def expert_ffn(
     backend: str = "auto",
     load_spread: quack_gemm.LoadSpread | None = None,
     limit: float | None = None,
+    alpha: float | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The expert FFN of the module docstring on rows already sorted by expert ([M, H] -> [M, H]).
 
-    `limit`: DeepSeek-V4's clipped SwiGLU (g <= limit, |u| <= limit), or None for the plain one.
+    `limit`: DeepSeek-V4's clipped SwiGLU (g <= limit, |u| <= limit), or None for the plain one; with `alpha` also,
+    gpt-oss's clamped form; `b13` [E, 2F] / `b2` [E, H]: gpt-oss's expert biases (module docstring).
 
     counts_E: rows per expert (sum = M); probs_M: the routing probability of each row, multiplied
     inside the activation, or None. `plan`: GEMM choice per kind (default: `default_plan`, with
@@ -387,7 +446,7 @@ def expert_ffn(
     `load_spread`: the layer's tracker of its load spread, which QuACK's tile choices are keyed by.
     """
     if x_MH.shape[0] == 0 or not use_triton(impl, x_MH, w13_EFH, w2_EHF):
-        return expert_ffn_reference(x_MH, w13_EFH, w2_EHF, counts_E, probs_M, limit)
+        return expert_ffn_reference(x_MH, w13_EFH, w2_EHF, counts_E, probs_M, limit, alpha, b13, b2)
     if plan is None:
         E, M, H, F = w13_EFH.shape[0], x_MH.shape[0], x_MH.shape[1], w2_EHF.shape[2]
         plan = default_plan(E, M, H, F, x_MH.device, backend)
@@ -395,6 +454,7 @@ def expert_ffn(
             plan = plan.without_host_sync()
     plan = plan.observing(load_spread, counts_E, x_MH.shape[0])
     act_impl = "triton" if impl == "triton" else "auto"
-    y = _GroupedFFN.apply(x_MH.contiguous(), w13_EFH, w2_EHF, counts_E, probs_M, plan, act_impl, limit)
+    x = x_MH.contiguous()
+    y = _GroupedFFN.apply(x, w13_EFH, w2_EHF, counts_E, probs_M, plan, act_impl, limit, alpha, b13, b2)
     plan.observed(load_spread, counts_E, x_MH.shape[0])
     return y

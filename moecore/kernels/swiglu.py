@@ -14,6 +14,10 @@ With a `limit` L (DeepSeek-V4's clipped SwiGLU, `model.activation=swiglu_clipped
 clipped first, g' = min(g, L) and u' = clamp(u, -L, L), and the formulas above run on g', u'; a clipped
 element passes no gradient (torch.clamp's rule: an element exactly at the limit still does):
     dg = [g <= L] * d * u' * s' * (1 + g' * (1 - s')),   du = [-L <= u <= L] * d * silu(g')
+
+With an `alpha` (gpt-oss's clamped SwiGLU, `model.activation=swiglu_clamped`; it also clips with its limit) the gate
+is g * sigmoid(alpha * g) and the up term u + 1: out = g * s * (u + 1) * p with s = sigmoid(alpha * g), and
+    dg = d * (u + 1) * s * (1 + alpha * g * (1 - s)),   du = d * g * s,   dp = sum_f dout * g * s * (u + 1)
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ if triton_importable():
         M,
         F,
         limit,
+        alpha,
         HAS_P: tl.constexpr,
         CLIP: tl.constexpr,
+        OSS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_F: tl.constexpr,
     ):
@@ -49,7 +55,10 @@ if triton_importable():
         if CLIP:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
-        a = g * tl.sigmoid(g) * u
+        if OSS:  # gpt-oss: g * sigmoid(alpha * g) * (u + 1)
+            a = g * tl.sigmoid(alpha * g) * (u + 1.0)
+        else:
+            a = g * tl.sigmoid(g) * u
         if HAS_P:
             p = tl.load(p_ptr + rm, mask=rm < M, other=0.0).to(tl.float32)
             a = a * p[:, None]
@@ -66,9 +75,11 @@ if triton_importable():
         M,
         F,
         limit,
+        alpha,
         HAS_P: tl.constexpr,
         STORE_A: tl.constexpr,
         CLIP: tl.constexpr,
+        OSS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_F: tl.constexpr,
     ):
@@ -90,14 +101,19 @@ if triton_importable():
                 pass_u = (u >= -limit) & (u <= limit)
                 g = tl.minimum(g, limit)
                 u = tl.minimum(tl.maximum(u, -limit), limit)
-            s = tl.sigmoid(g)
+            if OSS:  # gpt-oss: the gate's sigmoid of alpha * g, the up term u + 1
+                ag = alpha * g
+                u = u + 1.0
+            else:
+                ag = g
+            s = tl.sigmoid(ag)
             silu = g * s
             if HAS_P:
                 dp += tl.sum(do * silu * u, axis=1)
                 d = do * p[:, None]
             else:
                 d = do
-            dg = d * u * s * (1.0 + g * (1.0 - s))
+            dg = d * u * s * (1.0 + ag * (1.0 - s))
             du = d * silu
             if CLIP:
                 dg = tl.where(pass_g, dg, 0.0)
@@ -120,24 +136,37 @@ def _clipped(g: torch.Tensor, u: torch.Tensor, limit: float | None) -> tuple[tor
     return g.clamp(max=limit), u.clamp(min=-limit, max=limit)
 
 
-def swiglu_reference(h: torch.Tensor, probs: torch.Tensor | None = None, limit: float | None = None) -> torch.Tensor:
+def _gate_up(g: torch.Tensor, u: torch.Tensor, alpha: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the gate's sigmoid argument, the up term): (g, u), or gpt-oss's (alpha * g, u + 1)."""
+    return (g, u) if alpha is None else (alpha * g, u + 1)
+
+
+def swiglu_reference(
+    h: torch.Tensor, probs: torch.Tensor | None = None, limit: float | None = None, alpha: float | None = None
+) -> torch.Tensor:
     """silu(g) * u (* p) in fp32, rounded to h's dtype; h [..., 2F], probs [...] or None -> [..., F].
-    `limit`: g and u clipped first (module docstring)."""
+    `limit`: g and u clipped first; `alpha`: gpt-oss's form (module docstring)."""
     g, u = _clipped(*h.float().chunk(2, dim=-1), limit)
-    out = F.silu(g) * u
+    ag, up = _gate_up(g, u, alpha)
+    out = (F.silu(g) if alpha is None else g * torch.sigmoid(ag)) * up
     if probs is not None:
         out = out * probs.float().unsqueeze(-1)
     return out.to(h.dtype)
 
 
 def swiglu_backward_reference(
-    h: torch.Tensor, probs: torch.Tensor | None, dout: torch.Tensor, limit: float | None = None
+    h: torch.Tensor,
+    probs: torch.Tensor | None,
+    dout: torch.Tensor,
+    limit: float | None = None,
+    alpha: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(dh in h's dtype, dprobs fp32 or None, recomputed out) from the formulas in the module docstring."""
     g0, u0 = h.float().chunk(2, dim=-1)
     g, u = _clipped(g0, u0, limit)
+    ag, u = _gate_up(g, u, alpha)
     do = dout.float()
-    s = torch.sigmoid(g)
+    s = torch.sigmoid(ag)
     silu = g * s
     a = silu * u
     dp = None
@@ -146,7 +175,7 @@ def swiglu_backward_reference(
         dp = (do * a).sum(-1)
         do = do * p
         a = a * p
-    dg = do * u * s * (1 + g * (1 - s))
+    dg = do * u * s * (1 + ag * (1 - s))
     du = do * silu
     if limit is not None:
         dg = dg * (g0 <= limit)
@@ -154,7 +183,7 @@ def swiglu_backward_reference(
     return torch.cat((dg, du), dim=-1).to(h.dtype), dp, a.to(h.dtype)
 
 
-def _launch_fwd(h2: torch.Tensor, p1: torch.Tensor | None, limit: float | None) -> torch.Tensor:
+def _launch_fwd(h2: torch.Tensor, p1: torch.Tensor | None, limit: float | None, alpha: float | None) -> torch.Tensor:
     M, F2 = h2.shape
     Fh = F2 // 2
     out = torch.empty(M, Fh, dtype=h2.dtype, device=h2.device)
@@ -162,12 +191,19 @@ def _launch_fwd(h2: torch.Tensor, p1: torch.Tensor | None, limit: float | None) 
     block_m = max(1, 2048 // block_f)
     grid = (triton.cdiv(M, block_m), triton.cdiv(Fh, block_f))
     lim, clip = (0.0, False) if limit is None else (float(limit), True)
-    _swiglu_fwd_kernel[grid](h2, p1 if p1 is not None else h2, out, M, Fh, lim, p1 is not None, clip, block_m, block_f)
+    alp, oss = (1.0, False) if alpha is None else (float(alpha), True)
+    p = p1 if p1 is not None else h2
+    _swiglu_fwd_kernel[grid](h2, p, out, M, Fh, lim, alp, p1 is not None, clip, oss, block_m, block_f)
     return out
 
 
 def _launch_bwd(
-    h2: torch.Tensor, p1: torch.Tensor | None, do2: torch.Tensor, store_a: bool, limit: float | None
+    h2: torch.Tensor,
+    p1: torch.Tensor | None,
+    do2: torch.Tensor,
+    store_a: bool,
+    limit: float | None,
+    alpha: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     M, F2 = h2.shape
     Fh = F2 // 2
@@ -187,9 +223,11 @@ def _launch_bwd(
         M,
         Fh,
         0.0 if limit is None else float(limit),
+        1.0 if alpha is None else float(alpha),
         p1 is not None,
         store_a,
         limit is not None,
+        alpha is not None,
         block_m,
         block_f,
     )
@@ -204,42 +242,51 @@ def _flat(h: torch.Tensor, probs: torch.Tensor | None) -> tuple[torch.Tensor, to
 
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: torch.Tensor, probs: torch.Tensor | None, limit: float | None) -> torch.Tensor:
+    def forward(ctx, h: torch.Tensor, probs: torch.Tensor | None, limit: float | None, alpha: float | None = None):
         h2, p1 = _flat(h, probs)
         ctx.save_for_backward(h2, p1)
-        ctx.h_shape, ctx.p_dtype, ctx.limit = h.shape, None if probs is None else probs.dtype, limit
-        return _launch_fwd(h2, p1, limit).view(*h.shape[:-1], h.shape[-1] // 2)
+        ctx.h_shape, ctx.p_dtype, ctx.limit, ctx.alpha = h.shape, None if probs is None else probs.dtype, limit, alpha
+        return _launch_fwd(h2, p1, limit, alpha).view(*h.shape[:-1], h.shape[-1] // 2)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         h2, p1 = ctx.saved_tensors
-        dh, dp, _ = _launch_bwd(h2, p1, dout.reshape(h2.shape[0], -1).contiguous(), False, ctx.limit)
+        dh, dp, _ = _launch_bwd(h2, p1, dout.reshape(h2.shape[0], -1).contiguous(), False, ctx.limit, ctx.alpha)
         dprobs = None
         if dp is not None and ctx.needs_input_grad[1]:
             dprobs = dp.view(ctx.h_shape[:-1]).to(ctx.p_dtype)
-        return dh.view(ctx.h_shape), dprobs, None
+        return dh.view(ctx.h_shape), dprobs, None, None
 
 
 def swiglu(
-    h: torch.Tensor, probs: torch.Tensor | None = None, impl: str = "auto", limit: float | None = None
+    h: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    impl: str = "auto",
+    limit: float | None = None,
+    alpha: float | None = None,
 ) -> torch.Tensor:
     """silu(g) * u (* probs) for h = [g | u] of shape [..., 2F]; probs [...] or None. Differentiable.
-    `limit`: DeepSeek-V4's clipped SwiGLU, g and u clipped first (module docstring)."""
+    `limit`: g and u clipped first (DeepSeek-V4, gpt-oss); `alpha`: gpt-oss's form (module docstring)."""
     if h.shape[-1] % 2:
         raise ValueError(f"swiglu input's last dim must be even (gate | up), got {h.shape[-1]}")
     tensors = (h,) if probs is None else (h, probs)
     if not use_triton(impl, *tensors):
-        return swiglu_reference(h, probs, limit)
-    return _SwiGLUFunction.apply(h, probs, limit)
+        return swiglu_reference(h, probs, limit, alpha)
+    return _SwiGLUFunction.apply(h, probs, limit, alpha)
 
 
 def swiglu_backward(
-    h: torch.Tensor, probs: torch.Tensor | None, dout: torch.Tensor, impl: str = "auto", limit: float | None = None
+    h: torch.Tensor,
+    probs: torch.Tensor | None,
+    dout: torch.Tensor,
+    impl: str = "auto",
+    limit: float | None = None,
+    alpha: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(dh, dprobs fp32 or None, out recomputed) for 2-D h [M, 2F]; used by the fused expert FFN."""
     tensors = (h, dout) if probs is None else (h, probs, dout)
     if not use_triton(impl, *tensors):
-        return swiglu_backward_reference(h, probs, dout, limit)
+        return swiglu_backward_reference(h, probs, dout, limit, alpha)
     h2, p1 = _flat(h, probs)
-    dh, dp, a = _launch_bwd(h2, p1, dout.reshape(h2.shape[0], -1).contiguous(), True, limit)
+    dh, dp, a = _launch_bwd(h2, p1, dout.reshape(h2.shape[0], -1).contiguous(), True, limit, alpha)
     return dh, dp, a

@@ -22,9 +22,9 @@ order, `w2` [E, H, F], `b2` [E, H]):
 reorders them.) Router: logits = x @ W^T + bias, then the configured top-k routing (gpt-oss: softmax over
 the top-k logits).
 
-The fused expert FFN kernel (moecore/kernels/grouped_ffn.py) implements the plain SwiGLU without biases, so
-these experts never take it: they run the grouped GEMMs (`torch._grouped_mm`, biases added per row from
-the row's expert) where grouped_mm runs, else a loop of per-expert linears. Expert parallel shards the
+On CUDA they run the fused expert FFN (moecore/kernels/grouped_ffn.py: QuACK's or Triton's grouped GEMMs, the
+biases added per row from the row's expert, the clamped form in the SwiGLU kernel); elsewhere the grouped GEMMs
+(`torch._grouped_mm`, the activation through autograd) where grouped_mm runs, else a loop of per-expert linears. Expert parallel shards the
 biases with their experts. Expert tensor parallel splits `b13` with the FFN columns and `b2` over its hidden
 columns: the down projection's output is a partial sum over the etp ranks (summed by the dispatcher), so
 each etp rank adds only its own H / etp columns of `b2`, and the sum holds the whole bias once; each column's
@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moecore.config import Config
+from moecore.kernels.grouped_ffn import expert_ffn, fused_expert_ffn_available
 from moecore.moe import expert_parallel as ep_util
 from moecore.moe.experts import GroupedExperts, _ContiguousGrad, activation_fn, grouped_mm_supported
 from moecore.moe.layer import MoELayer
@@ -110,6 +111,17 @@ class BiasedGroupedExperts(GroupedExperts):
         # Routing probabilities applied inside (moe.apply_probs_on_input) scale the down bias too:
         # p * (w2 a + b2) = w2 (p a) + p b2.
         n = x_NH.shape[0]
+        if x_NH.is_cuda and not self.warned:
+            self._warn_slow_path(x_NH)
+        if fused_expert_ffn_available(x_NH) and self.uses_grouped_mm(x_NH):
+            self.last_path = "fused"
+            limit, alpha = (self.limit, self.alpha) if self.kind == "swiglu_clamped" else (None, None)
+            b2 = None if self.b2 is None else self._down_bias(self.b2.dtype)
+            return expert_ffn(
+                x_NH, self.w13, self.w2, tokens_per_expert.to(x_NH.device), probs_N, self.gemm_plan,
+                sync_free=self.sync_free, backend=self.gemm_backend, load_spread=self.load_spread, limit=limit,
+                alpha=alpha, b13=self.b13, b2=b2,
+            )  # fmt: skip
         if self.grouped_gemm and grouped_mm_supported(x_NH, self.hidden_size, self.ffn_hidden_size):
             self.last_path = "grouped_mm"
             counts = tokens_per_expert.to(x_NH.device)

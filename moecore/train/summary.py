@@ -35,10 +35,7 @@ def kernels_line(cfg: Config, device: torch.device) -> str | None:
     from moecore.kernels._triton import triton_importable
 
     triton = "Triton kernels" if triton_importable() else "no Triton (PyTorch references)"
-    m = cfg.model
-    if not m.plain_swiglu_experts:  # gpt-oss's (moecore/models/biased_moe.py)
-        experts = f"torch's grouped GEMM (bf16) or a loop, for the {m.activation} experts (not the fused expert FFN)"
-    elif cfg.moe.gemm_backend == "torch":
+    if cfg.moe.gemm_backend == "torch":
         experts = "torch's / moecore's Triton GEMMs per shape (moe.gemm_backend=torch)"
     elif quack_gemm.quack_available(device):
         experts = "QuACK's grouped GEMMs where they time faster than torch's (moe.gemm_backend=auto)"

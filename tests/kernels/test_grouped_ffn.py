@@ -158,3 +158,52 @@ def test_triton_wgrad_kernel_ragged_groups(backend):
         else:
             assert rel_err(out[e], ref) < (1e-2 if dt == torch.bfloat16 else 1e-5)
         s += n
+
+
+def _oss_biases(E: int, H: int, Fd: int, dev, dt) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return (torch.randn(E, 2 * Fd, generator=g) * 0.5).to(dev, dt), (torch.randn(E, H, generator=g) * 0.5).to(dev, dt)
+
+
+def test_biased_reference_matches_gpt_oss_experts_fp64():
+    """gpt-oss's experts in the reference (biases, clamped form) equal BiasedGroupedExperts' loop, which
+    tests/hf/test_gpt_oss.py proves against transformers' GptOssExperts."""
+    from moecore.models.biased_moe import BiasedGroupedExperts
+
+    E, H, Fd, counts, limit, alpha = 4, 16, 8, [5, 0, 7, 4], 1.0, 1.702
+    x, w13, w2, c, p, _ = expert_ffn_inputs(E, H, Fd, counts, "cpu", torch.float64, seed=3)
+    b13, b2 = _oss_biases(E, H, Fd, "cpu", torch.float64)
+    oss = BiasedGroupedExperts(E, H, Fd, "swiglu_clamped", alpha, limit, grouped_gemm=False).double()
+    with torch.no_grad():
+        for name, t in (("w13", w13), ("w2", w2), ("b13", b13), ("b2", b2)):
+            getattr(oss, name).copy_(t)
+    want = oss(x, c, p)
+    assert oss.last_path == "loop"
+    got = expert_ffn_reference(x, w13, w2, c, p, limit, alpha, b13, b2)
+    assert torch.allclose(got, want)
+    h = x[:5] @ w13[0].t() + b13[0]
+    assert (h.abs() > limit).float().mean() > 0.2  # the clamp is exercised
+
+
+@pytest.mark.parametrize("plan", [GemmPlan.uniform("triton"), GemmPlan.uniform("grouped")], ids=["triton", "grouped"])
+def test_biased_clamped_function_matches_reference(backend, plan):
+    """gpt-oss's experts through the fused Function (biases added per row, the clamped form in the SwiGLU kernel,
+    the biases' gradients as row sums) against the reference through autograd: output and every gradient."""
+    dev, dt = setup(backend)
+    E, H, Fd, limit, alpha = 5, 32, 16, 1.0, 1.702
+    counts = [7, 0, 19, 1, 13] if backend == "interpret" else [70, 0, 190, 1, 130]
+    x, w13, w2, c, p, dy = expert_ffn_inputs(E, H, Fd, counts, dev, dt, seed=4)
+    b13, b2 = _oss_biases(E, H, Fd, dev, torch.float32)  # fp32 biases, as the model keeps them
+    ref = [t.clone().requires_grad_() for t in (x, w13, w2, p, b13, b2)]
+    expert_ffn_reference(ref[0], ref[1], ref[2], c, ref[3], limit, alpha, ref[4], ref[5]).backward(dy)
+    ts = [t.clone().requires_grad_() for t in (x, w13, w2, p, b13, b2)]
+    out = expert_ffn(
+        ts[0], ts[1], ts[2], c, ts[3], plan=plan, impl="triton", limit=limit, alpha=alpha, b13=ts[4], b2=ts[5]
+    )
+    out.backward(dy)
+    tol = 2e-2 if dt == torch.bfloat16 else 1e-5
+    want = expert_ffn_reference(x, w13, w2, c, p, limit, alpha, b13, b2)
+    assert rel_err(out.detach(), want) < tol
+    for name, a, b in zip(("x", "w13", "w2", "p", "b13", "b2"), ts, ref):
+        assert rel_err(a.grad, b.grad) < tol, name
+    assert ts[4].grad[1].abs().max() == 0 and ts[5].grad[1].abs().max() == 0  # the expert without rows
