@@ -48,10 +48,11 @@ PROXIES = {
          "train.global_batch_size=2", "train.micro_batch_size=2", "train.seq_length=4096"],
     ),
     "deepseek-v4": (  # DeepSeek-V4-Flash's attention at its real size (64 heads of 512, one key/value head, both
-        # compressed kinds), 4 streams, a hash-routed first layer; 2 layers of 32 of its experts (top-6, FFN 2048)
+        # compressed kinds), 4 streams, a hash-routed first layer; 2 layers of 128 experts top-6 of FFN 512 (narrower)
         "deepseek-v4-flash",
         ["model.num_layers=2", "model.layer_types=[heavily_compressed_attention,compressed_sparse_attention]",
-         "moe.num_hash_layers=1", "moe.num_experts=32", "parallel.ep=1", "train.global_batch_size=1",
+         "moe.num_hash_layers=1", "moe.num_experts=128", "moe.ffn_hidden_size=512", "parallel.ep=1",
+         "train.global_batch_size=1",
          "train.micro_batch_size=1", "train.seq_length=4096"],
     ),
 }  # fmt: skip

@@ -289,9 +289,11 @@ def ffn_modules(cfg: Config, is_moe: bool, layout: Layout, c: ActContext) -> dic
         out["permute"] = n * (8 + 8 + 4)  # sort order, its inverse, per-row probability (x is norm_out)
         out["experts"] = n * 2 * f * b if memory_mode == "minimal" else 0.0  # the w13 output (minimal)
         out["moe_act"] = 0.0
-    elif m.plain_swiglu_experts and c.fused and e.grouped_gemm and b == 2:  # the fused expert FFN (bf16, GPUs)
+    elif gated and c.fused and e.grouped_gemm and b == 2:  # the fused expert FFN (bf16, GPUs)
         p = padded_rows(cfg, layout, c, n)  # FP8 with every GEMM padded keeps x and h padded (n otherwise)
         out["experts"] = p * h * b + p * 2 * f * b + p * 4
+        if m.expert_linear_bias:  # gpt-oss: each row's expert index for its biases
+            out["experts"] += n * 8
         out["moe_act"] = 0.0
     else:
         rows13 = 2 * f if gated else f
