@@ -1,7 +1,8 @@
 """On a GPU, the real recipes train with their default precision on the fused kernels.
 
-Real widths, few layers: qwen3-30b-a3b and qwen3-next-80b-a3b at 2 layers, deepseek-v3 at 2 layers
-(one dense, one MoE, plus its MTP layer) with 16 experts so it fits one GPU. Every MoE layer must
+Real widths, few layers: qwen3-30b-a3b, qwen3-next-80b-a3b and gpt-oss-20b at 2 layers, deepseek-v3 at 2 layers
+(one dense, one MoE, plus its MTP layer) and deepseek-v4-flash at 2 layers (one of each compressed kind), both with
+16 experts so they fit one GPU. Every MoE layer must
 have run the fused expert FFN on bf16 weights in every step (no loop over experts, no fp32 expert
 GEMM), the optimizer must be the fused mixed-precision AdamW on fp32 masters, and the loss must fall.
 """
@@ -28,6 +29,16 @@ CASES = {
     "deepseek-v3": [
         "model.num_layers=2",
         "moe.first_k_dense_replace=1",
+        "moe.num_experts=16",
+        "model.vocab_size=32768",
+    ],
+    # biased experts with the clamped SwiGLU, sinks, a sliding and a full layer
+    "gpt-oss-20b": ["model.num_layers=2", "model.vocab_size=32768"],
+    # the real-size compressed attention (both kinds) and hyper-connections, a hash-routed layer, clipped SwiGLU
+    "deepseek-v4-flash": [
+        "model.num_layers=2",
+        "model.layer_types=[heavily_compressed_attention,compressed_sparse_attention]",
+        "moe.num_hash_layers=1",
         "moe.num_experts=16",
         "model.vocab_size=32768",
     ],
