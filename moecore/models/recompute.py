@@ -29,11 +29,12 @@ checkpoints share the outermost call's dicts.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 
 class _Recompute:
@@ -140,10 +141,18 @@ class _MemoScope:
 
 def checkpoint_module(module: nn.Module, *args):
     """`checkpoint(module, *args, use_reentrant=False)`, with each memo holder inside seeing one dict for this
-    call in its forward and in every recomputation of it (see the module docstring)."""
+    call in its forward and in every recomputation of it (see the module docstring).
+
+    A decoder layer on hyper-connected streams (DeepSeek-V4) is recomputed whole, without torch's early stop (which
+    ends a recomputation once the tensors backward needs are back): on a GPU, with the allocator's history being
+    recorded (`log.oom_snapshot`, on by default), the early stop inside the layer's last stream merge raised
+    `SystemError: error return without exception set` (docs/benchmarks.md, run CY). Only the merge's few
+    elementwise ops run again."""
     holders = _memo_holders(module) if isinstance(module, nn.Module) else []
-    if not holders:
-        return checkpoint(module, *args, use_reentrant=False)
-    memos: dict[int, dict] = {}
-    scopes = (_MemoScope(holders, memos, True), _MemoScope(holders, memos, False))
-    return checkpoint(module, *args, use_reentrant=False, context_fn=lambda: scopes)
+    hyper = getattr(module, "attn_hc", None) is not None
+    with set_checkpoint_early_stop(False) if hyper else contextlib.nullcontext():
+        if not holders:
+            return checkpoint(module, *args, use_reentrant=False)
+        memos: dict[int, dict] = {}
+        scopes = (_MemoScope(holders, memos, True), _MemoScope(holders, memos, False))
+        return checkpoint(module, *args, use_reentrant=False, context_fn=lambda: scopes)

@@ -113,14 +113,6 @@ class Trainer:
         if cfg.model.vocab_size <= 0:
             cfg.model.vocab_size = self.data.vocab_size
         validate_layout(cfg, self.rt.world_size)
-        m = cfg.model
-        if self.rt.device.type == "cuda" and m.attention_type == "compressed" and m.recompute_granularity == "full":
-            # measured on an H100: the first backward's recomputation of a layer raised a SystemError through the
-            # CLI (docs/benchmarks.md, run CX); not understood yet, so refused rather than crashing a run
-            raise ConfigError(
-                "model.recompute_granularity='full' is invalid with DeepSeek-V4's attention on a GPU (its recomputation "
-                "failed there); use selective with model.recompute_modules (core_attn, moe, moe_act, norm)"
-            )
         if self.rt.device.type == "cuda" and cfg.train.preflight_memory != "off":
             from moecore.plan.preflight import check_memory
 

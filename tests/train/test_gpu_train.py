@@ -33,7 +33,11 @@ CASES = {
         "model.vocab_size=32768",
     ],
     # biased experts with the clamped SwiGLU, sinks, a sliding and a full layer
-    "gpt-oss-20b": ["model.num_layers=2", "model.vocab_size=32768"],
+    "gpt-oss-20b": [
+        "model.num_layers=2",
+        "model.layer_types=[sliding_attention,full_attention]",
+        "model.vocab_size=32768",
+    ],
     # the real-size compressed attention (both kinds) and hyper-connections, a hash-routed layer, clipped SwiGLU
     "deepseek-v4-flash": [
         "model.num_layers=2",
