@@ -20,6 +20,7 @@ from moecore.config import load_config  # noqa: E402
 from moecore.hf import load_pretrained  # noqa: E402
 from moecore.hf.families import deepseek_v4 as family  # noqa: E402
 from moecore.hf.families import get_family  # noqa: E402
+from moecore.models.transformer import MoETransformer  # noqa: E402
 from moecore.moe.router import random_hash_table  # noqa: E402
 
 V = 96
@@ -202,3 +203,22 @@ def test_exit_and_resume_is_bit_exact(tmp_path):
     want, got = dict(full.losses), dict(second.losses)
     assert sorted(got) == [4, 5, 6] and all(got[s] == want[s] for s in got), (got, want)
     assert want[6] != want[3]
+
+
+def test_full_recomputation_equals_none():
+    """model.recompute_granularity=full on hyper-connected layers (recomputed whole, without torch's early stop):
+    the same loss and gradients as keeping every activation."""
+    torch.manual_seed(0)
+    grads = []
+    for gran in ("none", "full"):
+        cfg = load_config("tiny-deepseek-v4", [f"model.recompute_granularity={gran}", "model.vocab_size=96"])
+        torch.manual_seed(0)
+        model = MoETransformer(cfg).train()
+        ids = tokens(V, batch=2, seq=33, seed=3)
+        out = model(ids[:, :-1], labels=ids[:, 1:])
+        out.lm_loss_sum.backward()
+        grads.append((out.lm_loss_sum.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (l0, g0), (l1, g1) = grads
+    assert torch.equal(l0, l1) and g0.keys() == g1.keys()
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-6, atol=1e-7, msg=n)
