@@ -74,7 +74,7 @@ def _kind(module: nn.Module) -> str | None:
         return "dense_mlp"
     if name in ("Attention", "MLAttention", "DSAttention"):
         return "attention"
-    if name == "GroupedExperts":
+    if name in ("GroupedExperts", "BiasedGroupedExperts"):
         return "experts"
     return None
 
@@ -161,7 +161,9 @@ def apply_fp8(model: nn.Module, recipe: Fp8Recipe, modules: list[str] | tuple[st
         if kind is None or kind not in modules:
             continue
         if kind == "experts":
-            if getattr(mod, "activation", None) == "swiglu":
+            if type(mod).__name__ == "BiasedGroupedExperts":  # gpt-oss's: the FP8 expert FFN has no biases
+                kept.append(f"{name} (biased experts, {mod.kind}: FP8 experts are unbiased SwiGLU)")
+            elif getattr(mod, "activation", None) == "swiglu":
                 mod.fp8_recipe = recipe
                 done.append(name)
             else:

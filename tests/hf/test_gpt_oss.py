@@ -289,3 +289,18 @@ def test_mxfp4_checkpoint_imports_dequantized(tmp_path):
     back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     with torch.no_grad():
         assert_close(back(ids).logits, ref(ids).logits, "exported logits")
+
+
+def test_fp8_leaves_the_biased_experts_in_bf16_and_says_so():
+    """fp8.modules=[experts] on gpt-oss: its biased, clamped experts are not the FP8 expert FFN's, so they are
+    reported as kept in bf16 (not listed as FP8 while running bf16)."""
+    from moecore.kernels.fp8_gemm import Fp8Recipe
+    from moecore.models.fp8 import apply_fp8
+    from moecore.models.transformer import MoETransformer
+
+    cfg = load_config("tiny-gpt-oss", ["model.vocab_size=96"])
+    model = MoETransformer(cfg)
+    report = apply_fp8(model, Fp8Recipe("rowwise", emulate=True), ["experts"])
+    assert report["fp8"] == []
+    assert report["bf16"] and all("biased experts" in why for why in report["bf16"])
+    assert all(getattr(m, "fp8_recipe", None) is None for m in model.modules())
