@@ -97,3 +97,12 @@ def test_missing_option_is_one_line_exit_2(capsys) -> None:
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--gpu-mem" in err
+
+
+def test_plan_cautions_about_deepseek_v4_attention(capsys) -> None:
+    """The compressed attention's measured rate is far below the matmul rate the estimate assumes: said once, only
+    for DeepSeek-V4's attention."""
+    assert main(["plan", "tiny-deepseek-v4", "--gpus", "1", "--gpu-mem", "16", "--top", "1"]) == 0
+    assert capsys.readouterr().out.count("caution: DeepSeek-V4's compressed attention") == 1
+    assert main(["plan", "tiny-moe", "--gpus", "1", "--gpu-mem", "16", "--top", "1"]) == 0
+    assert "caution" not in capsys.readouterr().out
