@@ -304,3 +304,32 @@ def test_fp8_leaves_the_biased_experts_in_bf16_and_says_so():
     assert report["fp8"] == []
     assert report["bf16"] and all("biased experts" in why for why in report["bf16"])
     assert all(getattr(m, "fp8_recipe", None) is None for m in model.modules())
+
+
+def test_fused_branch_wiring_matches_grouped_mm(monkeypatch):
+    """The experts' GPU branch (the fused expert FFN with the biases and the clamped form; here its reference, on
+    the CPU) gives the grouped_mm path's loss and gradients: the limit, alpha and both biases reach it."""
+    from moecore.models import biased_moe
+    from moecore.models.transformer import MoETransformer
+
+    cfg = load_config("tiny-gpt-oss", ["model.vocab_size=96"])
+    torch.manual_seed(0)
+    model = MoETransformer(cfg).train()
+    with torch.no_grad():  # biases away from zero, so that a dropped one shows
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.b13", "experts.b2")):
+                p.normal_(0, 0.5)
+    ids = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(biased_moe, "fused_expert_ffn_available", lambda x, f=fused: f)
+        model.zero_grad()
+        out = model(ids[:, :-1], labels=ids[:, 1:])
+        out.lm_loss_sum.backward()
+        paths = {m.experts.last_path for m in model.moe_layers()}
+        assert paths == ({"fused"} if fused else {"grouped_mm"}), paths
+        results.append((out.lm_loss_sum.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (l0, g0), (l1, g1) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-6, atol=0)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6 * g0[n].abs().max().item(), msg=n)
