@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "moecore-all-grouped, moecore-all-triton, moecore-all-quack, moecore-torch-gemms, moecore-fp32-router-gemm, moecore-minimal[-swiglu-epilogue], moecore-chunked[-<rows>], moecore-sync-free, "
         "moecore-fp8-<tensorwise|rowwise|blockwise>, moecore-fp8-rowwise-bf16wgrad, moecore-fp8-rowwise-fp8wgrad, moecore-fp8-rowwise-primary, "
         "moecore-fp8-rowwise-wgradpad, moecore-fp8-rowwise-primary-wgradpad, moecore-fp8-rowwise-[primary-]triton, "
-        "-allpad, -torchgemm, -hybrid (moe-layer)",
+        "-allpad, -torchgemm, -hybrid, moecore-clipped[-unfused] (moe-layer); moecore-sparse-attention (train, DeepSeek-V4)",
     )
     p.add_argument(
         "--routing", default="random", help="moe-layer: comma-separated: random (near-uniform) and/or skewed (a few "

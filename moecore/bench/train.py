@@ -67,6 +67,12 @@ MODES = {  # precision mode -> moecore overrides
 VARIANTS = {  # moecore variants timed by `--variants` (the default is "moecore")
     "moecore": "the recipe as `moecore train` runs it",
     "moecore-unfused-router": "moe.router_fusion=false: routing and its aux loss through separate torch ops",
+    "moecore-sparse-attention": "model.compressed_attention_kernel=sparse: DeepSeek-V4's attention through the sparse "
+    "MLA kernel instead of flex_attention",
+}
+VARIANT_OVERRIDES = {
+    "moecore-unfused-router": ["moe.router_fusion=false"],
+    "moecore-sparse-attention": ["model.compressed_attention_kernel=sparse"],
 }
 
 PHASES = (  # (phase, substrings of CUDA kernel names), first match wins
@@ -90,7 +96,7 @@ def bench_config(model: str, mode: str, variant: str = "moecore", extra: list[st
     recipe, overrides = PROXIES[model]
     run_dir = tempfile.mkdtemp(prefix="moecore-bench-")
     quiet = ["log.progress=false", "log.tensorboard=false", "log.oom_snapshot=false", f"train.run_dir={run_dir}"]
-    variant_overrides = ["moe.router_fusion=false"] if variant == "moecore-unfused-router" else []
+    variant_overrides = VARIANT_OVERRIDES.get(variant, [])
     return load_config(recipe, [*overrides, *MODES[mode], *quiet, *variant_overrides, *extra])
 
 

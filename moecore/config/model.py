@@ -65,6 +65,9 @@ class ModelConfig:
     compress_rope_scaling: dict | None = None
     o_groups: int = 8
     o_lora_rank: int = 1024
+    # the attention's kernel on GPUs: flex (torch's flex_attention, compiled, with a block mask) | sparse (moecore's
+    # sparse MLA kernel over each query's window and picked entries; not yet timed on a GPU, docs/benchmarks.md)
+    compressed_attention_kernel: str = "flex"
     # Manifold-constrained hyper-connections (DeepSeek-V4, moecore/models/hyper_connections.py): hc_mult residual
     # streams mixed by per-token weights, the mixing matrix made doubly stochastic by hc_sinkhorn_iters Sinkhorn
     # iterations. 1: the plain residual.
@@ -231,6 +234,7 @@ class ModelConfig:
         for name in ("csa_compress_rate", "hca_compress_rate", "o_groups", "o_lora_rank", "index_n_heads",
                      "index_head_dim", "index_topk"):  # fmt: skip
             _check_range(f"model.{name}", getattr(self, name), 1)
+        _check_choice("model.compressed_attention_kernel", self.compressed_attention_kernel, ("flex", "sparse"))
         if self.q_lora_rank is None:
             _fail("model.q_lora_rank", None, "model.attention_type=compressed needs the q LoRA rank")
         if self.sliding_window is None:

@@ -16,6 +16,9 @@ It saves lse. Both backwards recompute the probabilities from it; with delta = d
     p_j = exp(s_j - lse),   dp_j = do . v_j,   ds_j = p_j (dp_j - delta)
     dq = scale sum_j ds_j kv_j,   dkv_j += scale ds_j q  (all D channels, summed over heads),   dkv_j[:DV] += p_j do
 
+lse is differentiable too (DeepSeek-V4's sinks gate the output by it): its gradient g enters as delta - g, since
+d lse / d s_j = p_j.
+
 A row is selected by many queries, so dkv sums over queries into an fp32 buffer; the two backwards
 (`sparse_mla_attention(..., backward=...)`) differ in how:
 
@@ -477,17 +480,20 @@ class _SparseMLA(torch.autograd.Function):
         ctx.save_for_backward(q, kv, idx, out, lse)
         ctx.scale, ctx.dv, ctx.block_h, ctx.num_warps = scale, dv, block_h, num_warps
         ctx.backward, ctx.split = backward, split
-        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
-    def backward(ctx, d_out: torch.Tensor, _d_lse: torch.Tensor):
+    def backward(ctx, d_out: torch.Tensor, d_lse: torch.Tensor | None):
         q, kv, idx, out, lse = ctx.saved_tensors
+        if d_out is None:  # only lse is used downstream
+            d_out = torch.zeros_like(out)
         d_out = d_out.contiguous()
         delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
         rows, block_v = delta.numel(), max(16, next_pow2(ctx.dv))
         block_r = max(1, 4096 // block_v)  # 4096 elements of each operand per program
         _row_dot[(triton.cdiv(rows, block_r),)](d_out, out, delta, rows, ctx.dv, BLOCK_R=block_r, BLOCK_V=block_v)
+        if d_lse is not None:  # d lse / d s_j = p_j: ds_j = p_j (dp_j - delta + d_lse), the same kernels
+            delta = delta - d_lse.float()
         run = _backward_split if ctx.backward == "split" else _backward_atomic
         dq, dkv = run(ctx, q, kv, idx, d_out, lse, delta)
         return (dq, dkv.to(kv.dtype)) + (None,) * 9

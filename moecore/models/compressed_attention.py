@@ -47,8 +47,11 @@ RoPE: `sliding_attention` layers use (`rope_theta`, `rope_scaling`); CSA / HCA l
 indexer use (`compress_rope_theta`, `compress_rope_scaling`), where YaRN leaves cos / sin unscaled (attention
 factor 1) unless the dict says otherwise. Angles, norms' statistics and softmaxes are computed in fp32.
 
-Two implementations of the attention itself: `sink_attention`, eager (the [B, n, S, S + T] scores; CPU, and the
-reference), and on CUDA `sink_attention_flex`, torch's flex_attention (compiled) with a block mask built from the
+Three implementations of the attention itself: `sink_attention`, eager (the [B, n, S, S + T] scores; CPU, and the
+reference); `sink_attention_sparse` (`model.compressed_attention_kernel=sparse`), moecore's sparse MLA kernel over
+each query's window and picked entries (at most window + index_topk rows of the one key/value head), its sinks from
+the kernel's differentiable log-sum-exp (its PyTorch reference off CUDA; not yet timed on a GPU); and on CUDA by
+default `sink_attention_flex`, torch's flex_attention (compiled) with a block mask built from the
 same visibility rule (window blocks and the picked entries only; no [S, S] tensor) and the sinks applied from its
 log-sum-exp: out * sigmoid(lse - sink) (moecore/models/sinks.py gives the derivation).
 
@@ -141,6 +144,44 @@ def sink_attention_flex(
     )
     gate = torch.sigmoid(aux.lse.float() - sinks.float().view(1, -1, 1))  # [B, n, S]; a row seeing nothing: 0
     return (out.float() * gate.unsqueeze(-1)).to(q.dtype).transpose(1, 2)
+
+
+def attended_indices(
+    q_pos: torch.Tensor, window: int, local: int, picked: torch.Tensor | None, most: int
+) -> torch.Tensor:
+    """int [B or 1, S, window + k]: the rows of kv [.., L + T, D] each query attends to (-1: none), the window's
+    positions t - window < j <= t, then the picked compressed entries (L + entry), at most `most` of them."""
+    win = q_pos[:, None] - torch.arange(window, device=q_pos.device)[None, :]  # [S, W]
+    win = torch.where(win >= 0, win, -1).unsqueeze(0)
+    if picked is None:
+        return win
+    k = min(most, picked.shape[-1])
+    flags, order = picked.to(torch.uint8).sort(dim=-1, descending=True, stable=True)  # picked entries first
+    entries = torch.where(flags[..., :k] > 0, order[..., :k] + local, -1)
+    return torch.cat((win.expand(entries.shape[0], -1, -1), entries), dim=-1)
+
+
+def sink_attention_sparse(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    q_pos: torch.Tensor,
+    window: int,
+    picked: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float,
+    most: int,
+) -> torch.Tensor:
+    """`sink_attention_flex`'s result through the sparse MLA kernel (moecore/kernels/sparse_mla.py; its reference
+    off CUDA): each query attends to its `attended_indices` rows of the one key/value head, and the sinks gate the
+    output by the kernel's log-sum-exp (differentiable). `most`: the entries a query can have picked."""
+    from moecore.models.dsa import sparse_mqa_attention_to_sequence
+
+    b, s, _, d = q.shape
+    local = kv.shape[1] - (picked.shape[-1] if picked is not None else 0)
+    idx = attended_indices(q_pos, window, local, picked, most).expand(b, -1, -1)
+    out, lse = sparse_mqa_attention_to_sequence(q, kv, idx, scale, d)
+    gate = torch.sigmoid(lse - sinks.float().view(1, 1, -1))  # [B, S, n]
+    return (out.float() * gate.unsqueeze(-1)).to(q.dtype)
 
 
 class GroupedLinear(ColumnParallelLinear):
@@ -291,6 +332,8 @@ class CompressedAttention(nn.Module):
                     mark_tp_partial(getattr(self.compressor, name))
         self.recompute_core = "core_attn" in cfg.recompute_modules  # keep q and the keys, not the probabilities
         self.use_flex = True  # on CUDA; False: the eager reference (tests)
+        self.kernel = cfg.compressed_attention_kernel  # flex | sparse (module docstring)
+        self.most_picked = cfg.index_topk if self.kind == "compressed_sparse_attention" else None
         self.rope_pairs = cfg.qk_rope_head_dim // 2
         self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, theta, scaling or None, cfg.max_position_embeddings)
 
@@ -329,7 +372,10 @@ class CompressedAttention(nn.Module):
                 picked = ready.unsqueeze(0)
             kv = torch.cat((kv, entries), dim=1)
 
-        if x.is_cuda and self.use_flex:  # flex_attention: no [S, S + T] tensors
+        if self.kernel == "sparse" and self.use_flex:  # the sparse MLA kernel over each query's rows
+            most = self.most_picked or n_entries
+            args, attend = (q, kv, pos, self.window, picked, self.sinks, self.scale, most), sink_attention_sparse
+        elif x.is_cuda and self.use_flex:  # flex_attention: no [S, S + T] tensors
             args, attend = (q, kv, pos, self.window, picked, self.sinks, self.scale), sink_attention_flex
         else:
             gap = pos[:, None] - torch.arange(full, device=x.device)[None, :]

@@ -75,6 +75,33 @@ def test_sparse_mla_kernel_matches_reference(backend, shape, block_h, backward):
         assert rel_err(g, r) < tol, (name, rel_err(g, r))
 
 
+@pytest.mark.parametrize("backward", ["atomic", "split"])
+def test_lse_gradient_and_no_rope_channels(backend, backward):
+    """DeepSeek-V4's use (moecore/models/compressed_attention.py): values are the whole row (no rope block), and
+    the sinks gate the output by lse, so lse's gradient must reach q and kv: against the reference's autograd."""
+    from moecore.kernels.sparse_mla import sparse_mla_attention
+
+    device, _ = setup(backend)
+    b, s, nh, d, k = 2, 13, 5, 32, 7
+    q, kv, idx = _inputs(b, s, nh, d, 0, k, device, torch.float32, seed=3)
+    g = torch.Generator().manual_seed(6)
+    sinks = torch.randn(nh, generator=g).to(device)
+    grad_out = torch.randn(b, s, nh, d, generator=g).to(device)
+
+    def gated(fn):
+        qq, kk = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        out, lse = fn(qq, kk, idx, d**-0.5, d)
+        y = out * torch.sigmoid(lse - sinks).unsqueeze(-1)
+        y.backward(grad_out)
+        return y.detach(), qq.grad, kk.grad
+
+    ref = gated(sparse_mqa_attention_reference)
+    got = gated(lambda *a: sparse_mla_attention(*a, backward=backward))
+    tol = 1e-5 if backend == "interpret" else 2e-3
+    for name, r, x in zip(("out", "dq", "dkv"), ref, got):
+        assert rel_err(x, r) < tol, (name, rel_err(x, r))
+
+
 @pytest.mark.parametrize("backward", ["atomic", "split-atomic", "split-sorted"])
 def test_queries_against_a_longer_sequence_match_the_reference(backend, monkeypatch, backward):
     """Context parallel's form: a rank's S queries (positions scattered over the sequence) attend to the N > S

@@ -98,9 +98,14 @@ def inputs(hf: DeepseekV4Config, seed: int) -> tuple[torch.Tensor, torch.Tensor,
     return x, pos, pe, mask
 
 
+@pytest.mark.parametrize("kernel", ["eager", "sparse"])
 @pytest.mark.parametrize("layer_idx", range(len(KINDS)), ids=KINDS)
-def test_matches_transformers(layer_idx: int) -> None:
+def test_matches_transformers(layer_idx: int, kernel: str) -> None:
+    """`kernel`: the eager reference, or model.compressed_attention_kernel=sparse (each query's window and picked
+    rows through the sparse MLA kernel's reference on the CPU, the sinks from its log-sum-exp)."""
     ref, ours, hf = build(layer_idx)
+    if kernel == "sparse":
+        ours.kernel = "sparse"
     x, pos, pe, mask = inputs(hf, layer_idx)
     x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_ref = ref(x_ref, pe, pos[None], mask)[0]
