@@ -52,8 +52,7 @@ PROXIES = {
         "deepseek-v4-flash",
         ["model.num_layers=2", "model.layer_types=[heavily_compressed_attention,compressed_sparse_attention]",
          "moe.num_hash_layers=1", "moe.num_experts=128", "moe.ffn_hidden_size=512", "parallel.ep=1",
-         "train.global_batch_size=1",
-         "train.micro_batch_size=1", "train.seq_length=4096"],
+         "train.global_batch_size=1", "train.micro_batch_size=1", "train.seq_length=4096"],
     ),
 }  # fmt: skip
 

@@ -160,7 +160,7 @@ class ModelConfig:
                 self.activation,
                 "swiglu_clamped is gpt-oss's expert activation: set model.expert_linear_bias=true",
             )
-        if self.expert_linear_bias and self.activation == "gelu":
+        if self.expert_linear_bias and self.activation not in ("swiglu", "swiglu_clamped"):
             _fail("model.expert_linear_bias", True, "biased experts take swiglu | swiglu_clamped")
         _check_choice("model.qk_norm_scope", self.qk_norm_scope, ("head", "projection"))
         if self.qk_norm_scope == "projection" and not self.qk_norm:

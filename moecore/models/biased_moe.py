@@ -24,8 +24,8 @@ the top-k logits).
 
 On CUDA they run the fused expert FFN (moecore/kernels/grouped_ffn.py: QuACK's or Triton's grouped GEMMs, the
 biases added per row from the row's expert, the clamped form in the SwiGLU kernel); elsewhere the grouped GEMMs
-(`torch._grouped_mm`, the activation through autograd) where grouped_mm runs, else a loop of per-expert linears. Expert parallel shards the
-biases with their experts. Expert tensor parallel splits `b13` with the FFN columns and `b2` over its hidden
+(`torch._grouped_mm`, the activation through autograd) where grouped_mm runs, else a loop of per-expert linears.
+Expert parallel shards the biases with their experts. Expert tensor parallel splits `b13` with the FFN columns and `b2` over its hidden
 columns: the down projection's output is a partial sum over the etp ranks (summed by the dispatcher), so
 each etp rank adds only its own H / etp columns of `b2`, and the sum holds the whole bias once; each column's
 gradient is then this rank's complete gradient of it, an expert shard like any other.
@@ -56,8 +56,7 @@ def clamped_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
 
 
 class BiasedGroupedExperts(GroupedExperts):
-    """GroupedExperts with `activation` swiglu | swiglu_clamped (gpt-oss), plus `b13` [E, 2F] and `b2` [E, H] when
-    `biased` (else both None)."""
+    """GroupedExperts with `activation` swiglu | swiglu_clamped (gpt-oss), plus `b13` [E, 2F] and `b2` [E, H]."""
 
     def __init__(
         self,
@@ -69,19 +68,17 @@ class BiasedGroupedExperts(GroupedExperts):
         limit: float,
         init_std: float = 0.02,
         grouped_gemm: bool = True,
-        biased: bool = True,
     ) -> None:
         super().__init__(num_experts, hidden_size, ffn_hidden_size, "swiglu", init_std, grouped_gemm)
         self.kind, self.alpha, self.limit = activation, alpha, limit
-        self.b13 = nn.Parameter(torch.zeros(num_experts, 2 * ffn_hidden_size)) if biased else None
-        self.b2 = nn.Parameter(torch.zeros(num_experts, hidden_size)) if biased else None
+        self.b13 = nn.Parameter(torch.zeros(num_experts, 2 * ffn_hidden_size))
+        self.b2 = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.b2_columns: tuple[int, int] | None = None  # expert tensor parallel: the hidden columns b2 holds
 
     def reset_parameters(self) -> None:
         """Matrices N(0, init_std) as GroupedExperts does at construction; biases zero."""
-        if self.b13 is not None:
-            nn.init.zeros_(self.b13)
-            nn.init.zeros_(self.b2)
+        nn.init.zeros_(self.b13)
+        nn.init.zeros_(self.b2)
 
     def _act(self, h: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
         if self.kind == "swiglu_clamped":
@@ -90,10 +87,8 @@ class BiasedGroupedExperts(GroupedExperts):
             a = activation_fn(h, "swiglu")
         return a if p is None else a * p.to(a.dtype).unsqueeze(-1)
 
-    def _down_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+    def _down_bias(self, dtype: torch.dtype) -> torch.Tensor:
         """b2 [E, H] as this rank adds it: under expert tensor parallel its own columns, zero elsewhere."""
-        if self.b2 is None:
-            return None
         b2 = self.b2.to(dtype)
         if self.b2_columns is None:
             return b2
@@ -116,11 +111,10 @@ class BiasedGroupedExperts(GroupedExperts):
         if fused_expert_ffn_available(x_NH) and self.uses_grouped_mm(x_NH):
             self.last_path = "fused"
             limit, alpha = (self.limit, self.alpha) if self.kind == "swiglu_clamped" else (None, None)
-            b2 = None if self.b2 is None else self._down_bias(self.b2.dtype)
             return expert_ffn(
                 x_NH, self.w13, self.w2, tokens_per_expert.to(x_NH.device), probs_N, self.gemm_plan,
                 sync_free=self.sync_free, backend=self.gemm_backend, load_spread=self.load_spread, limit=limit,
-                alpha=alpha, b13=self.b13, b2=b2,
+                alpha=alpha, b13=self.b13, b2=self._down_bias(self.b2.dtype),
             )  # fmt: skip
         if self.grouped_gemm and grouped_mm_supported(x_NH, self.hidden_size, self.ffn_hidden_size):
             self.last_path = "grouped_mm"
@@ -131,32 +125,25 @@ class BiasedGroupedExperts(GroupedExperts):
             )
             x = x_NH.contiguous()
             h = _ContiguousGrad.apply(torch._grouped_mm(x, self.w13.to(x.dtype).transpose(-2, -1), offs=offs))
-            if self.b13 is not None:
-                h = h + self.b13.to(h.dtype)[expert_N]
+            h = h + self.b13.to(h.dtype)[expert_N]
             a = self._activate(h, probs_N)
             y = _ContiguousGrad.apply(torch._grouped_mm(a, self.w2.to(a.dtype).transpose(-2, -1), offs=offs))
-            if self.b2 is None:
-                return y
             b2 = self._down_bias(y.dtype)[expert_N]
             return y + (b2 if probs_N is None else b2 * probs_N.to(y.dtype).unsqueeze(-1))
         self.last_path = "loop"
         outs, start = [], 0
         # per-expert views made once (unbind): indexing w[e] per expert would add a full-size zero gradient each
-        w13, w2 = self.w13.unbind(0), self.w2.unbind(0)
-        b13 = self.b13.unbind(0) if self.b13 is not None else None
-        b2s = self._down_bias(self.b2.dtype).unbind(0) if self.b2 is not None else None
+        w13, b13, w2 = self.w13.unbind(0), self.b13.unbind(0), self.w2.unbind(0)
+        b2s = self._down_bias(self.b2.dtype).unbind(0)
         for e, rows in enumerate(tokens_per_expert.tolist()):
             if rows == 0:
                 continue
             seg = x_NH[start : start + rows]
             p = None if probs_N is None else probs_N[start : start + rows]
-            bias = None if b13 is None else b13[e].to(seg.dtype)
-            a = self._activate(F.linear(seg, w13[e].to(seg.dtype), bias), p)
+            a = self._activate(F.linear(seg, w13[e].to(seg.dtype), b13[e].to(seg.dtype)), p)
             y = F.linear(a, w2[e].to(a.dtype))
-            if b2s is not None:
-                b2 = b2s[e].to(y.dtype)
-                y = y + (b2 if p is None else b2 * p.to(y.dtype).unsqueeze(-1))
-            outs.append(y)
+            b2 = b2s[e].to(y.dtype)
+            outs.append(y + (b2 if p is None else b2 * p.to(y.dtype).unsqueeze(-1)))
             start += rows
         return torch.cat(outs, dim=0) if outs else x_NH.new_zeros(0, self.hidden_size)
 
@@ -185,18 +172,17 @@ class BiasedMoELayer(MoELayer):
         if m.router_logit_bias:
             self.router = BiasedTopKRouter(e, m.hidden_size, m.init_std)
             ep_util.mark_replicated_moe_params([self.router], dims)
-        if m.activation == "swiglu_clipped" and not m.expert_linear_bias:  # the plain experts, clipped in the kernel
-            self.experts.swiglu_limit = m.swiglu_limit
-        elif m.expert_linear_bias:
+        if m.expert_linear_bias:
             old = self.experts
             self.experts = BiasedGroupedExperts(
                 old.num_experts, old.hidden_size, old.ffn_hidden_size, m.activation,
-                m.swiglu_alpha, m.swiglu_limit, m.init_std, e.grouped_gemm, biased=m.expert_linear_bias,
+                m.swiglu_alpha, m.swiglu_limit, m.init_std, e.grouped_gemm,
             )  # fmt: skip
             self.experts.recompute_act = recompute_act
             ep_util.shard_expert_params(self.experts.w13, self.experts.w2, e.num_experts, e.ffn_hidden_size, True, dims)
-            if m.expert_linear_bias:
-                self._shard_biases(e.num_experts, dims)
+            self._shard_biases(e.num_experts, dims)
+        elif m.activation == "swiglu_clipped":  # DeepSeek-V4: the plain experts, clipped in the SwiGLU kernel
+            self.experts.swiglu_limit = m.swiglu_limit
         if m.activation == "swiglu_clipped" and self.shared_experts is not None:
             self.shared_experts.clip_limit = m.swiglu_limit
 

@@ -333,3 +333,13 @@ def test_fused_branch_wiring_matches_grouped_mm(monkeypatch):
     torch.testing.assert_close(l1, l0, rtol=1e-6, atol=0)
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6 * g0[n].abs().max().item(), msg=n)
+
+
+def test_biased_experts_refuse_other_activations():
+    """Biased experts are gpt-oss's (BiasedGroupedExperts: plain or clamped SwiGLU); the clipped or GeLU forms with
+    biases would silently run the plain SwiGLU, so the config refuses them."""
+    from moecore.config import ConfigError
+
+    for activation in ("swiglu_clipped", "gelu"):
+        with pytest.raises(ConfigError, match="model.expert_linear_bias"):
+            load_config("tiny-gpt-oss", [f"model.activation={activation}"]).validate()
