@@ -118,8 +118,8 @@ class ModelConfig:
     @property
     def plain_swiglu_experts(self) -> bool:
         """Whether the routed experts are the plain GroupedExperts' SwiGLU, which every expert path runs (fused
-        expert FFN, low-memory modes, FP8): SwiGLU, or DeepSeek-V4's clipped one (a kernel option), without biases.
-        gpt-oss's biased, clamped experts are not (moecore/models/biased_moe.py)."""
+        expert FFN, low-memory modes, sync-free, FP8): SwiGLU, or DeepSeek-V4's clipped one (a kernel option),
+        without biases. gpt-oss's biased, clamped experts (moecore/models/biased_moe.py) run all but FP8."""
         return self.activation in ("swiglu", "swiglu_clipped") and not self.expert_linear_bias
 
     @property

@@ -104,8 +104,8 @@ def _validate_moe_perf(cfg: Config) -> None:
         # chunked runs behind the expert-parallel dispatch too (on the rows each expert rank receives)
         if (p.ep > 1 or p.etp > 1) and (e.sync_free or e.activation_memory == "minimal"):
             _fail(name, value, "needs parallel.ep=1 and parallel.etp=1 (expert-parallel dispatch reads split sizes)")
-        if not m.plain_swiglu_experts:
-            _fail(name, value, f"needs SwiGLU experts without biases (model.activation={m.activation})")
+        if m.activation == "gelu":  # SwiGLU and its clipped / clamped forms (biased or not) run there
+            _fail(name, value, "needs SwiGLU experts (model.activation=gelu)")
     if e.num_experts and low_memory and e.expert_capacity_factor is not None:
         _fail("moe.activation_memory", e.activation_memory, "needs dropless routing (moe.expert_capacity_factor unset)")
     if e.num_experts and e.activation_memory == "chunked" and e.sync_free:

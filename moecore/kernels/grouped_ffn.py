@@ -308,7 +308,7 @@ class _GroupedFFN(torch.autograd.Function):
             a = swiglu(h, probs, impl=act_impl, limit=limit, alpha=alpha)
         y = gemm_nt(a, w2c, bounds, host, plan.fwd2, "fwd2", plan.spread)
         if b2 is not None:
-            y.add_(_down_bias_rows(b2, expert_M, probs, dt))
+            y.add_(down_bias_rows(b2, expert_M, probs, dt))
         ctx.hooked = _saved_tensor_hooks_active()
         if ctx.hooked:  # activation checkpointing (or offloading) must see x and h to drop or move them
             ctx.save_for_backward(w13c, w2c, probs, bounds, x, h)
@@ -369,7 +369,7 @@ def row_experts(counts: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=rows)
 
 
-def _down_bias_rows(
+def down_bias_rows(
     b2: torch.Tensor, expert_M: torch.Tensor, probs: torch.Tensor | None, dt: torch.dtype
 ) -> torch.Tensor:
     """b2[e] of each row, times its probability when given (the probability scales the whole expert output)."""

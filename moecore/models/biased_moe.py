@@ -23,7 +23,9 @@ reorders them.) Router: logits = x @ W^T + bias, then the configured top-k routi
 the top-k logits).
 
 On CUDA they run the fused expert FFN (moecore/kernels/grouped_ffn.py: QuACK's or Triton's grouped GEMMs, the
-biases added per row from the row's expert, the clamped form in the SwiGLU kernel); elsewhere the grouped GEMMs
+biases added per row from the row's expert, the clamped form in the SwiGLU kernel), and so do
+`moe.activation_memory=minimal | chunked` (moecore/moe/minimal.py, chunked.py) and `moe.sync_free`; FP8 leaves them
+in bf16 (moecore/models/fp8.py); elsewhere the grouped GEMMs
 (`torch._grouped_mm`, the activation through autograd) where grouped_mm runs, else a loop of per-expert linears.
 Expert parallel shards the biases with their experts. Expert tensor parallel splits `b13` with the FFN columns and `b2` over its hidden
 columns: the down projection's output is a partial sum over the etp ranks (summed by the dispatcher), so
@@ -95,6 +97,17 @@ class BiasedGroupedExperts(GroupedExperts):
         c0, c1 = self.b2_columns
         return F.pad(b2, (c0, self.hidden_size - c1))
 
+    def swiglu_options(self) -> dict:
+        """The clamped form (when `kind` is swiglu_clamped) and the biases, as the expert Functions take them; b2 as
+        this rank adds it (`_down_bias`)."""
+        clamped = self.kind == "swiglu_clamped"
+        return {
+            "limit": self.limit if clamped else None,
+            "alpha": self.alpha if clamped else None,
+            "b13": self.b13,
+            "b2": self._down_bias(self.b2.dtype),
+        }
+
     def _activate(self, h: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
         if self.recompute_act and torch.is_grad_enabled() and h.requires_grad:
             return checkpoint(self._act, h, p, use_reentrant=False)
@@ -110,11 +123,10 @@ class BiasedGroupedExperts(GroupedExperts):
             self._warn_slow_path(x_NH)
         if fused_expert_ffn_available(x_NH) and self.uses_grouped_mm(x_NH):
             self.last_path = "fused"
-            limit, alpha = (self.limit, self.alpha) if self.kind == "swiglu_clamped" else (None, None)
             return expert_ffn(
                 x_NH, self.w13, self.w2, tokens_per_expert.to(x_NH.device), probs_N, self.gemm_plan,
-                sync_free=self.sync_free, backend=self.gemm_backend, load_spread=self.load_spread, limit=limit,
-                alpha=alpha, b13=self.b13, b2=self._down_bias(self.b2.dtype),
+                sync_free=self.sync_free, backend=self.gemm_backend, load_spread=self.load_spread,
+                **self.swiglu_options(),
             )  # fmt: skip
         if self.grouped_gemm and grouped_mm_supported(x_NH, self.hidden_size, self.ffn_hidden_size):
             self.last_path = "grouped_mm"
@@ -178,7 +190,9 @@ class BiasedMoELayer(MoELayer):
                 old.num_experts, old.hidden_size, old.ffn_hidden_size, m.activation,
                 m.swiglu_alpha, m.swiglu_limit, m.init_std, e.grouped_gemm,
             )  # fmt: skip
-            self.experts.recompute_act = recompute_act
+            # what MoELayer set on the experts it built: recomputation, moe.sync_free, moe.gemm_backend
+            for attr in ("recompute_act", "sync_free", "gemm_backend"):
+                setattr(self.experts, attr, getattr(old, attr))
             ep_util.shard_expert_params(self.experts.w13, self.experts.w2, e.num_experts, e.ffn_hidden_size, True, dims)
             self._shard_biases(e.num_experts, dims)
         elif m.activation == "swiglu_clipped":  # DeepSeek-V4: the plain experts, clipped in the SwiGLU kernel

@@ -26,6 +26,10 @@ Behind an expert-parallel dispatcher (`chunked_sorted_rows`) the rows arrive gro
 output row: the same Function runs with the identity routing (slices instead of gathers, each row's output and
 input gradient written once in the compute dtype) and keeps the received rows, which are the experts' input there.
 
+gpt-oss's biased experts: each chunk adds b13[e] to its FC1 output (forward and the backward's FC1 again) and
+p * b2[e] to its rows' output; backward takes the bias gradients as each chunk's per-expert row sums and adds
+<dOut_t, b2[e]> to the probability gradient, all within the chunk's rows.
+
 Determinism: a chunk adds its rows into the accumulator with `permute.gather_add_rows`: on GPU one program per
 token sums that token's rows of the chunk in top-k order and adds them to its row (no atomics, no sort); on CPU a
 serial index_add_. Chunks are added in expert order, so a token's K rows are summed in a different order from the
@@ -39,7 +43,16 @@ import dataclasses
 import torch
 
 from moecore.kernels._triton import triton_importable
-from moecore.kernels.grouped_ffn import GemmPlan, default_plan, gemm_nn, gemm_nt, gemm_tn
+from moecore.kernels.grouped_ffn import (
+    GemmPlan,
+    default_plan,
+    down_bias_rows,
+    expert_row_sums,
+    gemm_nn,
+    gemm_nt,
+    gemm_tn,
+    row_experts,
+)
 from moecore.kernels.permute import gather_add_rows
 from moecore.kernels.quack_gemm import spread_of
 from moecore.kernels.swiglu import swiglu, swiglu_backward
@@ -111,7 +124,9 @@ class _ChunkedExperts(torch.autograd.Function):
     input gradient are written to its own row, in x's dtype, instead of summed into fp32 token accumulators."""
 
     @staticmethod
-    def forward(ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, probs_in_act, plans, chunk_rows, limit):
+    def forward(
+        ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, probs_in_act, plans, chunk_rows, limit, alpha, b13, b2
+    ):
         T, H = x_TH.shape
         in_order = order_M is None
         if in_order:
@@ -132,24 +147,29 @@ class _ChunkedExperts(torch.autograd.Function):
                 continue
             p, b = None if p_M is None else p_M[r0:r1], bounds[e0 : e1 + 1] - r0
             h = gemm_nt(_rows(x_TH, tok_M, r0, r1), w13c[e0:e1], b, None, plan.fwd13, "fwd13", plan.spread)
-            a = swiglu(h, p if probs_in_act else None, limit=limit)
+            expert_C = _chunk_experts(b, r1 - r0, e0, b13, b2)
+            if b13 is not None:
+                h.add_(b13.to(h.dtype).index_select(0, expert_C))
+            a = swiglu(h, p if probs_in_act else None, limit=limit, alpha=alpha)
             del h
             y = gemm_nt(a, w2c[e0:e1], b, None, plan.fwd2, "fwd2", plan.spread)
             del a
+            if b2 is not None:  # the probability scales the whole expert output, bias included
+                y.add_(down_bias_rows(b2, expert_C, p if probs_in_act else None, y.dtype))
             if in_order:
                 out[r0:r1] = y
             else:
                 gather_add_rows(out, y, inv_M, K, r0, None if probs_in_act else p_M)
             del y
-        ctx.save_for_backward(x_TH, w13c, w2c, p_M, order_M, inv_M, bounds)
-        ctx.K, ctx.chunks, ctx.host, ctx.gemms, ctx.limit = K, chunks, host, gemms, limit
+        ctx.save_for_backward(x_TH, w13c, w2c, p_M, order_M, inv_M, bounds, b13, b2)
+        ctx.K, ctx.chunks, ctx.host, ctx.gemms, ctx.limit, ctx.alpha = K, chunks, host, gemms, limit, alpha
         ctx.w_dtypes, ctx.p_dtype = (w13.dtype, w2.dtype), None if weight_TK is None else weight_TK.dtype
         ctx.p_shape = None if weight_TK is None else weight_TK.shape
         return out.to(x_TH.dtype)
 
     @staticmethod
     def backward(ctx, d_out):
-        x_TH, w13c, w2c, p_M, order_M, inv_M, bounds = ctx.saved_tensors
+        x_TH, w13c, w2c, p_M, order_M, inv_M, bounds, b13, b2 = ctx.saved_tensors
         T, K, host = x_TH.shape[0], ctx.K, ctx.host
         in_order = order_M is None
         tok_M = None if in_order else order_M // K
@@ -160,6 +180,8 @@ class _ChunkedExperts(torch.autograd.Function):
         dw13 = torch.empty(w13c.shape, dtype=ctx.w_dtypes[0], device=w13c.device) if need_w13 else None
         dw2 = torch.empty(w2c.shape, dtype=ctx.w_dtypes[1], device=w2c.device) if need_w2 else None
         dp = torch.zeros(p_M.shape, dtype=torch.float32, device=p_M.device) if need_p else None
+        db13 = None if b13 is None else torch.zeros(b13.shape, dtype=torch.float32, device=b13.device)
+        db2 = None if b2 is None else torch.zeros(b2.shape, dtype=torch.float32, device=b2.device)
         for (e0, e1), plan in zip(ctx.chunks, ctx.gemms):
             r0, r1 = host[e0], host[e1]
             if r0 == r1:  # experts without rows: zero weight gradients
@@ -170,12 +192,20 @@ class _ChunkedExperts(torch.autograd.Function):
             p, b = None if p_M is None else p_M[r0:r1], bounds[e0 : e1 + 1] - r0
             xg = _rows(x_TH, tok_M, r0, r1)
             h = gemm_nt(xg, w13c[e0:e1], b, None, plan.fwd13, "fwd13", plan.spread)  # FC1 again
+            expert_C = _chunk_experts(b, r1 - r0, e0, b13, b2)
+            if b13 is not None:
+                h.add_(b13.to(h.dtype).index_select(0, expert_C))
             g = _rows(d_out, tok_M, r0, r1)  # dOut of each row's token
             da_u = gemm_nn(g, w2c[e0:e1], b, None, plan.dgrad2, "dgrad2", plan.spread)
-            dh, dp_c, a_p = swiglu_backward(
-                h, p, da_u, limit=ctx.limit
-            )  # dp = <da_u, a> = <dOut_t, expert output of the row>
+            # dp = <da_u, a> = <dOut_t, expert output of the row> (and <dOut_t, b2[e]> for the bias)
+            dh, dp_c, a_p = swiglu_backward(h, p, da_u, limit=ctx.limit, alpha=ctx.alpha)
             del h, da_u
+            if b2 is not None:
+                if dp is not None:
+                    dp_c = dp_c + (g.float() * b2.index_select(0, expert_C).float()).sum(-1)
+                db2[e0:e1] = expert_row_sums(g if p is None else g * p.to(g.dtype)[:, None], b)
+            if b13 is not None:
+                db13[e0:e1] = expert_row_sums(dh, b)
             if dp is not None:
                 dp[r0:r1] = dp_c
             if dw2 is not None:
@@ -193,7 +223,19 @@ class _ChunkedExperts(torch.autograd.Function):
         dw = None
         if dp is not None:
             dw = (dp if in_order else dp.index_select(0, inv_M)).view(ctx.p_shape).to(ctx.p_dtype)
-        return None if dx is None else dx.to(x_TH.dtype), dw13, dw2, dw, None, None, None, None, None, None, None
+        db13 = None if db13 is None else db13.to(b13.dtype)
+        db2 = None if db2 is None else db2.to(b2.dtype)
+        dx = None if dx is None else dx.to(x_TH.dtype)
+        return dx, dw13, dw2, dw, None, None, None, None, None, None, None, None, db13, db2
+
+
+def _chunk_experts(
+    bounds_c: torch.Tensor, rows: int, e0: int, b13: torch.Tensor | None, b2: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The expert of each of a chunk's rows (global ids, from e0), where the experts have biases to add."""
+    if b13 is None and b2 is None:
+        return None
+    return row_experts(bounds_c[1:] - bounds_c[:-1], rows) + e0
 
 
 def chunked_experts(
@@ -208,20 +250,24 @@ def chunked_experts(
     plan: GemmPlan | None = None,
     backend: str = "auto",
     limit: float | None = None,
+    alpha: float | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_k weight[t, k] * expert_{idx[t, k]}(x[t]) for SwiGLU experts, in chunks of at most `chunk_rows`
     routed rows, keeping only x and the routing for backward (module docstring).
 
     Returns (out [T, H] in x's dtype, rows per expert [E] int64), as `minimal_experts` does; differentiable in
     x, the weights and weight_TK. `plan`: the GEMMs' implementations (None: `default_plan` for the layer's
-    shape); loops over host counts run as torch._grouped_mm. `limit`: DeepSeek-V4's clipped SwiGLU.
+    shape); loops over host counts run as torch._grouped_mm. `limit`: DeepSeek-V4's clipped SwiGLU; `alpha`,
+    `b13`, `b2`: gpt-oss's clamped form and expert biases (moecore/kernels/grouped_ffn.py).
     """
     E, F2, H = w13_EFH.shape
     order, inv, bounds = sort_by_expert(idx_TK, E, presorted)
     plans = chunk_plans(plan, E, idx_TK.numel(), H, F2 // 2, x_TH.device, backend)
     x = x_TH.contiguous()
     out = _ChunkedExperts.apply(
-        x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plans, chunk_rows, limit
+        x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plans, chunk_rows, limit, alpha, b13, b2
     )
     return out, (bounds[1:] - bounds[:-1]).long()
 
@@ -236,16 +282,22 @@ def chunked_sorted_rows(
     plan: GemmPlan | None = None,
     backend: str = "auto",
     limit: float | None = None,
+    alpha: float | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The expert FFN of rows already grouped by expert (`counts_E` rows each, in expert order: what an
     expert-parallel dispatch hands the experts), in chunks, keeping only x and the counts for backward.
 
     Under expert parallelism the rows an expert rank receives are its input, so what the chunked mode saves
     there is the FC1 output [N, 2F] and the activation [N, F] that the standard expert FFN keeps beside them.
-    probs_N (or None): multiplied into the SwiGLU output, as the standard expert FFN does. Returns [N, H].
+    probs_N (or None): multiplied into the SwiGLU output (and the down bias), as the standard expert FFN does;
+    `limit`, `alpha`, `b13`, `b2` as `chunked_experts`. Returns [N, H].
     """
     E, F2, H = w13_EFH.shape
     bounds = expert_bounds(counts_E, x_NH.device)
     plans = chunk_plans(plan, E, x_NH.shape[0], H, F2 // 2, x_NH.device, backend)
     x = x_NH.contiguous()
-    return _ChunkedExperts.apply(x, w13_EFH, w2_EHF, probs_N, None, None, bounds, True, plans, chunk_rows, limit)
+    return _ChunkedExperts.apply(
+        x, w13_EFH, w2_EHF, probs_N, None, None, bounds, True, plans, chunk_rows, limit, alpha, b13, b2
+    )

@@ -222,6 +222,11 @@ class GroupedExperts(nn.Module):
     def uses_grouped_mm(self, x_NH: torch.Tensor) -> bool:
         return self.grouped_gemm and grouped_mm_supported(x_NH, self.hidden_size, self.ffn_hidden_size)
 
+    def swiglu_options(self) -> dict:
+        """The SwiGLU's form beyond the plain one, as the fused and low-memory expert Functions take it (`limit`,
+        `alpha`, `b13`, `b2`): here DeepSeek-V4's clip or nothing; gpt-oss's experts add their form and biases."""
+        return {"limit": self.swiglu_limit}
+
     def _warn_slow_path(self, x_NH: torch.Tensor) -> None:
         """On a GPU, say once (per module) why the experts leave the fused kernel for a slower path."""
         if self.warned or not x_NH.is_cuda:
@@ -273,7 +278,7 @@ class GroupedExperts(nn.Module):
                 sync_free=self.sync_free,
                 backend=self.gemm_backend,
                 load_spread=self.load_spread,
-                limit=self.swiglu_limit,
+                **self.swiglu_options(),
             )
         if self.uses_grouped_mm(x_NH):
             self.last_path = "grouped_mm"

@@ -243,7 +243,7 @@ class MoELayer(nn.Module):
                         routed.presorted,
                         e.gemm_plan,
                         e.gemm_backend,
-                        e.swiglu_limit,
+                        **e.swiglu_options(),
                     )
                 else:
                     y_TH, _ = minimal_experts(
@@ -258,7 +258,7 @@ class MoELayer(nn.Module):
                         e.gemm_backend,
                         self.cfg.swiglu_epilogue,
                         e.load_spread,
-                        e.swiglu_limit,
+                        **e.swiglu_options(),
                     )
                 e.last_path = self.cfg.activation_memory
         else:
@@ -276,7 +276,7 @@ class MoELayer(nn.Module):
                     e = self.experts
                     rows = self.cfg.activation_chunk_rows
                     expert_out = chunked_sorted_rows(
-                        expert_in, counts, probs, e.w13, e.w2, rows, e.gemm_plan, e.gemm_backend, e.swiglu_limit
+                        expert_in, counts, probs, e.w13, e.w2, rows, e.gemm_plan, e.gemm_backend, **e.swiglu_options()
                     )
                     e.last_path = "chunked"
                 else:

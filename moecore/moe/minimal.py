@@ -29,6 +29,11 @@ device offsets): no host synchronisation. The six GEMMs follow the experts' Gemm
 shape unless one is set) with its host-count loops run as torch._grouped_mm, so moecore's Triton grouped
 GEMMs serve where the plan picks them. It needs `torch._grouped_mm` for the rows' device and dtype
 (`experts.grouped_mm_supported`); the layer falls back to the standard path elsewhere.
+
+gpt-oss's experts (biases b13 [E, 2F], b2 [E, H], the clamped SwiGLU) run here too: h gains b13[e] before it is
+kept, each row's output p * b2[e] (moecore/kernels/grouped_ffn.py). In backward db13 is each expert's row sum of
+dh, and the down bias's terms are [T, E] products with dOut rather than a gathered copy of it per routed row:
+dp_row += (dOut @ b2^T)[t, e] and db2 = S^T dOut, S [T, E] holding each routed row's probability.
 """
 
 from __future__ import annotations
@@ -36,7 +41,16 @@ from __future__ import annotations
 import torch
 
 from moecore.kernels import quack_gemm, quack_swiglu
-from moecore.kernels.grouped_ffn import GemmPlan, default_plan, gemm_nn, gemm_nt, gemm_tn
+from moecore.kernels.grouped_ffn import (
+    GemmPlan,
+    default_plan,
+    down_bias_rows,
+    expert_row_sums,
+    gemm_nn,
+    gemm_nt,
+    gemm_tn,
+    row_experts,
+)
 from moecore.kernels.grouped_gemm import group_bounds
 from moecore.kernels.permute import inverse_permutation, sorted_copies, unpermute_rows
 from moecore.kernels.swiglu import swiglu, swiglu_backward
@@ -79,7 +93,9 @@ def gathers_in_loads(plan: GemmPlan, x_TH: torch.Tensor, w13: torch.Tensor, w2: 
 
 class _MinimalExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, probs_in_act: bool, plan: GemmPlan, limit):
+    def forward(
+        ctx, x_TH, w13, w2, weight_TK, order_M, inv_M, bounds, probs_in_act: bool, plan: GemmPlan, limit, alpha, b13, b2
+    ):
         T = x_TH.shape[0]
         K, w13c, w2c, tok_M, p_M = row_operands(x_TH, w13, w2, weight_TK, order_M)
         ctx.gather = gathers_in_loads(plan, x_TH, w13c, w2c)
@@ -87,18 +103,24 @@ class _MinimalExperts(torch.autograd.Function):
             h = quack_gemm.grouped_mm(x_TH, w13c, bounds, True, "fwd13", rows=tok_M.int(), spread=plan.spread)
         else:
             h = gemm_nt(sorted_copies(x_TH, order_M, inv_M, K), w13c, bounds, None, plan.fwd13, "fwd13", plan.spread)
-        a = swiglu(h, p_M if probs_in_act else None, limit=limit)
+        expert_M = None if b13 is None and b2 is None else row_experts(bounds[1:] - bounds[:-1], order_M.numel())
+        if b13 is not None:  # h (with the bias) is what the backward's SwiGLU derivative reads
+            h.add_(b13.to(h.dtype).index_select(0, expert_M))
+        a = swiglu(h, p_M if probs_in_act else None, limit=limit, alpha=alpha)
         y = gemm_nt(a, w2c, bounds, None, plan.fwd2, "fwd2", plan.spread)
         del a
+        if b2 is not None:  # the probability scales the whole expert output, bias included
+            y.add_(down_bias_rows(b2, expert_M, p_M if probs_in_act else None, y.dtype))
         out = unpermute_rows(y, order_M, inv_M, None if probs_in_act else weight_TK, T, K)
-        ctx.save_for_backward(x_TH, w13c, w2c, h, p_M, order_M, inv_M, bounds)
+        ctx.save_for_backward(x_TH, w13c, w2c, h, p_M, order_M, inv_M, bounds, expert_M, b2)
         ctx.K, ctx.w_dtypes, ctx.p_dtype, ctx.plan = K, (w13.dtype, w2.dtype), weight_TK.dtype, plan
-        ctx.limit = limit
+        ctx.limit, ctx.alpha = limit, alpha
+        ctx.b_dtypes = (None if b13 is None else b13.dtype, None if b2 is None else b2.dtype)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        x_TH, w13c, w2c, h, p_M, order_M, inv_M, bounds = ctx.saved_tensors
+        x_TH, w13c, w2c, h, p_M, order_M, inv_M, bounds, expert_M, b2 = ctx.saved_tensors
         T, K, plan = x_TH.shape[0], ctx.K, ctx.plan
         tok_M = order_M // K
         rows = tok_M.int() if ctx.gather else None  # QuACK gathers dOut's and x's rows in its loads
@@ -108,10 +130,17 @@ class _MinimalExperts(torch.autograd.Function):
             da_u = quack_gemm.grouped_mm(g, w2c, bounds, False, "dgrad2", rows=rows, spread=plan.spread)
         else:
             da_u = gemm_nn(g, w2c, bounds, None, plan.dgrad2, "dgrad2", plan.spread)
-        dh, dp, a_p = swiglu_backward(
-            h, p_M, da_u, limit=ctx.limit
-        )  # dp = <da_u, a> = <dOut_t, expert output of the row>
-        del da_u, d
+        # dp = <da_u, a> = <dOut_t, expert output of the row> (without its bias: added below)
+        dh, dp, a_p = swiglu_backward(h, p_M, da_u, limit=ctx.limit, alpha=ctx.alpha)
+        del da_u
+        db13 = db2 = None
+        if b2 is not None:
+            dp_bias, db2 = down_bias_grads(d, b2, tok_M, expert_M, p_M)
+            dp = dp + dp_bias
+            db2 = db2.to(ctx.b_dtypes[1])
+        if ctx.b_dtypes[0] is not None:
+            db13 = expert_row_sums(dh, bounds).to(ctx.b_dtypes[0])
+        del d
         dw2 = None
         if ctx.needs_input_grad[2] and ctx.gather:
             dw2 = quack_gemm.grouped_wgrad(g, a_p, bounds, "wgrad2", rows=rows, spread=plan.spread).to(ctx.w_dtypes[1])
@@ -134,7 +163,22 @@ class _MinimalExperts(torch.autograd.Function):
         dw = None
         if ctx.needs_input_grad[3]:
             dw = dp.index_select(0, inv_M).view(T, K).to(ctx.p_dtype)
-        return dx, dw13, dw2, dw, None, None, None, None, None, None
+        return dx, dw13, dw2, dw, None, None, None, None, None, None, None, db13, db2
+
+
+def down_bias_grads(
+    d_TH: torch.Tensor, b2_EH: torch.Tensor, tok_M: torch.Tensor, expert_M: torch.Tensor, p_M: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's down bias in backward, without a [M, H] copy of dOut: (dp [M], db2 [E, H]), both fp32.
+
+    Row r (token t, expert e, probability p) adds p * b2[e] to token t's output, so its probability's gradient
+    gains <dOut_t, b2[e]> = (dOut @ b2^T)[t, e] and b2[e]'s gradient is sum_r p_r dOut_t = (S^T dOut)[e] with
+    S [T, E] holding each routed row's probability (top-k experts are distinct, so no two rows share a cell).
+    Both are [T, E] x [E, H] products: T * H * E multiply-adds, small beside the expert GEMMs' M * H * F."""
+    d = d_TH.float()
+    dp = (d @ b2_EH.float().t())[tok_M, expert_M]
+    S = d.new_zeros(d.shape[0], b2_EH.shape[0]).index_put_((tok_M, expert_M), p_M.float(), accumulate=True)
+    return dp, S.t() @ d
 
 
 class _EpilogueSwiGLUExperts(torch.autograd.Function):
@@ -185,6 +229,9 @@ def minimal_experts(
     swiglu_epilogue: bool = False,
     load_spread: quack_gemm.LoadSpread | None = None,
     limit: float | None = None,
+    alpha: float | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_k weight[t, k] * expert_{idx[t, k]}(x[t]) for SwiGLU experts, keeping x, h and routing for backward.
 
@@ -194,7 +241,9 @@ def minimal_experts(
     counts run as torch._grouped_mm. `swiglu_epilogue`: the SwiGLU in QuACK's GEMM epilogues where they run
     (`moe.swiglu_epilogue`; probabilities at the combine, so not with `probs_in_act`). `load_spread`: the layer's
     tracker of its load spread, which QuACK's tile choices are keyed by. `limit`: DeepSeek-V4's clipped SwiGLU
-    (moecore/kernels/swiglu.py); QuACK's epilogues have no clip, so it runs the separate SwiGLU kernel.
+    (moecore/kernels/swiglu.py); with `alpha` too, gpt-oss's clamped form; `b13` [E, 2F] / `b2` [E, H]: gpt-oss's
+    expert biases (moecore/kernels/grouped_ffn.py). QuACK's epilogues have none of these, so with any of them the
+    separate SwiGLU kernel runs.
     """
     E, F2, H = w13_EFH.shape
     order, inv, bounds = sort_by_expert(idx_TK, E, presorted)
@@ -202,10 +251,13 @@ def minimal_experts(
     plan = (plan or default_plan(E, idx_TK.numel(), H, F2 // 2, x_TH.device, backend)).without_host_sync()
     plan = plan.observing(load_spread, counts, idx_TK.numel())
     x = x_TH.contiguous()
-    epilogue = swiglu_epilogue and limit is None and not probs_in_act and backend != "torch"
+    plain = limit is None and alpha is None and b13 is None and b2 is None
+    epilogue = swiglu_epilogue and plain and not probs_in_act and backend != "torch"
     if epilogue and quack_swiglu.runs(x, F2 // 2):
         out = _EpilogueSwiGLUExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, plan)
     else:
-        out = _MinimalExperts.apply(x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plan, limit)
+        out = _MinimalExperts.apply(
+            x, w13_EFH, w2_EHF, weight_TK, order, inv, bounds, probs_in_act, plan, limit, alpha, b13, b2
+        )
     plan.observed(load_spread, counts, idx_TK.numel())
     return out, counts

@@ -252,10 +252,12 @@ def expert_memory_mode(cfg: Config, layout: Layout, c: ActContext) -> str:
 
 def low_memory_experts_run(cfg: Config) -> bool:
     """The config's part of where moe.activation_memory=minimal | chunked run (moecore/moe/layer.py
-    `_low_memory_rows`): dropless SwiGLU grouped experts, not FP8 experts (they run their own Function)."""
+    `_low_memory_rows`): dropless SwiGLU grouped experts (gpt-oss's biased ones too), not FP8 experts (they run their
+    own Function)."""
     e = cfg.moe
     fp8_experts = cfg.train.precision == "fp8" and "experts" in cfg.fp8.modules
-    return cfg.model.plain_swiglu_experts and e.grouped_gemm and e.expert_capacity_factor is None and not fp8_experts
+    gated = cfg.model.activation != "gelu"  # SwiGLU and its clipped / clamped (biased) forms
+    return gated and e.grouped_gemm and e.expert_capacity_factor is None and not fp8_experts
 
 
 def ffn_modules(cfg: Config, is_moe: bool, layout: Layout, c: ActContext) -> dict[str, float]:

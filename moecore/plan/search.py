@@ -107,10 +107,10 @@ def recompute_options(cfg: Config) -> list[tuple[str, tuple]]:
 
 def chunked_modes(cfg: Config) -> tuple[str, ...]:
     """The expert activation modes searched besides the config's: chunked where the layer can run it (dropless
-    SwiGLU grouped experts without biases, not sync-free, not FP8 experts) and the config keeps the standard
+    SwiGLU grouped experts, not sync-free, not FP8 experts) and the config keeps the standard
     activations."""
     e = cfg.moe
-    ok = e.num_experts and e.activation_memory == "standard" and not e.sync_free and not cfg.model.expert_linear_bias
+    ok = e.num_experts and e.activation_memory == "standard" and not e.sync_free
     return ("chunked",) if ok and low_memory_experts_run(cfg) else ()
 
 

@@ -155,6 +155,24 @@ def test_train_step(tmp_path):
     aux_loss_parity(ours, ref)  # router logits with the router bias
 
 
+@pytest.mark.parametrize("mode", ["minimal", "chunked"])
+def test_train_step_low_memory_experts(tmp_path, mode):
+    """The biased, clamped experts in moe.activation_memory=minimal / chunked (the biases added per row, the clamped
+    form in the SwiGLU kernel, the bias gradients from the Functions' backward): one step's loss and every gradient
+    against transformers, with the expert biases away from zero so that a dropped one shows."""
+    ref = build_hf(oss_config())
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith(("gate_up_proj_bias", "down_proj_bias")):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.5)
+    ref.save_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path)
+    ours.cfg.moe.activation_memory, ours.cfg.moe.activation_chunk_rows = mode, 5
+    ours.cfg.validate()
+    lm_train_step_parity(ours, ref)
+    assert {m.experts.last_path for m in ours.moe_layers()} == {mode}
+
+
 def test_refusals():
     base = oss_config().to_dict()
     for field, value in (("layer_types", ["linear_attention"] * 2), ("experts_per_token", 3)):

@@ -79,6 +79,38 @@ def test_no_host_sync_and_same_results(case):
         torch.testing.assert_close(got[2][n], want[2][n], rtol=0, atol=0, msg=n)
 
 
+@pytest.mark.parametrize("mode", ["standard", "minimal"])
+def test_gpt_oss_experts_no_host_sync_and_same_results(mode):
+    """gpt-oss's block (router bias, biased clamped experts; moecore/models/biased_moe.py) with moe.sync_free: the
+    per-row biases' expert ids come from the counts with a known output size, so nothing reads back; moe.sync_free
+    and moe.gemm_backend reach the biased experts that replace MoELayer's."""
+    from moecore.config import load_config
+    from moecore.models.biased_moe import BiasedMoELayer
+
+    layers = []
+    for free in (False, True):
+        cfg = load_config("tiny-gpt-oss", [f"moe.activation_memory={mode}", f"moe.sync_free={free}"])
+        cfg.validate()
+        torch.manual_seed(0)
+        layers.append(BiasedMoELayer(cfg))
+    base, free = layers
+    with torch.no_grad():
+        for p in base.experts.parameters():
+            p.normal_(0, 0.3)
+    free.load_state_dict(base.state_dict())
+    assert free.experts.sync_free and free.experts.gemm_backend == free.cfg.gemm_backend
+    x = torch.randn(2, 9, base.experts.hidden_size)
+    mask = (torch.rand(2, 9) > 0.3).float()
+    want = _run(base, x, mask)
+    with _SyncSpy() as spy:
+        got = _run(free, x, mask)
+    assert spy.seen == []
+    assert free.experts.last_path == ("grouped_mm" if mode == "standard" else mode)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    for n in want[2]:
+        torch.testing.assert_close(got[2][n], want[2][n], rtol=0, atol=0, msg=n)
+
+
 def test_spy_sees_the_sync_of_unpadded_drops():
     """Capacity drops without padding size the expert input by the kept count: a host read (not sync-free)."""
     torch.manual_seed(0)
@@ -93,6 +125,7 @@ def test_spy_sees_the_sync_of_unpadded_drops():
     [
         ("moe.expert_capacity_factor", 1.0, "moe.sync_free=True is invalid: with a capacity factor"),
         ("parallel.ep", 2, "moe.sync_free=True is invalid: needs parallel.ep=1"),
+        ("model.activation", "gelu", "moe.sync_free=True is invalid: needs SwiGLU experts"),
     ],
 )
 def test_config_refusals(field, value, match):

@@ -1,10 +1,11 @@
 """On a GPU, the real recipes train with their default precision on the fused kernels.
 
-Real widths, few layers: qwen3-30b-a3b, qwen3-next-80b-a3b and gpt-oss-20b at 2 layers, deepseek-v3 at 2 layers
-(one dense, one MoE, plus its MTP layer) and deepseek-v4-flash at 2 layers (one of each compressed kind), both with
-16 experts so they fit one GPU. Every MoE layer must
-have run the fused expert FFN on bf16 weights in every step (no loop over experts, no fp32 expert
-GEMM), the optimizer must be the fused mixed-precision AdamW on fp32 masters, and the loss must fall.
+Real widths, few layers: qwen3-30b-a3b, qwen3-next-80b-a3b and gpt-oss-20b at 2 layers (gpt-oss also with
+moe.activation_memory=minimal), deepseek-v3 at 2 layers (one dense, one MoE, plus its MTP layer) and
+deepseek-v4-flash at 2 layers (one of each compressed kind), both with 16 experts so they fit one GPU. Every MoE
+layer must have run the fused expert FFN (or the configured low-memory Function) on bf16 weights in every step (no
+loop over experts, no fp32 expert GEMM), the optimizer must be the fused mixed-precision AdamW on fp32 masters, and
+the loss must fall.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ CASES = {
         "model.layer_types=[sliding_attention,full_attention]",
         "model.vocab_size=32768",
     ],
+    # the same through the low-memory expert Function (biases and the clamped form inside it)
+    "gpt-oss-20b/minimal": [
+        "model.num_layers=2",
+        "model.layer_types=[sliding_attention,full_attention]",
+        "model.vocab_size=32768",
+        "moe.activation_memory=minimal",
+    ],
     # the real-size compressed attention (both kinds) and hyper-connections, a hash-routed layer, clipped SwiGLU
     "deepseek-v4-flash": [
         "model.num_layers=2",
@@ -62,7 +70,9 @@ COMMON = [
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("recipe", list(CASES))
 def test_recipe_trains_on_fused_kernels(recipe, tmp_path):
-    cfg = load_config(recipe, CASES[recipe] + COMMON + [f"train.run_dir={tmp_path}"])
+    overrides = CASES[recipe]
+    cfg = load_config(recipe.split("/")[0], overrides + COMMON + [f"train.run_dir={tmp_path}"])
+    path = cfg.moe.activation_memory if cfg.moe.activation_memory != "standard" else "fused"
     trainer = Trainer(cfg)
     try:
         assert isinstance(trainer.optimizer, FusedAdamW)
@@ -74,7 +84,7 @@ def test_recipe_trains_on_fused_kernels(recipe, tmp_path):
                 m.last_path = None
             losses.append(trainer.train_step(with_moe_metrics=False)["loss"])
             for m in experts:
-                assert m.last_path == "fused", f"{m.name} ran {m.last_path}"
+                assert m.last_path == path, f"{m.name} ran {m.last_path}"
                 assert m.w13.dtype == m.w2.dtype == torch.bfloat16
         assert min(losses[-3:]) < losses[0] - 0.1, losses
     finally:
