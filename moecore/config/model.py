@@ -116,13 +116,6 @@ class ModelConfig:
     RECOMPUTE_CHOICES = ("core_attn", "mla_up_proj", "moe", "mlp", "moe_act", "norm", "shared_experts")
 
     @property
-    def plain_swiglu_experts(self) -> bool:
-        """Whether the routed experts are the plain GroupedExperts' SwiGLU, which every expert path runs (fused
-        expert FFN, low-memory modes, sync-free, FP8): SwiGLU, or DeepSeek-V4's clipped one (a kernel option),
-        without biases. gpt-oss's biased, clamped experts (moecore/models/biased_moe.py) run all but FP8."""
-        return self.activation in ("swiglu", "swiglu_clipped") and not self.expert_linear_bias
-
-    @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_attention_heads
 

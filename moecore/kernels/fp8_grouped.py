@@ -41,7 +41,7 @@ from moecore.kernels._triton import use_triton
 from moecore.kernels.fp8_block_gemm import block_gemm_nt, block_gemm_tn
 from moecore.kernels.fp8_gemm import E4M3, E5M2, Fp8Recipe, QOperand, mm, quant_rows
 from moecore.kernels.fp8_transpose import transpose_last2
-from moecore.kernels.grouped_ffn import gemm_tn
+from moecore.kernels.grouped_ffn import down_bias_rows, expert_row_sums, gemm_tn, row_experts
 from moecore.kernels.grouped_gemm import TileConfig, group_bounds
 from moecore.kernels.grouped_gemm_fp8 import fp8_tiles, grouped_mm_scaled, grouped_wgrad_scaled
 from moecore.kernels.permute import scatter_rows
@@ -340,25 +340,35 @@ def _bf16_wgrad(
 
 
 def _activation_quantized(
-    h: torch.Tensor, probs: torch.Tensor | None, recipe: Fp8Recipe, limit: float | None = None
+    h: torch.Tensor,
+    probs: torch.Tensor | None,
+    recipe: Fp8Recipe,
+    limit: float | None = None,
+    alpha: float | None = None,
 ) -> QOperand:
     """SwiGLU(h) (* probs) quantised for the w2 GEMM: one fused Triton kernel for rowwise and 1x128 (the
     activation is never stored), the two functions in turn otherwise (same values). DeepSeek-V4's clipped SwiGLU
-    (`limit`) always takes the two functions: the fused kernel has no clip."""
-    if limit is None and recipe.scaling != "tensorwise" and use_triton("auto", h) and h.shape[0]:
+    (`limit`) and gpt-oss's clamped one (`alpha` too) always take the two functions: the fused kernel has neither."""
+    plain = limit is None and alpha is None
+    if plain and recipe.scaling != "tensorwise" and use_triton("auto", h) and h.shape[0]:
         gran = "rowwise" if recipe.scaling == "rowwise" else "1x128"
         q, s = fq.swiglu_quantize(h, probs, gran, E4M3, recipe.pow2)
         return QOperand(q, s, gran)
-    return quant_rows(swiglu(h, probs, limit=limit), recipe, E4M3)
+    return quant_rows(swiglu(h, probs, limit=limit, alpha=alpha), recipe, E4M3)
 
 
 class _Fp8GroupedFFN(torch.autograd.Function):
     """The six GEMMs on rows sorted by expert: x [P, H] padded per expert (counts padded), or, with `pad_to`
     (recipe.padding="wgrad"), x [N, H] unpadded with the real counts, and only the weight-gradient operands
-    written padded (pad_to: their padded counts and rows)."""
+    written padded (pad_to: their padded counts and rows). `limit`, `alpha`: the SwiGLU's clipped / clamped forms;
+    `b13`, `b2`: gpt-oss's expert biases (moecore/kernels/grouped_ffn.py), with `real` [P] (padding="all") 1 on the
+    real rows and 0 on the padding rows, which get no b13 (their activation stays zero)."""
 
     @staticmethod
-    def forward(ctx, x, w13, w2, counts, probs, recipe: Fp8Recipe, host, pad_to=None, backend="auto", limit=None):
+    def forward(
+        ctx, x, w13, w2, counts, probs, recipe: Fp8Recipe, host, pad_to=None, backend="auto", limit=None,
+        alpha=None, b13=None, b2=None, real=None,
+    ):  # fmt: skip
         dt = x.dtype
         # FP8 primary weights (moecore/models/fp8.py) arrive quantised (rowwise: w^T too); others are quantised here
         w13q, w2q = getattr(w13, "fp8_primary", None), getattr(w2, "fp8_primary", None)
@@ -369,10 +379,16 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         w13q = w13q if w13q is not None else quant_weights(w13c, recipe)
         bounds = group_bounds(counts)  # one cumsum for all the GEMMs (fewer launches: the host is often the bound)
         h = gmm_nt(xq, w13q, counts, host, recipe, dt, recipe.fprop_fast_accum, bounds)
+        expert_M = None if b13 is None and b2 is None else row_experts(counts, x.shape[0])
+        if b13 is not None:
+            b13_rows = b13.to(dt).index_select(0, expert_M)
+            h.add_(b13_rows if real is None else b13_rows * real.to(dt)[:, None])
         with torch.no_grad():
-            aq = _activation_quantized(h, probs, recipe, limit)
+            aq = _activation_quantized(h, probs, recipe, limit, alpha)
         w2q = w2q if w2q is not None else quant_weights(w2c, recipe)
         y = gmm_nt(aq, w2q, counts, host, recipe, dt, recipe.fprop_fast_accum, bounds)
+        if b2 is not None:  # padding rows: zero probability, or (probabilities at the combine) dropped by the un-pad
+            y.add_(down_bias_rows(b2, expert_M, probs, dt))
         # backward reuses tensorwise / 128x128 weights transposed, and tensorwise x: saved tensors, so that
         # activation checkpointing and offloading hooks see them
         # (or the primary weights' own w^T, rowwise)
@@ -383,7 +399,9 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         keep += [pad_to[0]] if pad_to is not None else []  # the weight-gradient operands' padded counts
         ctx.save_for_backward(x, h, probs, counts, w13c, w2c, *keep)
         ctx.grans = (xq.gran, w13q.gran)
-        ctx.recipe, ctx.host, ctx.backend, ctx.limit = recipe, host, backend, limit
+        ctx.recipe, ctx.host, ctx.backend, ctx.limit, ctx.alpha = recipe, host, backend, limit, alpha
+        ctx.b2, ctx.expert_M = b2, expert_M
+        ctx.b_dtypes = (None if b13 is None else b13.dtype, None if b2 is None else b2.dtype)
         ctx.pad_rows = None if pad_to is None else pad_to[1]
         ctx.w_dtypes = (w13.dtype, w2.dtype)
         ctx.p_dtype = None if probs is None else probs.dtype
@@ -405,8 +423,16 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         w2t = transposed_weights(w2q, w2c, recipe)
         da = gmm_nt(dyq, w2t, counts, host, recipe, dt, bounds=bounds)
         del w2t
-        dh, dp, a = swiglu_backward(h, probs, da, limit=ctx.limit)
+        dh, dp, a = swiglu_backward(h, probs, da, limit=ctx.limit, alpha=ctx.alpha)
         del da, h
+        db13 = db2 = None
+        if ctx.b2 is not None:  # y += p * b2[e]: dp += <dy, b2[e]>, db2[e] = sum over e's rows of p * dy
+            if dp is not None:
+                dp = dp + (dy.float() * ctx.b2.to(dt).index_select(0, ctx.expert_M).float()).sum(-1)
+            db2 = expert_row_sums(dy if probs is None else dy * probs.to(dt)[:, None], bounds).to(ctx.b_dtypes[1])
+        if ctx.b_dtypes[0] is not None:
+            db13 = expert_row_sums(dh.to(dt), bounds).to(ctx.b_dtypes[0])
+        ctx.b2 = ctx.expert_M = None
         dw2 = dw13 = dx = None
         wgrad_fp8 = recipe.wgrad_in_fp8(x.shape[0] // w2c.shape[0], x.shape[1], w2c.shape[2])  # rows/expert, H, F
         # the weight-gradient GEMMs' operands: padded as x was, or written padded from unpadded rows (pad_to)
@@ -433,7 +459,7 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = gmm_nt(dhq, transposed_weights(w13q, w13c, recipe), counts, host, recipe, dt, bounds=bounds)
         dprobs = dp.to(ctx.p_dtype) if dp is not None and ctx.needs_input_grad[4] else None
-        return dx, dw13, dw2, None, dprobs, None, None, None, None, None
+        return dx, dw13, dw2, None, dprobs, None, None, None, None, None, None, db13, db2, None
 
 
 def fp8_expert_ffn(
@@ -445,12 +471,16 @@ def fp8_expert_ffn(
     recipe: Fp8Recipe,
     backend: str = "auto",
     limit: float | None = None,
+    alpha: float | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The SwiGLU expert FFN on rows sorted by expert ([N, H] -> [N, H]) with FP8 GEMMs; rows padded per
     expert to the recipe's alignment (module docstring): on the way in and out (recipe.padding="all"), or only
     in the weight-gradient operands, as they are quantised ("wgrad"). `backend` (moe.gemm_backend): whether the
     bf16 weight-gradient GEMMs (`recipe.wgrad_in_fp8` false) may run through QuACK's grouped GEMMs. `limit`:
-    DeepSeek-V4's clipped SwiGLU (moecore/kernels/swiglu.py)."""
+    DeepSeek-V4's clipped SwiGLU (moecore/kernels/swiglu.py); with `alpha` too, gpt-oss's clamped form; `b13` [E, 2F]
+    / `b2` [E, H]: gpt-oss's expert biases."""
     N = x_NH.shape[0]
     if N == 0:
         return x_NH.new_zeros(0, w2_EHF.shape[1])
@@ -460,9 +490,12 @@ def fp8_expert_ffn(
     if recipe.padding == "wgrad":
         host = None if grouped else counts.tolist()
         x = x_NH.contiguous()
-        return _Fp8GroupedFFN.apply(x, w13_EFH, w2_EHF, counts, probs_N, recipe, host, (padded, P), backend, limit)
+        return _Fp8GroupedFFN.apply(
+            x, w13_EFH, w2_EHF, counts, probs_N, recipe, host, (padded, P), backend, limit, alpha, b13, b2
+        )
     host = None if grouped else padded.tolist()
     xp = pad_rows(x_NH.contiguous(), dst, P)
     pp = None if probs_N is None else pad_rows(probs_N, dst, P)
-    y = _Fp8GroupedFFN.apply(xp, w13_EFH, w2_EHF, padded, pp, recipe, host, None, backend, limit)
+    real = None if b13 is None else pad_rows(x_NH.new_ones(N), dst, P)  # padding rows get no up-projection bias
+    y = _Fp8GroupedFFN.apply(xp, w13_EFH, w2_EHF, padded, pp, recipe, host, None, backend, limit, alpha, b13, b2, real)
     return _Unpad.apply(y, dst)

@@ -24,8 +24,8 @@ the top-k logits).
 
 On CUDA they run the fused expert FFN (moecore/kernels/grouped_ffn.py: QuACK's or Triton's grouped GEMMs, the
 biases added per row from the row's expert, the clamped form in the SwiGLU kernel), and so do
-`moe.activation_memory=minimal | chunked` (moecore/moe/minimal.py, chunked.py) and `moe.sync_free`; FP8 leaves them
-in bf16 (moecore/models/fp8.py); elsewhere the grouped GEMMs
+`moe.activation_memory=minimal | chunked` (moecore/moe/minimal.py, chunked.py), `moe.sync_free` and the FP8 expert
+FFN (moecore/kernels/fp8_grouped.py); elsewhere the grouped GEMMs
 (`torch._grouped_mm`, the activation through autograd) where grouped_mm runs, else a loop of per-expert linears.
 Expert parallel shards the biases with their experts. Expert tensor parallel splits `b13` with the FFN columns and `b2` over its hidden
 columns: the down projection's output is a partial sum over the etp ranks (summed by the dispatcher), so
@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moecore.config import Config
+from moecore.kernels.fp8_grouped import fp8_expert_ffn
 from moecore.kernels.grouped_ffn import expert_ffn, fused_expert_ffn_available
 from moecore.moe import expert_parallel as ep_util
 from moecore.moe.experts import GroupedExperts, _ContiguousGrad, activation_fn, grouped_mm_supported
@@ -119,6 +120,12 @@ class BiasedGroupedExperts(GroupedExperts):
         # Routing probabilities applied inside (moe.apply_probs_on_input) scale the down bias too:
         # p * (w2 a + b2) = w2 (p a) + p b2.
         n = x_NH.shape[0]
+        if self.fp8_recipe is not None:  # FP8 expert FFN (moecore/kernels/fp8_grouped.py), biases added per row
+            self.last_path = "fp8"
+            return fp8_expert_ffn(
+                x_NH, self.w13, self.w2, tokens_per_expert, probs_N, self.fp8_recipe, self.gemm_backend,
+                **self.swiglu_options(),
+            )  # fmt: skip
         if x_NH.is_cuda and not self.warned:
             self._warn_slow_path(x_NH)
         if fused_expert_ffn_available(x_NH) and self.uses_grouped_mm(x_NH):

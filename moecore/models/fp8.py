@@ -3,7 +3,8 @@
 `apply_fp8(model, recipe, modules)` walks the model once and, for the module kinds named in
 `fp8.modules`, makes their GEMMs FP8 (moecore/kernels/fp8_gemm.py, fp8_grouped.py):
 
-- experts:        the routed experts (`GroupedExperts` with SwiGLU, not gpt-oss's biased ones) run `fp8_expert_ffn`;
+- experts:        the routed experts (`GroupedExperts` with SwiGLU: its clipped form, gpt-oss's biased clamped
+                  experts too) run `fp8_expert_ffn`;
 - shared_experts: the linears of `SharedExpertMLP` (not its sigmoid gate, a [hidden -> 1] GEMV);
 - dense_mlp:      the linears of the dense `MLP` blocks (dense layers, MTP layers);
 - attention:      the projections of `Attention` / `MLAttention` (q, k, v, o and MLA's low-rank ones).
@@ -161,9 +162,7 @@ def apply_fp8(model: nn.Module, recipe: Fp8Recipe, modules: list[str] | tuple[st
         if kind is None or kind not in modules:
             continue
         if kind == "experts":
-            if type(mod).__name__ == "BiasedGroupedExperts":  # gpt-oss's: the FP8 expert FFN has no biases
-                kept.append(f"{name} (biased experts, {mod.kind}: FP8 experts are unbiased SwiGLU)")
-            elif getattr(mod, "activation", None) == "swiglu":
+            if getattr(mod, "activation", None) == "swiglu":  # gpt-oss's biased experts too (their kind aside)
                 mod.fp8_recipe = recipe
                 done.append(name)
             else:

@@ -192,7 +192,7 @@ def _ffn(cfg: Config, is_moe: bool, layout: Layout, prefix: str) -> list[ParamEn
         out.append(ParamEntry(prefix + "mlp.router.bias", e.num_experts, False))
     f_loc = e.ffn_hidden_size // layout.etp
     e_loc = e.num_experts // layout.ep
-    swiglu = m.plain_swiglu_experts  # the FP8 expert FFN is SwiGLU's (moecore/models/fp8.py)
+    swiglu = m.activation != "gelu"  # the FP8 expert FFN is SwiGLU's, in each of its forms (moecore/models/fp8.py)
     w13, w2 = ("experts", e_loc, gated * f_loc, h), ("experts", e_loc, h, f_loc)
     out.append(ParamEntry(prefix + "mlp.experts.w13", e_loc * gated * f_loc * h, True, True, w13 if swiglu else None))
     out.append(ParamEntry(prefix + "mlp.experts.w2", e_loc * h * f_loc, True, True, w2 if swiglu else None))

@@ -309,19 +309,39 @@ def test_mxfp4_checkpoint_imports_dequantized(tmp_path):
         assert_close(back(ids).logits, ref(ids).logits, "exported logits")
 
 
-def test_fp8_leaves_the_biased_experts_in_bf16_and_says_so():
-    """fp8.modules=[experts] on gpt-oss: its biased, clamped experts are not the FP8 expert FFN's, so they are
-    reported as kept in bf16 (not listed as FP8 while running bf16)."""
+def test_fp8_runs_the_biased_experts():
+    """fp8.modules=[experts] on gpt-oss: apply_fp8 makes its biased, clamped experts FP8, and they run the FP8 expert
+    FFN (emulated here) with their form and biases: output and every gradient within the FP8 expert bound
+    (tests/kernels/test_fp8_gemm.py BOUND_EXPERTS) of the same module's grouped_mm path. (Compared per module: over
+    a whole model FP8's rounding flips near-tied top-k choices of later layers at initialisation, which moves
+    whole rows of the gradients.)"""
     from moecore.kernels.fp8_gemm import Fp8Recipe
     from moecore.models.fp8 import apply_fp8
     from moecore.models.transformer import MoETransformer
 
     cfg = load_config("tiny-gpt-oss", ["model.vocab_size=96"])
-    model = MoETransformer(cfg)
-    report = apply_fp8(model, Fp8Recipe("rowwise", emulate=True), ["experts"])
-    assert report["fp8"] == []
-    assert report["bf16"] and all("biased experts" in why for why in report["bf16"])
-    assert all(getattr(m, "fp8_recipe", None) is None for m in model.modules())
+    report = apply_fp8(MoETransformer(cfg), Fp8Recipe("rowwise", emulate=True), ["experts"])
+    assert report["bf16"] == [] and len(report["fp8"]) == cfg.model.num_layers
+    E, H, F = 4, 128, 64
+    mod = BiasedGroupedExperts(E, H, F, "swiglu_clamped", 1.702, 2.0, init_std=0.05)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        mod.b13.normal_(0, 0.5, generator=g)
+        mod.b2.normal_(0, 0.5, generator=g)
+    counts = torch.tensor([9, 0, 20, 11])
+    x, probs, dy = torch.randn(40, H, generator=g), torch.rand(40, generator=g), torch.randn(40, H, generator=g)
+    runs = []
+    for recipe in (None, Fp8Recipe("rowwise", emulate=True)):
+        mod.fp8_recipe = recipe
+        mod.zero_grad()
+        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        y = mod(xi, counts, pi)
+        y.backward(dy)
+        assert mod.last_path == ("grouped_mm" if recipe is None else "fp8")
+        runs.append([y.detach(), xi.grad, pi.grad] + [p.grad.clone() for p in (mod.w13, mod.w2, mod.b13, mod.b2)])
+    for name, got, want in zip(("y", "x", "probs", "w13", "w2", "b13", "b2"), *reversed(runs)):
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 0.09, (name, err)
 
 
 def test_fused_branch_wiring_matches_grouped_mm(monkeypatch):

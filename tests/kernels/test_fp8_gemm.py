@@ -185,6 +185,54 @@ def test_emulated_expert_ffn_with_the_clipped_swiglu(monkeypatch):
 
 
 @pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("padding", ["all", "wgrad"])
+@pytest.mark.parametrize("with_probs", [True, False], ids=["probs", "no-probs"])
+def test_emulated_expert_ffn_with_gpt_oss_biases(scaling, padding, with_probs, monkeypatch):
+    """gpt-oss's experts through the FP8 expert FFN: the clamped SwiGLU and both biases, against the fp32 reference
+    within the FP8 bound, every gradient (the biases' too); an expert without rows gets zero bias gradients, and the
+    padding rows get no bias (so no padding row's activation enters a per-expert scale)."""
+    from moecore.kernels import fp8_grouped
+
+    if scaling != "rowwise" and padding == "wgrad":
+        pytest.skip("padding only the weight-gradient operands is rowwise's")
+    torch.manual_seed(3)
+    E, H, Fh, counts = 4, 128, 256, torch.tensor([20, 0, 33, 17])
+    x = torch.randn(70, H, requires_grad=True)
+    w13 = (torch.randn(E, 2 * Fh, H) * 0.05).requires_grad_()
+    w2 = (torch.randn(E, H, Fh) * 0.05).requires_grad_()
+    b13 = (torch.randn(E, 2 * Fh) * 0.5).requires_grad_()
+    b2 = (torch.randn(E, H) * 0.5).requires_grad_()
+    p = torch.rand(70, requires_grad=True) if with_probs else None
+    # a limit 2.7 standard deviations out (h ~ N(0, 0.75^2)): the clamp reaches ~0.5% of the gates and ~1% of the
+    # ups; a limit that clips most of them moves dx and dW13 past the FP8 bound (the mask is a step function of h)
+    form = {"limit": 2.0, "alpha": 1.702}
+    leaves = [t for t in (x, w13, w2, b13, b2, p) if t is not None]
+    recipe = Fp8Recipe(scaling, emulate=True, padding=padding)
+    y = fp8_expert_ffn(x, w13, w2, counts, p, recipe, b13=b13, b2=b2, **form)
+    g = torch.randn_like(y)
+    y.backward(g)
+    ref = [t.detach().clone().requires_grad_() for t in leaves]
+    rx, rw13, rw2, rb13, rb2 = ref[:5]
+    yr = expert_ffn_reference(rx, rw13, rw2, counts, ref[5] if with_probs else None, b13=rb13, b2=rb2, **form)
+    yr.backward(g)
+    assert rel(y, yr) < BOUND_EXPERTS[E4M3]
+    for got, want in zip(leaves, ref):
+        assert rel(got.grad, want.grad) < BOUND_EXPERTS[E4M3]
+    assert b13.grad[1].abs().max() == 0 and b2.grad[1].abs().max() == 0
+    if padding == "all":  # the padding rows take no bias: their FC1 output (and so their activation) stays zero
+        seen = []
+        real_act = fp8_grouped._activation_quantized
+        monkeypatch.setattr(
+            fp8_grouped, "_activation_quantized", lambda h, *a: seen.append(h.clone()) or real_act(h, *a)
+        )
+        fp8_expert_ffn(x, w13, w2, counts, p, recipe, b13=b13, b2=b2, **form)
+        dst, _, P = pad_plan(counts, 70, recipe.alignment, exact=True)
+        pads = torch.ones(P, dtype=torch.bool)
+        pads[dst] = False
+        assert seen[0].shape[0] == P and pads.any() and seen[0][pads].abs().max() == 0
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
 def test_bf16_weight_gradients(scaling):
     """fp8.wgrad=bf16: the weight gradients become plain GEMMs of the unquantised operands (a linear's dW is
     dy^T x itself; the experts' are closer to fp32 than the FP8 ones), and nothing else changes."""
