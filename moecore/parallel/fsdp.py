@@ -32,8 +32,9 @@ saves a DTensor of an EP-sharded parameter as its chunk of the global tensor, so
 layout-free as without FSDP.
 
 Supported: tp, dp, cp (the dense mesh is dp x cp; each cp rank's gradient is its share of the whole
-sequences'), ep / etp with edp > 1, and pp with the 1F1B schedules (`roots`: each stage module is a root,
-which torch's PipelineStage drives; the zero-bubble and V schedules are refused by `check_layout`). On one
+sequences'), ep / etp with edp > 1, and pp under every schedule (`roots`: each stage module is a root, which
+torch's PipelineStage drives: gradient sync off in each micro-batch's backward passes, the input-gradient and
+weight passes of the zero-bubble and V schedules included, and one reduce-scatter after the last). On one
 process (`moecore train` without torchrun) the run initialises a one-rank process group
 (`moecore.parallel.dims.init_distributed`) and FSDP2 runs over a one-rank mesh: nothing is split, but
 parameters, gradients and optimizer state are the DTensors and the all-gather / reduce-scatter calls are

@@ -11,11 +11,6 @@ from __future__ import annotations
 from moecore.config import Config, ConfigError
 from moecore.parallel.pipeline_layout import StageSpec, check_pipeline, weights_shared_on_a_rank
 
-# Schedules whose stages run as FSDP2 roots. The zero-bubble ones compute weight gradients in a pass of their own
-# from the module's parameters, which FSDP2 holds sharded outside forward and backward: with torch 2.13 an
-# interleaved zero-bubble run under FSDP2 gave wrong gradients (step-1 norm 1.349 against 1.905), so they are refused.
-PIPELINE_FSDP_SCHEDULES = ("1f1b", "interleaved_1f1b")
-
 
 def check_layout(cfg: Config) -> None:
     """Refuse degrees and combinations that are not implemented or do not divide the model's sizes."""
@@ -126,13 +121,10 @@ def _check_context_parallel(cfg: Config) -> None:
 
 
 def _check_pipeline_fsdp(cfg: Config, stages: list[StageSpec]) -> None:
-    """parallel.pp > 1 with parallel.fsdp: each stage module is an FSDP2 root (moecore/parallel/fsdp.py)."""
+    """parallel.pp > 1 with parallel.fsdp: each stage module is an FSDP2 root (moecore/parallel/fsdp.py), under every
+    schedule (the split-backward ones' weight pass runs while torch's PipelineStage keeps the stage's weights
+    gathered; it reduce-scatters once after the last micro-batch's weight pass)."""
     p = cfg.parallel
-    if p.pp_schedule not in PIPELINE_FSDP_SCHEDULES:
-        raise ConfigError(
-            f"parallel.pp_schedule={p.pp_schedule!r} is not supported with parallel.fsdp=true yet; "
-            f"allowed: {' | '.join(PIPELINE_FSDP_SCHEDULES)}"
-        )
     shared = weights_shared_on_a_rank(cfg, stages)
     if shared is not None:
         raise ConfigError(

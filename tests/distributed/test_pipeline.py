@@ -78,8 +78,11 @@ def _cfg(**parallel) -> Config:
         ({"pp": 4}, 8, "parallel.pp_schedule='1f1b' needs at least pp=4 micro-batches per step, got 2"),
         ({"vpp": 2}, 1, "parallel.vpp=2 is invalid: needs parallel.pp > 1"),
         ({"pp": 2, "pp_schedule": "gpipe"}, 2, "parallel.pp_schedule='gpipe' is invalid"),
-        ({"pp": 2, "vpp": 2, "pp_schedule": "zbv", "fsdp": True}, 2, "'zbv' is not supported with parallel.fsdp=true"),
-        ({"pp": 2, "pp_schedule": "dualpipev", "vpp": 2, "fsdp": True}, 2, "allowed: 1f1b | interleaved_1f1b"),
+        (
+            {"pp": 2, "vpp": 2, "pp_schedule": "zbv", "pp_layout": "Ett|t|t|mL", "fsdp": True},
+            2,
+            "puts two stages that use the embed weight on one pipeline rank",  # V: stages 0 and 3 on rank 0
+        ),
         (
             {"pp": 2, "vpp": 2, "pp_schedule": "interleaved_1f1b", "pp_layout": "Ett|tt|m|L", "fsdp": True},
             2,

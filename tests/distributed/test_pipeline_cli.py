@@ -137,6 +137,28 @@ def test_torchrun_interleaved_pipeline_with_fsdp_resumes_across_layouts(tmp_path
     _round_trip(tmp_path, one_process, [*layout, "parallel.fsdp=true"])
 
 
+def test_torchrun_interleaved_zero_bubble_pipeline_with_fsdp_resumes_across_layouts(tmp_path, one_process):
+    """Interleaved zero-bubble, pp2 x vpp2 x dp2 with FSDP2: each micro-batch's weight pass split from its
+    input-gradient pass, the reduce-scatter after the last weight pass."""
+    layout = ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zero_bubble", "parallel.pp_layout=E|t|t|mL"]
+    _round_trip(tmp_path, one_process, [*layout, "parallel.fsdp=true"])
+
+
+def test_torchrun_v_pipeline_with_fsdp_trains_like_one_process(tmp_path):
+    """zbv (the V-shaped zero-bubble schedule: rank 0 holds stages 0 and 3), pp2 x vpp2 x dp2 with FSDP2, the MTP
+    block on rank 1 (E|t|tm|L: with E|t|t|mL rank 0 would hold the embedding in two roots). Two steps against one
+    process: losses, grad norms and routing to fp32 rounding."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    run = [*COMMON, "train.steps=2", "train.global_batch_size=16", "train.eval_interval=0", "checkpoint.interval=0"]
+    run_cli([*MOECORE, *run, f"train.run_dir={a}"])
+    v = ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_schedule=zbv", "parallel.pp_layout=E|t|tm|L"]
+    run_cli([*TORCHRUN, *run, f"train.run_dir={b}", *v, "parallel.fsdp=true"])
+    ref, got = read_metrics(a), read_metrics(b)
+    assert [m["step"] for m in got] == [1, 2]
+    for r, g in zip(ref, got):
+        _same(r, g, keys=("loss", "grad_norm", "mtp_loss", "moe/mean_imbalance"))
+
+
 @pytest.mark.parametrize(
     "model",
     [
