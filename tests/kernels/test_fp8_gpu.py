@@ -135,6 +135,26 @@ def test_fp8_expert_ffn_matches_emulation(scaling, grad_dtype):
         assert rel(got, emu) < bound, (name, rel(got, emu))
 
 
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_fp8_expert_ffn_with_gpt_oss_biases_matches_emulation(scaling):
+    """gpt-oss's experts (both biases, the clamped SwiGLU through the two-kernel path) in the FP8 expert FFN on the
+    GPU against its emulation, every gradient the biases' included, with the same bounds as the unbiased case."""
+    _skip_unless_fp8(scaling)
+    counts, x, w13, w2, p, g = _expert_ffn_problem(seed=3)
+    b13 = torch.randn(w13.shape[0], w13.shape[1], device="cuda") * 0.02
+    b2 = torch.randn(w2.shape[0], w2.shape[1], device="cuda") * 0.02
+    form = {"limit": 0.5, "alpha": 1.702}  # h ~ N(0, 0.32^2): the clamp reaches ~6% of the gates, ~12% of the ups
+    res = []
+    for emulate in (False, True):
+        ts = [t.clone().requires_grad_() for t in (x, w13, w2, p, b13, b2)]
+        recipe = Fp8Recipe(scaling, emulate=emulate)
+        y = fp8_expert_ffn(ts[0], ts[1], ts[2], counts, ts[3], recipe, b13=ts[4], b2=ts[5], **form)
+        y.backward(g)
+        res.append([y] + [t.grad for t in ts])
+    for name, got, emu in zip(("y", "dx", "dw13", "dw2", "dprobs", "db13", "db2"), *res):
+        assert rel(got, emu) < 1e-2, (name, rel(got, emu))
+
+
 @pytest.mark.parametrize("primary", [False, True], ids=["bf16-weights", "primary-weights"])
 def test_fp8_expert_ffn_padding_only_wgrad_operands(primary):
     """Fp8Recipe(padding="wgrad"): torch's grouped FP8 GEMMs for the forward and input gradient on expert row
