@@ -4,7 +4,7 @@ For every pipeline stage the estimate adds, per rank:
 - `params`, `grads`, `optimizer`: exact bytes from moecore.plan.params (precision mode, sharding);
 - `activations`: what one micro-batch's decoder layers keep for backward (moecore.plan.activations),
   times the micro-batches in flight on that stage (1F1B: stage s holds min(m, pp - s); interleaved
-  with vpp chunks: (pp - s) + (pp - 1 - s) / vpp, Korthikanti et al. 2022); under autocast on fp32
+  with vpp chunks: ((vpp - 1) * pp + 2 * (pp - 1 - s) + 1) / vpp, `in_flight`); under autocast on fp32
   parameters, the bf16 weight copies the matmuls keep are counted here too, and under FP8 (tensorwise,
   blockwise) without primary weights the FP8 weight copies the forward saves for the backward;
 - `loss`: the logits / loss chunk of the last stage (one micro-batch);
@@ -102,13 +102,21 @@ def micro_batches_per_step(cfg: Config, layout: Layout) -> int:
 
 
 def in_flight(layout: Layout, stage: int, m: int) -> float:
-    """Micro-batches whose activations stage `stage` holds at once under (interleaved) 1F1B."""
-    if layout.pp == 1:
+    """Micro-batches whose activations pipeline rank `stage` holds at once under (interleaved) 1F1B, in units of
+    the rank's whole share of the layers for one micro-batch.
+
+    1F1B: rank s runs pp - 1 - s forwards before its first backward, so it holds pp - s. Interleaved (torch's
+    ScheduleInterleaved1F1B, Megatron's order): rank s runs (vpp - 1) * pp + 2 * (pp - 1 - s) chunk forwards
+    first (each chunk 1 / vpp of the rank's layers), so it holds one more than that, in chunks. Both are capped by
+    the step's m micro-batches. Measured by benchmarks/pipeline_schedules.py (pp 4, 8 micro-batches): 4 / 3 / 2 / 1
+    under 1F1B and 11 / 9 / 7 / 5 chunks under interleaved 1F1B, the formulas' values on every rank."""
+    pp, vpp = layout.pp, layout.vpp
+    if pp == 1:
         return 1.0
-    base = layout.pp - stage
-    if layout.vpp > 1:
-        return min(float(m), base + (layout.pp - 1 - stage) / layout.vpp)
-    return float(min(m, base))
+    if vpp > 1:
+        chunks = (vpp - 1) * pp + 2 * (pp - 1 - stage) + 1
+        return min(float(m), chunks / vpp)
+    return float(min(m, pp - stage))
 
 
 def act_context(cfg: Config, layout: Layout, mode: PrecisionMode, opts: PlanOptions) -> ActContext:

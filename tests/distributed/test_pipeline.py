@@ -14,15 +14,19 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 import torch.distributed as dist
 from attn_variants import v4_config
-from dist_parity import make_data, tiny_config
+from dist_parity import make_data, make_dims, tiny_config
 from pipeline_parity import reference, resume_same_layout, run_pipeline, worst
 
 from moecore.config import Config, ConfigError
 from moecore.parallel.launch import run_local
 from moecore.parallel.layout import validate_layout
+from moecore.parallel.pipeline import parallelize_pipeline
 from moecore.parallel.pipeline_layout import expand_layout, parse_layout, stage_layout, stage_ranks
+from moecore.plan.layout import Layout
+from moecore.plan.memory import in_flight
 
 pytestmark = pytest.mark.distributed
 
@@ -227,6 +231,30 @@ def test_pipeline_layouts_train_like_one_process(world):
     assert not failures, "\n".join(failures)
     # Stages hold different parts: parameter counts differ between pipeline ranks of one layout.
     assert len({r[0]["params"] for r in results}) > 1
+
+
+def _peak_in_flight(rank: int, world: int, schedule: str, vpp: int, microbatches: int) -> int:
+    """The most stage micro-batches this rank held at once in one step (moecore.parallel.pipeline's count)."""
+    cfg = tiny_config()
+    cfg.model.num_layers = 8
+    cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.pp_schedule = world, vpp, schedule
+    cfg.train.global_batch_size = microbatches * cfg.train.micro_batch_size
+    pipe = parallelize_pipeline(cfg, make_dims(cfg, rank, world), "cpu")
+    n = cfg.train.global_batch_size
+    ids = torch.randint(0, cfg.model.vocab_size, (n, cfg.train.seq_length), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(n, cfg.train.seq_length)
+    return pipe.step(ids, ids, mask, mask.sum().double(), 1.0, 1.0 / microbatches, microbatches).peak_live
+
+
+@pytest.mark.parametrize("schedule, vpp", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_planner_in_flight_is_what_the_schedule_holds(schedule, vpp):
+    """`moecore plan`'s micro-batches in flight per pipeline rank (moecore/plan/memory.py `in_flight`, in units of the
+    rank's share of the layers) times vpp: the stage micro-batches each rank of a real pipeline step held at once
+    (pp 2, 4 micro-batches: 1F1B 2 / 1, interleaved 5 / 3 chunks; the earlier formula, exact on the first rank
+    only, said 2 chunks for the last)."""
+    pp, m = 2, 4
+    held = run_local(_peak_in_flight, pp, schedule, vpp, m)
+    assert held == [in_flight(Layout(pp=pp, vpp=vpp), r, m) * vpp for r in range(pp)]
 
 
 def test_pipeline_checkpoint_resumes_under_the_same_layout(tmp_path):
