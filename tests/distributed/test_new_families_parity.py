@@ -1,6 +1,6 @@
 """gpt-oss's, DeepSeek-V3.2's and DeepSeek-V4's layers under data + expert parallel train like the one-process run (3 steps'
 losses, grad norms and first-step gradients; gloo on CPU, world 2: dp 2 for attention, ep 2 for experts; and
-gpt-oss and DeepSeek-V4 with expert tensor parallel, etp 2).
+gpt-oss and DeepSeek-V4 with expert tensor parallel, etp 2; gpt-oss's etp 2 also with moe.activation_memory=chunked).
 
 - `oss`: attention sinks, alternating sliding (window 3 < sequence 8) / full layers, q/k/v/o biases, router
   logit bias, biased experts (biases sharded with their experts) with the clamped SwiGLU;
@@ -32,10 +32,17 @@ def _dsa(cfg):
     return cfg
 
 
+def _chunked(cfg):
+    cfg.moe.activation_memory, cfg.moe.activation_chunk_rows = "chunked", 5  # several chunks per layer
+    return cfg
+
+
 VARIANTS = {
     "oss": (oss_config, {"ep": 2}),
     # expert tensor parallel: b13 split with the FFN columns, b2 with the hidden columns
     "oss-etp2": (oss_config, {"etp": 2}),
+    # and moe.activation_memory=chunked behind the etp dispatch: each rank adds its b2 columns inside the Function
+    "oss-etp2-chunked": (lambda: _chunked(oss_config()), {"etp": 2}),
     "dsa": (lambda: _dsa(tiny_config(token_dispatcher_type="alltoall")), {"ep": 2}),
     "v4": (v4_config, {"ep": 2}),
     "v4-etp2": (v4_config, {"etp": 2}),
