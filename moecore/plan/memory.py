@@ -4,7 +4,8 @@ For every pipeline stage the estimate adds, per rank:
 - `params`, `grads`, `optimizer`: exact bytes from moecore.plan.params (precision mode, sharding);
 - `activations`: what one micro-batch's decoder layers keep for backward (moecore.plan.activations),
   times the micro-batches in flight on that stage (1F1B: stage s holds min(m, pp - s); interleaved
-  with vpp chunks: ((vpp - 1) * pp + 2 * (pp - 1 - s) + 1) / vpp, `in_flight`); under autocast on fp32
+  with vpp chunks: ((vpp - 1) * pp + 2 * (pp - 1 - s) + 1) / vpp; the zero-bubble and V schedules from torch's
+  order of the schedule, each micro-batch held until its weight pass: `in_flight`); under autocast on fp32
   parameters, the bf16 weight copies the matmuls keep are counted here too, and under FP8 (tensorwise,
   blockwise) without primary weights the FP8 weight copies the forward saves for the backward;
 - `loss`: the logits / loss chunk of the last stage (one micro-batch);
@@ -33,8 +34,9 @@ from moecore.plan.activations import (
     layer_saved,
     loss_bytes,
 )
-from moecore.plan.layout import Layout
+from moecore.plan.layout import Layout, pp_schedule, schedule_fits
 from moecore.plan.params import ParamSummary, PrecisionMode, param_summary, precision_mode, stage_layers, state_bytes
+from moecore.plan.schedule_memory import held_chunks
 
 GiB = float(2**30)
 IMBALANCE_MARGIN = 1.25  # routed rows on the busiest expert rank / the mean, under ep > 1 (dropless)
@@ -101,18 +103,23 @@ def micro_batches_per_step(cfg: Config, layout: Layout) -> int:
     return max(1, cfg.train.global_batch_size // (layout.micro_batch_size * layout.dp))
 
 
-def in_flight(layout: Layout, stage: int, m: int) -> float:
-    """Micro-batches whose activations pipeline rank `stage` holds at once under (interleaved) 1F1B, in units of
-    the rank's whole share of the layers for one micro-batch.
+def in_flight(layout: Layout, stage: int, m: int, schedule: str | None = None) -> float:
+    """Micro-batches whose activations pipeline rank `stage` holds at once, in units of the rank's whole share of
+    the layers for one micro-batch; `schedule`: parallel.pp_schedule (None: 1F1B, or interleaved with vpp > 1).
 
     1F1B: rank s runs pp - 1 - s forwards before its first backward, so it holds pp - s. Interleaved (torch's
     ScheduleInterleaved1F1B, Megatron's order): rank s runs (vpp - 1) * pp + 2 * (pp - 1 - s) chunk forwards
     first (each chunk 1 / vpp of the rank's layers), so it holds one more than that, in chunks. Both are capped by
     the step's m micro-batches. Measured by benchmarks/pipeline_schedules.py (pp 4, 8 micro-batches): 4 / 3 / 2 / 1
-    under 1F1B and 11 / 9 / 7 / 5 chunks under interleaved 1F1B, the formulas' values on every rank."""
+    under 1F1B and 11 / 9 / 7 / 5 chunks under interleaved 1F1B, the formulas' values on every rank. The
+    zero-bubble and V schedules keep each micro-batch until its deferred weight pass: their counts come from
+    torch's own order of the schedule (moecore/plan/schedule_memory.py)."""
     pp, vpp = layout.pp, layout.vpp
     if pp == 1:
         return 1.0
+    held = held_chunks(schedule, pp, vpp, m) if schedule in ("zero_bubble", "zbv", "dualpipev") and vpp > 1 else None
+    if held:
+        return held[stage] / vpp
     if vpp > 1:
         chunks = (vpp - 1) * pp + 2 * (pp - 1 - stage) + 1
         return min(float(m), chunks / vpp)
@@ -225,7 +232,8 @@ def estimate_stage(cfg: Config, layout: Layout, stage: int, opts: PlanOptions) -
             loss_kept += loss_bytes(cfg, layout, c, mode.param)[0]
     if first:
         per_mb += c.tokens * 8  # token ids kept by the embedding
-    flight = in_flight(layout, stage, m)
+    schedule = cfg.parallel.pp_schedule  # the trainer's, where it runs the layout's vpp (as layout_config sets it)
+    flight = in_flight(layout, stage, m, schedule if schedule_fits(schedule, layout.vpp) else pp_schedule(layout.vpp))
     activations = (per_mb + _weight_copies(layout, summary, mode)) * flight
     grads_during_forward = state["grads"] if m > 1 else 0.0
     if layout.fsdp:  # one layer gathered unsharded, and its unsharded gradient before the reduce-scatter

@@ -27,6 +27,7 @@ from moecore.parallel.pipeline import parallelize_pipeline
 from moecore.parallel.pipeline_layout import expand_layout, parse_layout, stage_layout, stage_ranks
 from moecore.plan.layout import Layout
 from moecore.plan.memory import in_flight
+from moecore.plan.schedule_memory import held_chunks
 
 pytestmark = pytest.mark.distributed
 
@@ -255,6 +256,19 @@ def test_planner_in_flight_is_what_the_schedule_holds(schedule, vpp):
     pp, m = 2, 4
     held = run_local(_peak_in_flight, pp, schedule, vpp, m)
     assert held == [in_flight(Layout(pp=pp, vpp=vpp), r, m) * vpp for r in range(pp)]
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"])
+def test_schedule_order_walk_counts_what_the_pipeline_held(schedule):
+    """moecore/plan/schedule_memory.py walks torch's order of a schedule; ended at the input-gradient pass (what
+    moecore.parallel.pipeline counts) its per-rank counts are what a real step held (pp 2, vpp 2, 4 micro-batches),
+    and ended at the weight pass, as the planner uses them, they are never fewer."""
+    pp, m = 2, 4
+    held = run_local(_peak_in_flight, pp, schedule, 2, m)
+    assert list(held_chunks(schedule, pp, 2, m, until_weight=False)) == held
+    until_weight = held_chunks(schedule, pp, 2, m)
+    assert all(w >= i for w, i in zip(until_weight, held))
+    assert [in_flight(Layout(pp=pp, vpp=2), r, m, schedule) * 2 for r in range(pp)] == list(until_weight)
 
 
 def test_pipeline_checkpoint_resumes_under_the_same_layout(tmp_path):
