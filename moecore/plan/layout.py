@@ -155,6 +155,19 @@ def schedule_fits(schedule: str, vpp: int) -> bool:
     return True
 
 
+def run_schedule(cfg: Config, layout: Layout) -> str:
+    """The pipeline schedule a candidate runs: the config's where it runs the layout's vpp, else `pp_schedule`'s
+    (as `layout_config` sets it)."""
+    schedule = cfg.parallel.pp_schedule
+    return schedule if schedule_fits(schedule, layout.vpp) else pp_schedule(layout.vpp)
+
+
+def head_rank(cfg: Config, layout: Layout) -> int:
+    """The pipeline rank that holds the last stage (final norm, head, loss, MTP): the last rank, or rank 0 under the
+    V schedules, whose rank r holds stages r and 2 * pp - 1 - r (moecore.parallel.pipeline_layout.stage_ranks)."""
+    return 0 if run_schedule(cfg, layout) in ("zbv", "dualpipev") else layout.pp - 1
+
+
 def stage_layout_of(cfg: Config, layout: Layout) -> str | None:
     """`parallel.pp_layout` for a candidate: the config's own when it has the candidate's stage count; else,
     when the layers do not split evenly over pp x vpp stages, the planner's split (the extra layers on

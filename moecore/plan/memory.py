@@ -34,7 +34,7 @@ from moecore.plan.activations import (
     layer_saved,
     loss_bytes,
 )
-from moecore.plan.layout import Layout, pp_schedule, schedule_fits
+from moecore.plan.layout import Layout, head_rank, run_schedule
 from moecore.plan.params import ParamSummary, PrecisionMode, param_summary, precision_mode, stage_layers, state_bytes
 from moecore.plan.schedule_memory import held_chunks
 
@@ -214,7 +214,7 @@ def estimate_stage(cfg: Config, layout: Layout, stage: int, opts: PlanOptions) -
     c = act_context(cfg, layout, mode, opts)
     summary = param_summary(cfg, layout, stage, cache)
     state = state_bytes(cfg, layout, stage, mode, cache)
-    first, last = stage == 0, stage == layout.pp - 1
+    first, last = stage == 0, stage == head_rank(cfg, layout)
     per_mb = 0.0
     workspace = 0.0
     for i, count in _stage_kinds(cfg, layout.pp, stage, cache):
@@ -232,8 +232,7 @@ def estimate_stage(cfg: Config, layout: Layout, stage: int, opts: PlanOptions) -
             loss_kept += loss_bytes(cfg, layout, c, mode.param)[0]
     if first:
         per_mb += c.tokens * 8  # token ids kept by the embedding
-    schedule = cfg.parallel.pp_schedule  # the trainer's, where it runs the layout's vpp (as layout_config sets it)
-    flight = in_flight(layout, stage, m, schedule if schedule_fits(schedule, layout.vpp) else pp_schedule(layout.vpp))
+    flight = in_flight(layout, stage, m, run_schedule(cfg, layout))
     activations = (per_mb + _weight_copies(layout, summary, mode)) * flight
     grads_during_forward = state["grads"] if m > 1 else 0.0
     if layout.fsdp:  # one layer gathered unsharded, and its unsharded gradient before the reduce-scatter
@@ -273,10 +272,11 @@ def estimate_stage(cfg: Config, layout: Layout, stage: int, opts: PlanOptions) -
 
 
 def estimate_memory(cfg: Config, layout: Layout, opts: PlanOptions | None = None) -> MemoryEstimate:
-    """The worst pipeline stage's estimate (`per_stage`: the peaks of the first and the last stage).
+    """The worst pipeline stage's estimate (`per_stage`: the peaks of the first and the last rank).
 
     Only those two can be the worst: stages get contiguous layers with the extra ones first, the
-    first stage holds the most micro-batches in flight and the embedding, the last the head and loss.
+    first rank holds the most micro-batches in flight (or, under the zero-bubble and V schedules, as many as any)
+    and the embedding, the last the head and loss (under the V schedules rank 0 holds both: `head_rank`).
     """
     opts = opts or PlanOptions()
     stages = [estimate_stage(cfg, layout, s, opts) for s in sorted({0, layout.pp - 1})]

@@ -48,7 +48,7 @@ import copy
 from dataclasses import dataclass, field, replace
 
 from moecore.config import Config
-from moecore.plan.layout import Layout
+from moecore.plan.layout import Layout, head_rank
 
 
 @dataclass(frozen=True)
@@ -238,7 +238,7 @@ def param_entries(cfg: Config, layout: Layout, stage: int = 0) -> list[ParamEntr
     h, v = m.hidden_size, m.vocab_size
     layers = stage_layers(m.num_layers, layout.pp)[stage]
     out: list[ParamEntry] = []
-    first, last = stage == 0, stage == layout.pp - 1
+    first, last = stage == 0, stage == head_rank(cfg, layout)
     if first or (last and m.tie_embeddings):
         out.append(ParamEntry("embed.weight", v // layout.tp * h, False))
     for i in layers:
@@ -368,7 +368,7 @@ class ParamSummary:
 
 def param_summary(cfg: Config, layout: Layout, stage: int = 0, cache: dict | None = None) -> ParamSummary:
     """`ParamSummary` of one rank of `stage`; `cache` (a dict) memoises it per sharding-relevant degrees."""
-    key = ("params", layout.tp, layout.ep, layout.etp, layout.pp, stage)
+    key = ("params", layout.tp, layout.ep, layout.etp, layout.pp, stage, head_rank(cfg, layout))
     if cache is not None and key in cache:
         return cache[key]
     entries = param_entries(cfg, layout, stage)

@@ -27,6 +27,7 @@ from moecore.parallel.pipeline import parallelize_pipeline
 from moecore.parallel.pipeline_layout import expand_layout, parse_layout, stage_layout, stage_ranks
 from moecore.plan.layout import Layout
 from moecore.plan.memory import in_flight
+from moecore.plan.params import param_summary
 from moecore.plan.schedule_memory import held_chunks
 
 pytestmark = pytest.mark.distributed
@@ -269,6 +270,25 @@ def test_schedule_order_walk_counts_what_the_pipeline_held(schedule):
     until_weight = held_chunks(schedule, pp, 2, m)
     assert all(w >= i for w, i in zip(until_weight, held))
     assert [in_flight(Layout(pp=pp, vpp=2), r, m, schedule) * 2 for r in range(pp)] == list(until_weight)
+
+
+def _rank_params(rank: int, world: int, schedule: str, vpp: int) -> int:
+    cfg = tiny_config()
+    cfg.model.num_layers = 8
+    cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.pp_schedule = world, vpp, schedule
+    return parallelize_pipeline(cfg, make_dims(cfg, rank, world), "cpu").num_params()
+
+
+@pytest.mark.parametrize("schedule, vpp", [("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2)])
+def test_planner_places_the_stages_as_the_schedule_does(schedule, vpp):
+    """`moecore plan`'s parameters per pipeline rank equal a built pipeline's: the embedding on rank 0 and the head on
+    the last rank, or both on rank 0 under the V schedules (rank r holds stages r and 2 * pp - 1 - r)."""
+    pp = 2
+    built = run_local(_rank_params, pp, schedule, vpp)
+    cfg = tiny_config()
+    cfg.model.num_layers = 8
+    cfg.parallel.pp_schedule = schedule
+    assert [param_summary(cfg, Layout(pp=pp, vpp=vpp), r).total for r in range(pp)] == built
 
 
 def test_pipeline_checkpoint_resumes_under_the_same_layout(tmp_path):
