@@ -6,7 +6,9 @@
                 dense MLP in forward, 2 in backward), expert all-to-all (dispatch + combine, forward
                 and backward, again for a recomputed MoE layer; the busiest rank's rows: x imbalance),
                 context-parallel key/value all-gather and its reduce-scatter, pipeline sends
-    bubble    = (pp - 1) / (vpp x m) of the pipelined part (1F1B, m micro-batches per step)
+    bubble    = (pp - 1) / (vpp x m) of the pipelined part (1F1B, m micro-batches per step); the zero-bubble, zbv
+                and DualPipeV schedules' from torch's order of the schedule played out with F = I = W
+                (moecore/plan/schedule_memory.py `bubble_fraction`)
     optimizer = the optimizer step at the memory bound: the bytes it reads and writes / HBM bandwidth
     chunks    = moe.activation_memory=chunked's per-chunk cost (launches, smaller GEMMs, accumulation):
                 CHUNK_S per chunk of moe.activation_chunk_rows routed rows, per MoE layer and micro-batch
@@ -27,9 +29,10 @@ from dataclasses import asdict, dataclass
 
 from moecore.config import Config
 from moecore.plan.activations import expert_memory_mode, layer_saved, routed_rows
-from moecore.plan.layout import Layout, group_span
+from moecore.plan.layout import Layout, group_span, run_schedule
 from moecore.plan.memory import PlanOptions, act_context, micro_batches_per_step
 from moecore.plan.params import param_summary, precision_mode
+from moecore.plan.schedule_memory import bubble_fraction
 
 PEAK_TFLOPS = 989.0  # H100 / H200 SXM dense bf16 datasheet peak
 # Achieved fraction of the datasheet peak for forward + backward, FLOPs counted as flops_per_token does (no
@@ -206,7 +209,7 @@ def estimate_step(
         chunks = -(-routed_rows(cfg, layout, c) // e.activation_chunk_rows)
         chunks_s = CHUNK_S * chunks * moe_layers * m
     pipelined = compute + tp_s + ep_s + cp_s + pp_s + chunks_s
-    bubble = (layout.pp - 1) / (layout.vpp * m) * pipelined if layout.pp > 1 else 0.0
+    bubble = _bubble_share(cfg, layout, m) * pipelined if layout.pp > 1 else 0.0
 
     # data-parallel gradient reduction (and parameter gathers), per rank of the worst stage
     dp_s = 0.0
@@ -247,3 +250,15 @@ def optimizer_bytes(cfg: Config, layout: Layout, mode, summary) -> float:
         if sharded and not layout.fsdp:
             total += n * mode.param
     return total
+
+
+def _bubble_share(cfg: Config, layout: Layout, m: int) -> float:
+    """The pipeline's idle time over each rank's work: (pp - 1) / (vpp m) for 1F1B and interleaved 1F1B; the
+    zero-bubble and V schedules' from their order (module docstring), or the interleaved value where torch cannot
+    build it."""
+    schedule = run_schedule(cfg, layout)
+    if schedule in ("zero_bubble", "zbv", "dualpipev") and layout.vpp > 1:
+        share = bubble_fraction(schedule, layout.pp, layout.vpp, m)
+        if share is not None:
+            return share
+    return (layout.pp - 1) / (layout.vpp * m)
