@@ -27,7 +27,6 @@ from functools import lru_cache
 
 # parallel.pp_schedule -> (torch class name, V-shaped: rank r holds stages r and 2 * pp - 1 - r)
 _TORCH_SCHEDULES = {
-    "1f1b": ("Schedule1F1B", False),
     "interleaved_1f1b": ("ScheduleInterleaved1F1B", False),
     "zero_bubble": ("ScheduleInterleavedZeroBubble", False),
     "zbv": ("ScheduleZBVZeroBubble", True),
@@ -63,15 +62,13 @@ def _torch_order(schedule: str, pp: int, vpp: int, m: int) -> dict | None:
     """torch's per-rank action lists for the schedule, built on stand-in stages; None where this torch cannot."""
     from torch.distributed.pipelining import schedules
 
+    if schedule == "1f1b":  # torch's Schedule1F1B runs one stage per rank without an order table: its order here
+        return {r: _one_stage_order(schedules, pp, m, r) for r in range(pp)}
     name, v_shape = _TORCH_SCHEDULES[schedule]
     n = pp * vpp
     mine = [0, n - 1] if v_shape else list(range(0, n, pp))
-    if schedule == "1f1b":
-        mine = [0]
     stages = [_StandInStage(i, pp, n) for i in mine]
     try:
-        if schedule == "1f1b":  # a single-stage schedule: built per rank, each rank's own order
-            return {r: _one_stage_order(schedules, pp, m, r) for r in range(pp)}
         return getattr(schedules, name)(stages, m, loss_fn=lambda out, target: out).pipeline_order
     except (AttributeError, TypeError, ValueError, KeyError):  # a torch without the schedule, or an m it refuses
         return None
