@@ -41,7 +41,7 @@ from moecore.kernels._triton import use_triton
 from moecore.kernels.fp8_block_gemm import block_gemm_nt, block_gemm_tn
 from moecore.kernels.fp8_gemm import E4M3, E5M2, Fp8Recipe, QOperand, mm, quant_rows
 from moecore.kernels.fp8_transpose import transpose_last2
-from moecore.kernels.grouped_ffn import down_bias_rows, expert_row_sums, gemm_tn, row_experts
+from moecore.kernels.grouped_ffn import down_bias_backward, down_bias_rows, expert_row_sums, gemm_tn, row_experts
 from moecore.kernels.grouped_gemm import TileConfig, group_bounds
 from moecore.kernels.grouped_gemm_fp8 import fp8_tiles, grouped_mm_scaled, grouped_wgrad_scaled
 from moecore.kernels.permute import scatter_rows
@@ -427,9 +427,8 @@ class _Fp8GroupedFFN(torch.autograd.Function):
         del da, h
         db13 = db2 = None
         if ctx.b2 is not None:  # y += p * b2[e]: dp += <dy, b2[e]>, db2[e] = sum over e's rows of p * dy
-            if dp is not None:
-                dp = dp + (dy.float() * ctx.b2.to(dt).index_select(0, ctx.expert_M).float()).sum(-1)
-            db2 = expert_row_sums(dy if probs is None else dy * probs.to(dt)[:, None], bounds).to(ctx.b_dtypes[1])
+            dp, db2 = down_bias_backward(dy, ctx.b2, ctx.expert_M, probs, dp, bounds)
+            db2 = db2.to(ctx.b_dtypes[1])
         if ctx.b_dtypes[0] is not None:
             db13 = expert_row_sums(dh.to(dt), bounds).to(ctx.b_dtypes[0])
         ctx.b2 = ctx.expert_M = None

@@ -339,12 +339,8 @@ class _GroupedFFN(torch.autograd.Function):
         del da, h
         db13 = db2 = None
         if ctx.biases[1]:  # y += p * b2[e]: dp += <dy, b2[e]>, db2[e] = sum over e's rows of p * dy
-            b2_rows = ctx.b2.to(dy.dtype).index_select(0, ctx.expert_M)
-            if dp is not None:
-                dp = dp + (dy.float() * b2_rows.float()).sum(-1)
-            if ctx.needs_input_grad[10]:
-                pdy = dy if probs is None else dy * probs.to(dy.dtype)[:, None]
-                db2 = expert_row_sums(pdy, bounds).to(ctx.b_dtypes[1])
+            dp, db2 = down_bias_backward(dy, ctx.b2, ctx.expert_M, probs, dp, bounds)
+            db2 = db2.to(ctx.b_dtypes[1]) if ctx.needs_input_grad[10] else None
         if ctx.biases[0] and ctx.needs_input_grad[9]:
             db13 = expert_row_sums(dh, bounds).to(ctx.b_dtypes[0])
         dw2 = (
@@ -375,6 +371,21 @@ def down_bias_rows(
     """b2[e] of each row, times its probability when given (the probability scales the whole expert output)."""
     rows = b2.to(dt).index_select(0, expert_M)
     return rows if probs is None else rows * probs.to(dt)[:, None]
+
+
+def down_bias_backward(
+    dy: torch.Tensor,
+    b2: torch.Tensor,
+    expert_M: torch.Tensor,
+    probs: torch.Tensor | None,
+    dp: torch.Tensor | None,
+    bounds: torch.Tensor,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The backward of y += p * b2[e] on rows sorted by expert (`down_bias_rows`): (dp + <dy, b2[e]> per row, dp
+    None staying None; db2 [E, H] fp32, each expert's row sums of p * dy)."""
+    if dp is not None:
+        dp = dp + (dy.float() * b2.to(dy.dtype).index_select(0, expert_M).float()).sum(-1)
+    return dp, expert_row_sums(dy if probs is None else dy * probs.to(dy.dtype)[:, None], bounds)
 
 
 def expert_row_sums(t: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ from moecore.kernels._triton import triton_importable
 from moecore.kernels.grouped_ffn import (
     GemmPlan,
     default_plan,
+    down_bias_backward,
     down_bias_rows,
     expert_row_sums,
     gemm_nn,
@@ -201,9 +202,7 @@ class _ChunkedExperts(torch.autograd.Function):
             dh, dp_c, a_p = swiglu_backward(h, p, da_u, limit=ctx.limit, alpha=ctx.alpha)
             del h, da_u
             if b2 is not None:
-                if dp is not None:
-                    dp_c = dp_c + (g.float() * b2.index_select(0, expert_C).float()).sum(-1)
-                db2[e0:e1] = expert_row_sums(g if p is None else g * p.to(g.dtype)[:, None], b)
+                dp_c, db2[e0:e1] = down_bias_backward(g, b2, expert_C, p, dp_c if dp is not None else None, b)
             if b13 is not None:
                 db13[e0:e1] = expert_row_sums(dh, b)
             if dp is not None:

@@ -135,7 +135,7 @@ class _MinimalExperts(torch.autograd.Function):
         del da_u
         db13 = db2 = None
         if b2 is not None:
-            dp_bias, db2 = down_bias_grads(d, b2, tok_M, expert_M, p_M)
+            dp_bias, db2 = down_bias_grads_by_token(d, b2, tok_M, expert_M, p_M)
             dp = dp + dp_bias
             db2 = db2.to(ctx.b_dtypes[1])
         if ctx.b_dtypes[0] is not None:
@@ -166,10 +166,11 @@ class _MinimalExperts(torch.autograd.Function):
         return dx, dw13, dw2, dw, None, None, None, None, None, None, None, db13, db2
 
 
-def down_bias_grads(
+def down_bias_grads_by_token(
     d_TH: torch.Tensor, b2_EH: torch.Tensor, tok_M: torch.Tensor, expert_M: torch.Tensor, p_M: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """gpt-oss's down bias in backward, without a [M, H] copy of dOut: (dp [M], db2 [E, H]), both fp32.
+    """gpt-oss's down bias in backward from token-order dOut (`down_bias_backward` takes rows sorted by expert),
+    without a [M, H] copy of it: (dp [M], db2 [E, H]), both fp32.
 
     Row r (token t, expert e, probability p) adds p * b2[e] to token t's output, so its probability's gradient
     gains <dOut_t, b2[e]> = (dOut @ b2^T)[t, e] and b2[e]'s gradient is sum_r p_r dOut_t = (S^T dOut)[e] with

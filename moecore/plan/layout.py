@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from moecore.config import Config, ConfigError
 from moecore.parallel.layout import validate_layout
+from moecore.parallel.pipeline_layout import V_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ def run_schedule(cfg: Config, layout: Layout) -> str:
 def head_rank(cfg: Config, layout: Layout) -> int:
     """The pipeline rank that holds the last stage (final norm, head, loss, MTP): the last rank, or rank 0 under the
     V schedules, whose rank r holds stages r and 2 * pp - 1 - r (moecore.parallel.pipeline_layout.stage_ranks)."""
-    return 0 if run_schedule(cfg, layout) in ("zbv", "dualpipev") else layout.pp - 1
+    return 0 if run_schedule(cfg, layout) in V_SCHEDULES else layout.pp - 1
 
 
 def stage_layout_of(cfg: Config, layout: Layout) -> str | None:

@@ -36,7 +36,7 @@ from moecore.plan.activations import (
 )
 from moecore.plan.layout import Layout, head_rank, run_schedule
 from moecore.plan.params import ParamSummary, PrecisionMode, param_summary, precision_mode, stage_layers, state_bytes
-from moecore.plan.schedule_memory import held_chunks
+from moecore.plan.schedule_memory import SPLIT_BACKWARD_SCHEDULES, held_chunks
 
 GiB = float(2**30)
 IMBALANCE_MARGIN = 1.25  # routed rows on the busiest expert rank / the mean, under ep > 1 (dropless)
@@ -117,7 +117,7 @@ def in_flight(layout: Layout, stage: int, m: int, schedule: str | None = None) -
     pp, vpp = layout.pp, layout.vpp
     if pp == 1:
         return 1.0
-    held = held_chunks(schedule, pp, vpp, m) if schedule in ("zero_bubble", "zbv", "dualpipev") and vpp > 1 else None
+    held = held_chunks(schedule, pp, vpp, m) if schedule in SPLIT_BACKWARD_SCHEDULES and vpp > 1 else None
     if held:
         return held[stage] / vpp
     if vpp > 1:

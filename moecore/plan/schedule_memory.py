@@ -25,12 +25,16 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-# parallel.pp_schedule -> (torch class name, V-shaped: rank r holds stages r and 2 * pp - 1 - r)
+from moecore.parallel.pipeline_layout import V_SCHEDULES
+
+# The schedules that split each backward into an input-gradient and a deferred weight pass
+SPLIT_BACKWARD_SCHEDULES = ("zero_bubble", *V_SCHEDULES)
+# parallel.pp_schedule -> torch's class (V_SCHEDULES: rank r holds stages r and 2 * pp - 1 - r)
 _TORCH_SCHEDULES = {
-    "interleaved_1f1b": ("ScheduleInterleaved1F1B", False),
-    "zero_bubble": ("ScheduleInterleavedZeroBubble", False),
-    "zbv": ("ScheduleZBVZeroBubble", True),
-    "dualpipev": ("ScheduleDualPipeV", True),
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
 
 
@@ -50,28 +54,31 @@ def held_chunks(schedule: str, pp: int, vpp: int, m: int, until_weight: bool = T
     with pp ranks, vpp stages per rank and m micro-batches per step (module docstring); () where this torch cannot
     build the schedule's order (the caller then estimates it as interleaved 1F1B). `until_weight=False` ends each
     pair at its input-gradient pass instead, which is what moecore.parallel.pipeline counts."""
-    if schedule == "1f1b" or vpp == 1:  # one stage per rank: rank r runs pp - 1 - r forwards before its first B
-        return tuple(min(m, pp - r) for r in range(pp))
     order = _torch_order(schedule, pp, vpp, m)
     if order is None:
         return ()
     return tuple(_peak_held(order[r], until_weight) for r in range(pp))
 
 
-def _torch_order(schedule: str, pp: int, vpp: int, m: int) -> dict | None:
-    """torch's per-rank action lists for the schedule, built on stand-in stages; None where this torch cannot."""
+def _torch_order(schedule: str, pp: int, vpp: int, m: int) -> dict[int, list] | None:
+    """Per rank, the schedule's computations in order (None slots dropped, DualPipeV's overlapped F + B as its two
+    parts, run one after the other as torch does without an overlap function), built by torch on stand-in
+    stages; None where this torch cannot build it."""
     from torch.distributed.pipelining import schedules
 
     if schedule == "1f1b":  # torch's Schedule1F1B runs one stage per rank without an order table: its order here
         return {r: _one_stage_order(schedules, pp, m, r) for r in range(pp)}
-    name, v_shape = _TORCH_SCHEDULES[schedule]
     n = pp * vpp
-    mine = [0, n - 1] if v_shape else list(range(0, n, pp))
+    mine = [0, n - 1] if schedule in V_SCHEDULES else list(range(0, n, pp))
     stages = [_StandInStage(i, pp, n) for i in mine]
     try:
-        return getattr(schedules, name)(stages, m, loss_fn=lambda out, target: out).pipeline_order
+        order = getattr(schedules, _TORCH_SCHEDULES[schedule])(stages, m, loss_fn=lambda out, t: out).pipeline_order
     except (AttributeError, TypeError, ValueError, KeyError):  # a torch without the schedule, or an m it refuses
         return None
+    return {
+        r: [a for act in acts if act is not None for a in (getattr(act, "sub_actions", None) or (act,))]
+        for r, acts in order.items()
+    }
 
 
 def _one_stage_order(schedules, pp: int, m: int, rank: int) -> list:
@@ -90,16 +97,15 @@ def _one_stage_order(schedules, pp: int, m: int, rank: int) -> list:
 def bubble_fraction(schedule: str, pp: int, vpp: int, m: int) -> float | None:
     """The idle share of a step under `schedule` relative to each rank's work (module docstring); None where this
     torch cannot build the schedule's order."""
-    order = _torch_order(schedule, pp, vpp if schedule != "1f1b" else 1, m)
+    vpp = 1 if schedule == "1f1b" else vpp
+    order = _torch_order(schedule, pp, vpp, m)
     if order is None:
         return None
     from torch.distributed.pipelining.schedules import _ComputationType as Kind
 
     cost = {Kind.FORWARD: 1.0, Kind.BACKWARD_INPUT: 1.0, Kind.BACKWARD_WEIGHT: 1.0, Kind.FULL_BACKWARD: 2.0}
-    last = pp * (vpp if schedule != "1f1b" else 1) - 1
-    lists = {r: [a for act in order[r] if act is not None for a in (getattr(act, "sub_actions", None) or (act,))]
-             for r in order}  # fmt: skip
-    lists = {r: [a for a in acts if a.computation_type in cost] for r, acts in lists.items()}
+    last = pp * vpp - 1
+    lists = {r: [a for a in acts if a.computation_type in cost] for r, acts in order.items()}
     done: dict[tuple, float] = {}  # (kind, stage, micro-batch) -> finish time
     free = dict.fromkeys(lists, 0.0)
     pos = dict.fromkeys(lists, 0)
@@ -119,8 +125,7 @@ def bubble_fraction(schedule: str, pp: int, vpp: int, m: int) -> float | None:
                 moved = True
         if not moved:  # an order whose dependencies never resolve (not one of torch's)
             return None
-    work = 3.0 * m * (vpp if schedule != "1f1b" else 1)
-    return max(free.values()) / work - 1.0
+    return max(free.values()) / (3.0 * m * vpp) - 1.0
 
 
 def _inputs_ready(a, done: dict, last: int, Kind) -> float | None:
@@ -142,14 +147,11 @@ def _peak_held(actions: list, until_weight: bool) -> int:
     ends = (Kind.FULL_BACKWARD, Kind.BACKWARD_WEIGHT if until_weight else Kind.BACKWARD_INPUT)
     live: set[tuple[int, int]] = set()
     peak = 0
-    for action in actions:
-        if action is None:
-            continue
-        for a in getattr(action, "sub_actions", None) or (action,):  # DualPipeV's overlapped F + B
-            key = (a.stage_index, a.microbatch_index)
-            if a.computation_type == Kind.FORWARD:
-                live.add(key)
-            elif a.computation_type in ends:
-                live.discard(key)
-            peak = max(peak, len(live))
+    for a in actions:
+        key = (a.stage_index, a.microbatch_index)
+        if a.computation_type == Kind.FORWARD:
+            live.add(key)
+        elif a.computation_type in ends:
+            live.discard(key)
+        peak = max(peak, len(live))
     return peak

@@ -32,7 +32,7 @@ from moecore.plan.activations import expert_memory_mode, layer_saved, routed_row
 from moecore.plan.layout import Layout, group_span, run_schedule
 from moecore.plan.memory import PlanOptions, act_context, micro_batches_per_step
 from moecore.plan.params import param_summary, precision_mode
-from moecore.plan.schedule_memory import bubble_fraction
+from moecore.plan.schedule_memory import SPLIT_BACKWARD_SCHEDULES, bubble_fraction
 
 PEAK_TFLOPS = 989.0  # H100 / H200 SXM dense bf16 datasheet peak
 # Achieved fraction of the datasheet peak for forward + backward, FLOPs counted as flops_per_token does (no
@@ -257,7 +257,7 @@ def _bubble_share(cfg: Config, layout: Layout, m: int) -> float:
     zero-bubble and V schedules' from their order (module docstring), or the interleaved value where torch cannot
     build it."""
     schedule = run_schedule(cfg, layout)
-    if schedule in ("zero_bubble", "zbv", "dualpipev") and layout.vpp > 1:
+    if schedule in SPLIT_BACKWARD_SCHEDULES and layout.vpp > 1:
         share = bubble_fraction(schedule, layout.pp, layout.vpp, m)
         if share is not None:
             return share
